@@ -1,0 +1,38 @@
+# `make demo` and `make test` work on a fresh clone: they build .venv when it is missing.
+# CPU machines pin torch 2.13.0 (a CPU build on disk) BEFORE anything else, so that pip never
+# resolves an unpinned torch (which would pull a multi-GB CUDA build).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+PINS := triton==3.6.0 "numpy<2.4"
+STAMP := $(VENV)/.bik-installed
+
+.PHONY: venv demo test test-fast test-interpreter test-compile bench check clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q $(PINS) -e ".[test]"
+	$(PY) -c "import bik.kernels.cpu as c; assert c.available(), c.unavailable_reason()"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/bik demo
+
+# Two processes: TRITON_INTERPRET is process-wide and must be set before triton kernels load.
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not interpreter" tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpreter tests
+
+check: $(STAMP)
+	$(VENV)/bin/bik check
+
+bench: $(STAMP)
+	$(VENV)/bin/bik bench matmul
+	$(VENV)/bin/bik bench rmsnorm
+
+clean:
+	rm -rf $(VENV) build python/*.egg-info python/bik/*.so

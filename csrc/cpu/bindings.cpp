@@ -1,0 +1,211 @@
+// bik._cpu_kernels: pybind11 glue for the fixed-order CPU kernels (contract: contract.h).
+// No torch headers: the Python side passes data pointers and strides in elements.
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "contract.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+// The internal per-ISA helpers pass vectors by value; they are inlined, so the ABI note is moot.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+#if !defined(__GNUC__)
+#error "bik CPU kernels need GCC or Clang (vector extensions)"
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#define BIK_X86 1
+#else
+#define BIK_X86 0
+#endif
+
+// ---- per-ISA instantiations (same source, different vector width and blocking) ----------------
+
+#if BIK_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+#endif
+#define BIK_NS avx512
+#define BIK_VW 16
+#define BIK_MR 6
+#define BIK_NRV 2
+#define BIK_MC 96
+#include "kernels_isa.h"
+#undef BIK_NS
+#undef BIK_VW
+#undef BIK_MR
+#undef BIK_NRV
+#undef BIK_MC
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#endif
+#define BIK_NS avx2
+#define BIK_VW 8
+#define BIK_MR 4
+#define BIK_NRV 3
+#define BIK_MC 96
+#include "kernels_isa.h"
+#undef BIK_NS
+#undef BIK_VW
+#undef BIK_MR
+#undef BIK_NRV
+#undef BIK_MC
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // BIK_X86
+
+#define BIK_NS generic
+#define BIK_VW 4
+#define BIK_MR 4
+#define BIK_NRV 2
+#define BIK_MC 64
+#include "kernels_isa.h"
+#undef BIK_NS
+#undef BIK_VW
+#undef BIK_MR
+#undef BIK_NRV
+#undef BIK_MC
+
+namespace bik_cpu {
+namespace {
+
+struct Isa {
+  const char* name;
+  idx_t nrw, mr;
+  size_t (*scratch_per_thread)(idx_t, idx_t);
+  void (*tile)(const float*, idx_t, idx_t, const float*, idx_t, idx_t, const float*, float*,
+               idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
+  void (*rms)(const float*, idx_t, const float*, float*, idx_t, idx_t, idx_t, idx_t, float);
+};
+
+#define BIK_ISA_ENTRY(ns)                                                                    \
+  Isa {                                                                                      \
+#ns, ns::NRW, ns::MR, &ns::matmul_scratch_per_thread, &ns::matmul_tile,                 \
+        &ns::rms_norm_rows                                                                   \
+  }
+
+bool isa_supported(const std::string& name) {
+  if (name == "generic") return true;
+#if BIK_X86
+  __builtin_cpu_init();
+  if (name == "avx2") return __builtin_cpu_supports("avx2");
+  if (name == "avx512") return __builtin_cpu_supports("avx512f");
+#endif
+  return false;
+}
+
+// "auto" picks the widest supported ISA; bits do not depend on the choice (tests check this).
+Isa select_isa(const std::string& want) {
+  std::string name = want;
+  if (name == "auto") name = isa_supported("avx512") ? "avx512" : isa_supported("avx2") ? "avx2"
+                                                                                         : "generic";
+  if (name != "generic" && name != "avx2" && name != "avx512")
+    throw std::invalid_argument("bik: unknown isa '" + want + "' (auto, avx512, avx2, generic)");
+  if (!isa_supported(name))
+    throw std::invalid_argument("bik: isa '" + name + "' is not supported by this CPU/build");
+#if BIK_X86
+  if (name == "avx512") return BIK_ISA_ENTRY(avx512);
+  if (name == "avx2") return BIK_ISA_ENTRY(avx2);
+#endif
+  return BIK_ISA_ENTRY(generic);
+}
+
+const float* fptr(std::uintptr_t p) { return reinterpret_cast<const float*>(p); }
+
+void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t sbk, idx_t sbn,
+                std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M, idx_t N, idx_t K,
+                int num_threads, const std::string& isa_name, idx_t block_k, idx_t block_n) {
+  if (M < 0 || N < 0 || K < 0) throw std::invalid_argument("bik: negative matmul size");
+  const Isa isa = select_isa(isa_name);
+  if (M == 0 || N == 0) return;
+  // Blocking (speed only; K blocks store/reload the fp32 acc in order, so bits never change).
+  // Few rows: memory bound on B, so read B in long runs: whole weight rows when b = w.t(),
+  // wide row segments when b is row-major. Many rows: cache-sized blocks for reuse.
+  const bool few_rows = M < 4 * isa.mr;
+  idx_t kcb = few_rows ? (sbk == 1 && sbn != 1 ? 2048 : 128) : 256;
+  idx_t ncb = few_rows ? (sbk == 1 && sbn != 1 ? isa.nrw : 4096) : 512;
+  if (block_k > 0) kcb = block_k;
+  if (block_n > 0) ncb = block_n;
+  kcb = std::max<idx_t>(1, std::min(kcb, K));
+  ncb = (std::max<idx_t>(1, std::min(ncb, N)) + isa.nrw - 1) / isa.nrw * isa.nrw;
+  // Thread policy (never affects bits): one thread for small work; split N panels first
+  // (each thread packs only its own B), then M row blocks when N has too few panels.
+  const idx_t macs = M * N * std::max<idx_t>(K, 1);
+  idx_t t = std::max<idx_t>(1, std::min<idx_t>(num_threads, macs / kMatmulMinMacsPerThread));
+  const idx_t panels = (N + isa.nrw - 1) / isa.nrw;
+  const idx_t mblocks = (M + isa.mr - 1) / isa.mr;
+  const idx_t tn = std::min(t, panels);
+  const idx_t tm = std::max<idx_t>(1, std::min(t / tn, mblocks));
+  const int nt = int(tn * tm);
+  const size_t per_thread = isa.scratch_per_thread(kcb, ncb);
+  float* scratch = scratch_floats(per_thread * size_t(nt));
+  const float* A = fptr(a);
+  const float* B = fptr(b);
+  const float* bias_p = bias ? fptr(bias) : nullptr;
+  float* C = reinterpret_cast<float*>(c);
+  pybind11::gil_scoped_release nogil;
+  parallel_run(nt, [&](int id) {
+    const idx_t i = id / tn, j = id % tn;
+    const idx_t p0 = panels * j / tn, p1 = panels * (j + 1) / tn;
+    const idx_t b0 = mblocks * i / tm, b1 = mblocks * (i + 1) / tm;
+    const idx_t n0 = p0 * isa.nrw, n1 = std::min(N, p1 * isa.nrw);
+    const idx_t m0 = b0 * isa.mr, m1 = std::min(M, b1 * isa.mr);
+    if (n0 < n1 && m0 < m1)
+      isa.tile(A, sam, sak, B, sbk, sbn, bias_p, C, ldc, m0, m1, n0, n1, K, kcb, ncb,
+               scratch + per_thread * size_t(id));
+  });
+}
+
+void rms_norm_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t w, std::uintptr_t y, idx_t sym,
+                  idx_t M, idx_t H, double eps, int num_threads, const std::string& isa_name) {
+  if (M < 0 || H < 0) throw std::invalid_argument("bik: negative rms_norm size");
+  const Isa isa = select_isa(isa_name);
+  if (M == 0 || H == 0) return;
+  const float eps_f = static_cast<float>(eps);  // the contract rounds eps to fp32 first
+  const idx_t t = std::max<idx_t>(
+      1, std::min<idx_t>({idx_t(num_threads), M, (M * H) / kRmsMinElemsPerThread}));
+  pybind11::gil_scoped_release nogil;
+  parallel_run(int(t), [&](int id) {
+    const idx_t m0 = M * id / t, m1 = M * (id + 1) / t;
+    isa.rms(fptr(x), sxm, fptr(w), reinterpret_cast<float*>(y), sym, m0, m1, H, eps_f);
+  });
+}
+
+}  // namespace
+}  // namespace bik_cpu
+
+PYBIND11_MODULE(_cpu_kernels, m) {
+  namespace py = pybind11;
+  m.doc() = "bik fixed-order fp32 CPU kernels (batch-invariant by construction; see contract.h)";
+  m.attr("CONTRACT_VERSION") = 1;
+  m.def("matmul_f32", &bik_cpu::matmul_f32, py::arg("a"), py::arg("sam"), py::arg("sak"),
+        py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),
+        py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("num_threads"),
+        py::arg("isa") = "auto", py::arg("block_k") = 0, py::arg("block_n") = 0,
+        "c[M,N] (row pitch ldc) = a[M,K] @ b[K,N] (+ bias[N]); raw pointers, element strides.\n"
+        "isa/block_k/block_n (0 = auto) change speed only, never bits (tests check this).");
+  m.def("rms_norm_f32", &bik_cpu::rms_norm_f32, py::arg("x"), py::arg("sxm"), py::arg("w"),
+        py::arg("y"), py::arg("sym"), py::arg("M"), py::arg("H"), py::arg("eps"),
+        py::arg("num_threads"), py::arg("isa") = "auto",
+        "y[M,H] = rms_norm(x[M,H]) * w[H]; unit stride along H, row strides sxm/sym.");
+  m.def(
+      "isa", [](const std::string& want) { return std::string(bik_cpu::select_isa(want).name); },
+      py::arg("want") = "auto", "Name of the ISA path `want` resolves to.");
+  m.def("isa_supported", &bik_cpu::isa_supported, py::arg("name"));
+}

@@ -1,0 +1,107 @@
+// bik CPU kernels: the numerics contract (this comment is the spec) and the shared helpers.
+//
+// Every kernel here computes each output element with one fixed sequence of IEEE-754 binary32
+// operations (round to nearest even, denormals honoured) that depends only on that element's own
+// inputs. Nothing in the sequence depends on M, on a row's position in the batch, on the thread
+// count or split, on the N/M tails, on K blocking or on the SIMD width the CPU dispatches to, so
+// the bits are the same whatever the batch. That is batch invariance by construction.
+//
+// matmul (fp32 in, fp32 out), c[m,n] for a[M,K], b[K,N], optional bias[N]:
+//     acc = 0.0f
+//     for k = 0, 1, ..., K-1 (ascending):  acc = acc + a[m,k] * b[k,n]
+//         (the multiply is rounded to fp32, then the add is rounded: no FMA, no reassociation)
+//     c[m,n] = acc + bias[n]    if bias is given (so K == 0 gives 0.0f + bias[n])
+//     c[m,n] = acc              otherwise
+//   How: SIMD lanes run across N (each lane is one column n, so each lane's ops are exactly the
+//   sequence above); a register block of R <= MR rows x NRV vectors of N; B is packed into
+//   zero-padded [kc x NRW] panels so N tails run the same vector code; M tails instantiate the
+//   same template with fewer rows; K blocking stores acc to c (fp32, exact) and reloads it,
+//   which keeps the order. Threads split N panels and/or M rows, never K.
+//
+// rms_norm (fp32 in, fp32 out), per row x[0..H-1], weight w[H], eps rounded to fp32 first:
+//     s[l] = 0.0f for l = 0..15;  for j ascending: s[j % 16] = s[j % 16] + x[j] * x[j]
+//         (each multiply and add rounded separately)
+//     for w = 8, 4, 2, 1:  s[l] = s[l] + s[l + w]  for l < w
+//     mean = s[0] / (float)H;  rstd = 1.0f / sqrtf(mean + eps)  (correctly rounded div/sqrt)
+//     y[j] = (x[j] * rstd) * w[j]
+//   Rows are independent; threads split rows only. The vector body adds +0.0f (= 0*0) in the
+//   lanes past H; since every s[l] is >= +0, NaN or +inf, that add is exact and changes nothing.
+//
+// FP environment: each compute thread (the caller included, restored afterwards) runs with the
+// default environment (round to nearest, no flush-to-zero / denormals-are-zero), so a caller's
+// torch.set_flush_denormal(True) cannot make a threaded call differ from a single-thread one.
+// The build must not contract (-ffp-contract=off, no -ffast-math): see setup.py.
+#pragma once
+
+#include <cfenv>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace bik_cpu {
+
+using idx_t = std::int64_t;
+
+// Sets the default FP environment for the current thread and restores the old one on exit.
+class FenvGuard {
+ public:
+  FenvGuard() {
+    std::fegetenv(&saved_);
+    std::fesetenv(FE_DFL_ENV);
+  }
+  ~FenvGuard() { std::fesetenv(&saved_); }
+  FenvGuard(const FenvGuard&) = delete;
+  FenvGuard& operator=(const FenvGuard&) = delete;
+
+ private:
+  std::fenv_t saved_;
+};
+
+// Runs fn(tid) for tid in [0, n): tid 0 on the calling thread, the rest on fresh threads.
+// fn must not throw. n == 1 spawns nothing.
+template <class Fn>
+void parallel_run(int n, const Fn& fn) {
+  if (n <= 1) {
+    FenvGuard g;
+    fn(0);
+    return;
+  }
+  std::vector<std::thread> workers;
+  workers.reserve(static_cast<size_t>(n - 1));
+  for (int t = 1; t < n; ++t) {
+    workers.emplace_back([&fn, t] {
+      FenvGuard g;
+      fn(t);
+    });
+  }
+  {
+    FenvGuard g;
+    fn(0);
+  }
+  for (auto& w : workers) w.join();
+}
+
+// Per-calling-thread scratch memory, 64-byte aligned, grown on demand and kept between calls
+// (so decode-sized calls do not hit malloc/mmap). Workers get slices of their caller's arena.
+inline float* scratch_floats(size_t count) {
+  thread_local std::vector<float> arena;
+  const size_t need = count + 16;
+  if (arena.size() < need) {
+    arena.clear();
+    arena.shrink_to_fit();
+    arena.resize(need);
+  }
+  auto p = reinterpret_cast<std::uintptr_t>(arena.data());
+  p = (p + 63) & ~static_cast<std::uintptr_t>(63);
+  return reinterpret_cast<float*>(p);
+}
+
+// Thread-count policy: below these sizes one thread does the work (no spawn), because starting
+// a thread (~20-50 us) would cost more than it saves. Never affects bits.
+constexpr idx_t kMatmulMinMacsPerThread = idx_t(1) << 21;
+constexpr idx_t kRmsMinElemsPerThread = idx_t(1) << 18;
+
+}  // namespace bik_cpu

@@ -1,0 +1,265 @@
+// One ISA's instantiation of the bik CPU kernels (numerics contract: contract.h).
+//
+// Included once per ISA by bindings.cpp, inside a `#pragma GCC target` region, with these set:
+//   BIK_NS   namespace name           BIK_VW   floats per SIMD vector (16, 8, 4)
+//   BIK_MR   rows per register block  BIK_NRV  vectors of N per register block
+//   BIK_MC   M block (multiple of BIK_MR)
+// The K and N blocks are chosen per call (bindings.cpp).
+// The blocking only changes speed: every path runs the per-element sequence of the contract.
+// No include guard on purpose.
+
+namespace bik_cpu {
+namespace BIK_NS {
+
+constexpr int VW = BIK_VW;
+constexpr int MR = BIK_MR;
+constexpr int NRV = BIK_NRV;
+constexpr int NRW = VW * NRV;  // columns per packed B panel
+constexpr idx_t MC = BIK_MC;
+static_assert(MC % MR == 0, "blocking must tile");
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vf16 __attribute__((vector_size(64)));  // rms_norm's 16 lanes
+
+template <class V>
+static inline __attribute__((always_inline)) V loadu(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <class V>
+static inline __attribute__((always_inline)) void storeu(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// ---- packing (copies only: exact) -------------------------------------------------------------
+
+// Transposes of TW x TW tiles for packing b = weight.t(). TW = 8 even on AVX-512: 256-bit
+// shuffles are cheaper there per element than 512-bit ones (Zen 4 splits those in two).
+constexpr int TW = VW < 8 ? VW : 8;
+typedef float vt __attribute__((vector_size(TW * 4)));
+
+// One Eklundh stage on rows a (index i) and b (index i + H) of a TW x TW tile.
+template <int H, int... C>
+static inline __attribute__((always_inline)) void tstage(vt& a, vt& b,
+                                                         std::integer_sequence<int, C...>) {
+  vt na = __builtin_shufflevector(a, b, ((C & H) ? TW + C - H : C)...);
+  vt nb = __builtin_shufflevector(a, b, ((C & H) ? TW + C : C + H)...);
+  a = na;
+  b = nb;
+}
+template <int H>
+static inline __attribute__((always_inline)) void tlevel(vt* v) {
+#pragma GCC unroll 16
+  for (int i = 0; i < TW; ++i)
+    if ((i & H) == 0) tstage<H>(v[i], v[i + H], std::make_integer_sequence<int, TW>{});
+}
+static inline __attribute__((always_inline)) void transpose(vt* v) {
+  if constexpr (TW >= 8) tlevel<4>(v);
+  tlevel<2>(v);
+  tlevel<1>(v);
+}
+
+// Packs b[pc:pc+kc, jc:jc+nc] into panels of NRW columns: dst[p][k][NRW], zero-padded past nc.
+static void pack_b(const float* b, idx_t sbk, idx_t sbn, idx_t pc, idx_t kc, idx_t jc, idx_t nc,
+                   float* dst) {
+  const idx_t panels = (nc + NRW - 1) / NRW;
+  if (sbn == 1) {  // rows of b contiguous: row copies, k outer so each row is read in order
+    const idx_t full = nc / NRW;
+    for (idx_t k = 0; k < kc; ++k) {
+      const float* s = b + (pc + k) * sbk + jc;
+      for (idx_t p = 0; p < full; ++p) std::memcpy(dst + (p * kc + k) * NRW, s + p * NRW, 4 * NRW);
+      if (full < panels) {
+        float* dk = dst + (full * kc + k) * NRW;
+        for (idx_t j = 0; j < NRW; ++j) dk[j] = full * NRW + j < nc ? s[full * NRW + j] : 0.0f;
+      }
+    }
+    return;
+  }
+  for (idx_t p = 0; p < panels; ++p) {
+    float* d = dst + p * kc * NRW;
+    const idx_t n0 = jc + p * NRW;
+    const idx_t w = nc - p * NRW < NRW ? nc - p * NRW : NRW;
+    if (sbk == 1) {  // columns of b contiguous (b = weight.t()): tile transposes
+      for (int g = 0; g < NRW / TW; ++g) {
+        const idx_t gn = n0 + idx_t(g) * TW;
+        const idx_t gw = w - idx_t(g) * TW;  // valid columns in this group (may be <= 0)
+        idx_t k = 0;
+        for (; k + TW <= kc; k += TW) {
+          // TW weight rows are read side by side: prefetch ahead so memory keeps up.
+          for (int t = 0; t < TW; ++t)
+            if (t < gw) __builtin_prefetch(b + (gn + t) * sbn + pc + k + 128);
+          vt v[TW];
+#pragma GCC unroll 16
+          for (int t = 0; t < TW; ++t)
+            v[t] = t < gw ? loadu<vt>(b + (gn + t) * sbn + pc + k) : vt{};
+          transpose(v);
+#pragma GCC unroll 16
+          for (int t = 0; t < TW; ++t) storeu(d + (k + t) * NRW + g * TW, v[t]);
+        }
+        for (; k < kc; ++k)
+          for (int t = 0; t < TW; ++t)
+            d[k * NRW + g * TW + t] = t < gw ? b[(gn + t) * sbn + pc + k] : 0.0f;
+      }
+    } else {  // any strides (including 0)
+      for (idx_t k = 0; k < kc; ++k)
+        for (idx_t j = 0; j < NRW; ++j)
+          d[k * NRW + j] = j < w ? b[(pc + k) * sbk + (n0 + j) * sbn] : 0.0f;
+    }
+  }
+}
+
+// Packs a[ic:ic+mc, pc:pc+kc] into blocks of MR rows: dst[blk][k][MR] (rows past mc unused).
+static void pack_a(const float* a, idx_t sam, idx_t sak, idx_t ic, idx_t mc, idx_t pc, idx_t kc,
+                   float* dst) {
+  for (idx_t r0 = 0; r0 < mc; r0 += MR) {
+    float* d = dst + r0 * kc;
+    const idx_t rows = mc - r0 < MR ? mc - r0 : MR;
+    for (idx_t r = 0; r < rows; ++r) {
+      const float* s = a + (ic + r0 + r) * sam + pc * sak;
+      for (idx_t k = 0; k < kc; ++k) d[k * MR + r] = s[k * sak];
+    }
+  }
+}
+
+// ---- matmul micro-kernel ----------------------------------------------------------------------
+
+// c[0:R, 0:cols] (row pitch ldc) for one packed A block (kc x MR) and one B panel (kc x NRW).
+// first: acc starts at 0.0f, else at the fp32 value stored in c by the previous K block.
+// bias (already offset to this panel, or null) is added once, after the last K block.
+template <int R>
+static void micro(const float* __restrict pa, const float* __restrict pb, idx_t kc,
+                  float* __restrict c, idx_t ldc, idx_t cols, bool first, const float* bias) {
+  vf acc[R][NRV];
+  const bool full = cols == NRW;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < NRV; ++v) {
+      if (first) {
+        acc[r][v] = vf{};
+      } else if (full) {
+        acc[r][v] = loadu<vf>(c + r * ldc + v * VW);
+      } else {
+        alignas(64) float t[VW] = {};
+        for (idx_t j = v * VW; j < cols && j < (v + 1) * VW; ++j) t[j - v * VW] = c[r * ldc + j];
+        acc[r][v] = loadu<vf>(t);
+      }
+    }
+  }
+  for (idx_t k = 0; k < kc; ++k) {
+    vf bv[NRV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NRV; ++v) bv[v] = loadu<vf>(pb + k * NRW + v * VW);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float av = pa[k * MR + r];
+#pragma GCC unroll 8
+      for (int v = 0; v < NRV; ++v) acc[r][v] = acc[r][v] + av * bv[v];  // mul, then add
+    }
+  }
+  if (bias) {
+    alignas(64) float t[NRW] = {};
+    for (idx_t j = 0; j < cols; ++j) t[j] = bias[j];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < NRV; ++v) acc[r][v] = acc[r][v] + loadu<vf>(t + v * VW);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    if (full) {
+#pragma GCC unroll 8
+      for (int v = 0; v < NRV; ++v) storeu(c + r * ldc + v * VW, acc[r][v]);
+    } else {
+      alignas(64) float t[NRW];
+#pragma GCC unroll 8
+      for (int v = 0; v < NRV; ++v) storeu(t + v * VW, acc[r][v]);
+      for (idx_t j = 0; j < cols; ++j) c[r * ldc + j] = t[j];
+    }
+  }
+}
+
+template <int... R>
+static inline void micro_rows(int rows, std::integer_sequence<int, R...>, const float* pa,
+                              const float* pb, idx_t kc, float* c, idx_t ldc, idx_t cols,
+                              bool first, const float* bias) {
+  // rows in [1, MR]: call micro<rows>.
+  (void)((rows == R + 1 ? (micro<R + 1>(pa, pb, kc, c, ldc, cols, first, bias), true) : false) ||
+         ...);
+}
+
+// Scratch floats one thread needs for K block kcb and N block ncb (a multiple of NRW).
+static size_t matmul_scratch_per_thread(idx_t kcb, idx_t ncb) {
+  return ((size_t(kcb) * size_t(ncb) + 15) & ~size_t(15)) + size_t(MC) * size_t(kcb) + 16;
+}
+
+// One thread's share: rows [m0, m1), columns [n0, n1). K is never split.
+static void matmul_tile(const float* a, idx_t sam, idx_t sak, const float* b, idx_t sbk,
+                        idx_t sbn, const float* bias, float* c, idx_t ldc, idx_t m0, idx_t m1,
+                        idx_t n0, idx_t n1, idx_t K, idx_t KC, idx_t NC, float* scratch) {
+  float* bufb = scratch;
+  float* bufa = scratch + ((size_t(KC) * size_t(NC) + 15) & ~size_t(15));
+  for (idx_t jc = n0; jc < n1; jc += NC) {
+    const idx_t nc = n1 - jc < NC ? n1 - jc : NC;
+    idx_t pc = 0;
+    do {  // at least once, so K == 0 still writes 0.0f (+ bias)
+      const idx_t kc = K - pc < KC ? K - pc : KC;
+      const bool first = pc == 0;
+      const bool last = pc + kc >= K;
+      pack_b(b, sbk, sbn, pc, kc, jc, nc, bufb);
+      for (idx_t ic = m0; ic < m1; ic += MC) {
+        const idx_t mc = m1 - ic < MC ? m1 - ic : MC;
+        pack_a(a, sam, sak, ic, mc, pc, kc, bufa);
+        for (idx_t ir = 0; ir < mc; ir += MR) {
+          const int rows = int(mc - ir < MR ? mc - ir : MR);
+          for (idx_t jr = 0; jr < nc; jr += NRW) {
+            const idx_t cols = nc - jr < NRW ? nc - jr : NRW;
+            const float* bb = (last && bias) ? bias + jc + jr : nullptr;
+            float* cc = c + (ic + ir) * ldc + jc + jr;
+            micro_rows(rows, std::make_integer_sequence<int, MR>{}, bufa + ir * kc,
+                       bufb + jr * kc, kc, cc, ldc, cols, first, bb);
+          }
+        }
+      }
+      pc += kc;
+    } while (pc < K);
+  }
+}
+
+// ---- rms_norm ---------------------------------------------------------------------------------
+
+static void rms_norm_rows(const float* x, idx_t sxm, const float* w, float* y, idx_t sym,
+                          idx_t m0, idx_t m1, idx_t H, float eps) {
+  for (idx_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * sxm;
+    float* yr = y + m * sym;
+    vf16 s = vf16{};
+    idx_t j = 0;
+    for (; j + 16 <= H; j += 16) {
+      const vf16 xv = loadu<vf16>(xr + j);
+      s = s + xv * xv;
+    }
+    if (j < H) {
+      alignas(64) float t[16] = {};
+      for (idx_t i = j; i < H; ++i) t[i - j] = xr[i];
+      const vf16 xv = loadu<vf16>(t);
+      s = s + xv * xv;
+    }
+    alignas(64) float l[16];
+    storeu(l, s);
+    for (int wd = 8; wd >= 1; wd >>= 1)
+      for (int i = 0; i < wd; ++i) l[i] = l[i] + l[i + wd];
+    const float mean = l[0] / static_cast<float>(H);
+    const float rstd = 1.0f / __builtin_sqrtf(mean + eps);
+    j = 0;
+    for (; j + VW <= H; j += VW) {
+      const vf xv = loadu<vf>(xr + j);
+      storeu(yr + j, (xv * rstd) * loadu<vf>(w + j));
+    }
+    for (; j < H; ++j) yr[j] = (xr[j] * rstd) * w[j];
+  }
+}
+
+}  // namespace BIK_NS
+}  // namespace bik_cpu

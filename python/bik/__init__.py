@@ -1,0 +1,25 @@
+"""bik: batch-invariant kernels. The bits of a row never depend on what else is in the batch.
+
+Public API (see docs/api.md):
+    bik.matmul, bik.linear, bik.bmm, bik.rms_norm  -- the ops (also torch.ops.bik.*)
+    bik.fingerprint                                  -- what decides the bits, as one digest
+    bik.testing                                      -- the invariance harness
+"""
+
+from bik._backend import BACKENDS, BackendUnavailableError
+from bik.fingerprint import Fingerprint, fingerprint
+from bik.ops.matmul import bmm, linear, matmul
+from bik.ops.rms_norm import rms_norm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "Fingerprint",
+    "bmm",
+    "fingerprint",
+    "linear",
+    "matmul",
+    "rms_norm",
+]

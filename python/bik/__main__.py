@@ -1,0 +1,3 @@
+from bik.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Backend names, how ``backend=None`` resolves, and the errors for a backend that cannot run.
+
+Nothing here falls back silently: an explicit backend either runs or raises
+:class:`BackendUnavailableError` naming the op, the backend and the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "device_arch",
+    "interpreter_active",
+    "require_backend",
+    "resolve_backend",
+]
+
+BACKENDS = ("triton", "cpu", "cuda")
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run here (wrong device, missing build, ...)."""
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1).
+
+    Triton reads the variable when a kernel module is imported, so it must be set before
+    the process first uses a Triton kernel; bik reads it at call time only to decide
+    whether CPU tensors may go to the Triton backend.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - report whatever the import says
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def resolve_backend(op: str, backend: str | None, device: torch.device) -> str:
+    """Turn ``backend=None`` into a concrete name by device, and check that it can run."""
+    if backend is None:
+        if device.type == "cuda":
+            backend = "triton"
+        elif device.type == "cpu":
+            backend = "cpu"
+        else:
+            raise BackendUnavailableError(
+                f"{op}: no bik backend for device {device}; bik runs on 'cuda' and 'cpu' tensors"
+            )
+    require_backend(op, backend, device)
+    return backend
+
+
+def require_backend(op: str, backend: str, device: torch.device) -> None:
+    """Raise unless ``backend`` can run ``op`` on tensors of ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: unknown backend {backend!r}; expected one of {BACKENDS} or None")
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise BackendUnavailableError(
+                f"{op}: backend='cpu' got tensors on {device}; move them to the CPU or use "
+                f"backend='triton'"
+            )
+        from bik.kernels import cpu
+
+        if not cpu.available():
+            raise BackendUnavailableError(f"{op}: backend='cpu' is unavailable: "
+                                          f"{cpu.unavailable_reason()}")
+    elif backend == "triton":
+        err = _triton_import_error()
+        if err is not None:
+            raise BackendUnavailableError(f"{op}: backend='triton' needs triton ({err})")
+        if device.type == "cpu" and not interpreter_active():
+            raise BackendUnavailableError(
+                f"{op}: backend='triton' got CPU tensors; Triton runs CPU tensors only in its "
+                f"interpreter (set TRITON_INTERPRET=1 before the process starts)"
+            )
+        if device.type not in ("cpu", "cuda"):
+            raise BackendUnavailableError(f"{op}: backend='triton' cannot run on {device}")
+    else:  # "cuda"
+        raise BackendUnavailableError(
+            f"{op}: backend='cuda' (the CUDA C++ kernels in csrc/) is not built in this version; "
+            f"use backend='triton' on GPUs"
+        )
+
+
+@functools.cache
+def _cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def device_arch(device: torch.device) -> str:
+    """The arch key the config tables use: 'sm90', 'sm80', ... or 'interpreter' / 'cpu'.
+
+    Cached per device index so no call pays for a device query after the first.
+    """
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_arch(index)
+    return "interpreter" if interpreter_active() else "cpu"

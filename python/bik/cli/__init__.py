@@ -1,0 +1,1 @@
+"""The `bik` command line: bench, demo, check."""

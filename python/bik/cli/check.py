@@ -1,0 +1,84 @@
+"""`bik check`: the invariance doctor. Runs the harness on this device and prints a verdict per
+op and dtype, the harness's own negative control, whether stock torch varies here, and the
+fingerprint. Exit status 0 only if every bik op is bit-identical across batch sizes."""
+
+from __future__ import annotations
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import bik
+from bik.cli.common import pick_device, run_metadata, write_json
+from bik.testing import rows_alone_vs_batched, split_by_m_matmul
+from bik.testing.harness import M_SWEEP
+from bik.testing.suites import matmul_suite, rms_norm_suite
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _plan(device: torch.device, quick: bool) -> dict:
+    if quick:
+        return {"ms": (1, 2, 4, 17, 64), "shapes": ((96, 64),), "hiddens": (111,)}
+    if device.type == "cuda":
+        return {"ms": M_SWEEP + (2048, 4096), "shapes": ((4096, 4096), (1000, 333)),
+                "hiddens": (111, 4096, 8192)}
+    return {"ms": M_SWEEP, "shapes": ((256, 256), (96, 333)), "hiddens": (111, 4096)}
+
+
+def check_rows(device: torch.device, quick: bool) -> list[dict]:
+    plan = _plan(device, quick)
+    rows = []
+    for dtype in DTYPES:
+        for r in matmul_suite(device=device, dtype=dtype, backend=None, ms=plan["ms"],
+                              shapes=plan["shapes"]):
+            rows.append({"check": r.name, "rows": r.comparisons, "ok": r.ok,
+                         "mismatches": len(r.mismatches)})
+        for r in rms_norm_suite(device=device, dtype=dtype, backend=None, ms=plan["ms"],
+                                hiddens=plan["hiddens"]):
+            rows.append({"check": r.name, "rows": r.comparisons, "ok": r.ok,
+                         "mismatches": len(r.mismatches)})
+    return rows
+
+
+def controls(device: torch.device) -> dict:
+    """Can the harness fail here? And does stock torch.mm vary with M on this device?"""
+    gen = torch.Generator().manual_seed(7)
+    pool = torch.randn(64, 256, generator=gen).to(device)
+    b = torch.randn(256, 256, generator=gen).to(device)
+    ms = (1, 2, 4, 8, 64)
+    ref = rows_alone_vs_batched(lambda a: split_by_m_matmul(a, b), pool, ms)
+    stock = rows_alone_vs_batched(lambda a: torch.mm(a, b), pool, ms)
+    return {"harness_rejects_batch_dependent_reference": not ref.ok,
+            "stock_torch_mm_fp32_varies_with_M": not stock.ok,
+            "stock_mismatched_rows": len(stock.mismatches)}
+
+
+def run_check(args) -> int:
+    console = Console()
+    device = pick_device(args.device)
+    fp = bik.fingerprint(device)
+    rows = check_rows(device, args.quick)
+    ctl = controls(device)
+    table = Table(title=f"bik check on {device} ({fp.arch})")
+    for col in ("check", "rows compared", "verdict"):
+        table.add_column(col)
+    for r in rows:
+        verdict = "bit-identical" if r["ok"] else f"[red]{r['mismatches']} rows differ"
+        table.add_row(r["check"], str(r["rows"]), verdict)
+    console.print(table)
+    console.print(
+        "harness negative control (split-K chosen by M): "
+        + ("rejected, as it must be" if ctl["harness_rejects_batch_dependent_reference"]
+           else "[red]NOT rejected: the harness is broken")
+    )
+    console.print("stock torch.mm fp32 on this device: " + (
+        f"varies with M ({ctl['stock_mismatched_rows']} rows differ)"
+        if ctl["stock_torch_mm_fp32_varies_with_M"] else "did not vary on this probe"))
+    console.print(f"fingerprint {fp.digest}  backends {fp.backends}  versions {fp.versions}")
+    ok = all(r["ok"] for r in rows) and ctl["harness_rejects_batch_dependent_reference"]
+    if args.json:
+        write_json(args.json, {"meta": run_metadata(device), "ok": ok, "checks": rows,
+                               "controls": ctl})
+    console.print("[green]verdict: batch-invariant" if ok else "[red]verdict: FAILED")
+    return 0 if ok else 1

@@ -1,0 +1,44 @@
+"""Helpers the CLI commands share: device choice, run metadata, JSON output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+import bik
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bik: --device cuda asked for, but torch sees no CUDA device")
+    return device
+
+
+def run_metadata(device: torch.device) -> dict:
+    """Who, where and when: attached to every JSON record the CLI writes."""
+    fp = bik.fingerprint(device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "gpu": gpu,
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "versions": fp.versions,
+        "fingerprint": fp.as_dict(),
+    }
+
+
+def write_json(path: str, payload: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")

@@ -1,0 +1,76 @@
+"""`bik demo`: one request's bits as the batch around it grows, stock path vs bik.
+
+The embedded default is a Llama-shaped block with seeded random weights (no files): RMSNorm,
+then the fused gate/up projection. The probe request is row 0; the other rows are other
+users' requests. On the CPU, stock fp32 F.linear computes a lone row differently from a row in
+a batch of four or more (measured), so its bits move; bik's do not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+import bik
+from bik.cli.common import pick_device
+
+HIDDEN, FFN = 512, 1536
+BATCHES = (1, 2, 3, 4, 8, 32, 128)
+
+
+def _digest(row: torch.Tensor) -> str:
+    return hashlib.sha256(row.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()[:12]
+
+
+def embedded_block(device: torch.device, dtype: torch.dtype) -> dict:
+    gen = torch.Generator().manual_seed(42)
+    make = lambda *s: (torch.randn(*s, generator=gen) / s[-1] ** 0.5).to(device, dtype)  # noqa: E731
+    return {"norm": 1 + make(HIDDEN) * 0.1, "up": make(2 * FFN, HIDDEN),
+            "requests": torch.randn(max(BATCHES), HIDDEN, generator=gen).to(device, dtype)}
+
+
+def stock_forward(block: dict, x: torch.Tensor) -> torch.Tensor:
+    h = F.rms_norm(x, (HIDDEN,), block["norm"], 1e-6)
+    return F.linear(h, block["up"])
+
+
+def bik_forward(block: dict, x: torch.Tensor) -> torch.Tensor:
+    return bik.linear(bik.rms_norm(x, block["norm"], 1e-6), block["up"])
+
+
+def demo_rows(device: torch.device, dtype: torch.dtype) -> list[dict]:
+    block = embedded_block(device, dtype)
+    rows = []
+    for batch in BATCHES:
+        x = block["requests"][:batch]
+        rows.append({"batch": batch, "stock": _digest(stock_forward(block, x)[0]),
+                     "bik": _digest(bik_forward(block, x)[0])})
+    return rows
+
+
+def run_demo(args) -> int:
+    console = Console()
+    device = pick_device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    rows = demo_rows(device, dtype)
+    table = Table(title=f"request 0's output bits as its batch grows ({device}, {str(dtype)[6:]})")
+    for col in ("batch size", "stock torch (digest)", "same as alone?", "bik (digest)",
+                "same as alone?"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        s_ok, b_ok = r["stock"] == rows[0]["stock"], r["bik"] == rows[0]["bik"]
+        table.add_row(str(r["batch"]), r["stock"], "yes" if s_ok else "[red]no",
+                      r["bik"], "yes" if b_ok else "[red]NO")
+    console.print(table)
+    stock_moved = len({r["stock"] for r in rows}) > 1
+    bik_fixed = len({r["bik"] for r in rows}) == 1
+    console.print(
+        f"stock path: {'bits changed with the batch' if stock_moved else 'no change seen here'}; "
+        f"bik: {'the same bits at every batch size' if bik_fixed else '[red]bits changed (bug)'}"
+    )
+    console.print(f"fingerprint {bik.fingerprint(device).digest}")
+    return 0 if bik_fixed else 1

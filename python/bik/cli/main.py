@@ -1,0 +1,50 @@
+"""`bik` / `python -m bik`: microbenchmarks, the demo and the invariance doctor."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["main"]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bik", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="time bik against torch and check rows stay identical")
+    bench.add_argument("op", choices=("matmul", "rmsnorm", "boundary"))
+    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    bench.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"))
+    bench.add_argument("--backend", default=None, help="bik backend (default: by device)")
+    bench.add_argument("--ms", type=_ints, default=None, help="comma-separated batch sizes")
+    bench.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    bench.add_argument("--json", metavar="PATH", help="write records as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="PNG of bik/torch speed against M")
+
+    demo = sub.add_parser("demo", help="show a stock path's bits change with batch, bik's not")
+    demo.add_argument("--device", default=None)
+
+    check = sub.add_parser("check", help="run the invariance harness on this device")
+    check.add_argument("--device", default=None)
+    check.add_argument("--quick", action="store_true", help="fewer shapes and batch sizes")
+    check.add_argument("--json", metavar="PATH", help="write the verdicts as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "bench":
+        from bik.cli.bench import run_bench
+
+        return run_bench(args)
+    if args.command == "demo":
+        from bik.cli.demo import run_demo
+
+        return run_demo(args)
+    from bik.cli.check import run_check
+
+    return run_check(args)

@@ -1,0 +1,99 @@
+"""Kernel configuration tables: the only knobs that decide a kernel's reduction order.
+
+Every entry is keyed by what the *problem* is (dtype, N, K or hidden size, GPU arch) and
+never by the number of rows M, so a row's reduction order cannot change when the batch
+grows. There is no runtime autotuning. Changing anything here changes the bits bik
+produces, and therefore changes :func:`bik.fingerprint` (it hashes this file).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+__all__ = ["MatmulConfig", "RMSNormConfig", "arch_family", "matmul_config", "rms_norm_config"]
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int  # tile-order swizzle for L2 reuse; does not affect any element's sum
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class RMSNormConfig:
+    block_h: int  # the fixed chunk of the hidden dimension reduced per step
+    num_warps: int
+
+
+_DTYPE_KEY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+# Base tile per (arch family, dtype). Shared memory per stage is
+# (block_m + block_n) * block_k * itemsize; see tests/test_triton_compile.py for the limits.
+_MATMUL_BASE = {
+    "sm90": {
+        "bf16": MatmulConfig(128, 128, 64, 8, num_warps=8, num_stages=4),
+        "fp16": MatmulConfig(128, 128, 64, 8, num_warps=8, num_stages=4),
+        "fp32": MatmulConfig(128, 128, 32, 8, num_warps=8, num_stages=3),
+    },
+    "sm80": {
+        "bf16": MatmulConfig(128, 128, 32, 8, num_warps=4, num_stages=4),
+        "fp16": MatmulConfig(128, 128, 32, 8, num_warps=4, num_stages=4),
+        "fp32": MatmulConfig(64, 64, 32, 8, num_warps=4, num_stages=3),
+    },
+    # Small tiles keep TRITON_INTERPRET=1 tests fast; the interpreter is a test vehicle only.
+    "interpreter": {
+        "bf16": MatmulConfig(16, 32, 16, 4, num_warps=4, num_stages=1),
+        "fp16": MatmulConfig(16, 32, 16, 4, num_warps=4, num_stages=1),
+        "fp32": MatmulConfig(16, 32, 16, 4, num_warps=4, num_stages=1),
+    },
+}
+
+_RMS_NORM_MAX_BLOCK = {"sm90": 4096, "sm80": 4096, "interpreter": 64}
+
+
+def arch_family(arch: str) -> str:
+    """Map a device arch ('sm90', 'sm86', 'interpreter', ...) to a table row."""
+    if arch == "interpreter":
+        return "interpreter"
+    if arch.startswith("sm") and arch[2:].isdigit():
+        major = int(arch[2:-1])
+        # Hopper and datacenter Blackwell have >= 228 KiB of shared memory per SM; everything
+        # else gets the Ampere tile, which fits 100 KiB parts too.
+        return "sm90" if major in (9, 10) else "sm80"
+    raise ValueError(f"bik: no kernel table for arch {arch!r}")
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def matmul_config(dtype: torch.dtype, n: int, k: int, arch: str) -> MatmulConfig:
+    """The one tile configuration for this (dtype, N, K, arch). M is deliberately absent."""
+    base = _MATMUL_BASE[arch_family(arch)][_DTYPE_KEY[dtype]]
+    # Narrow or short problems get narrower tiles; tl.dot needs every dim >= 16.
+    return replace(
+        base,
+        block_n=min(base.block_n, max(16, _pow2_at_least(n))),
+        block_k=min(base.block_k, max(16, _pow2_at_least(k))),
+    )
+
+
+def rms_norm_config(dtype: torch.dtype, hidden: int, arch: str) -> RMSNormConfig:
+    """The one reduction tiling for this (dtype, hidden, arch). M is deliberately absent."""
+    del dtype  # every dtype is reduced in fp32 with the same tiling
+    block = min(_RMS_NORM_MAX_BLOCK[arch_family(arch)], _pow2_at_least(hidden))
+    return RMSNormConfig(block_h=block, num_warps=4 if block <= 1024 else 8)
+
+
+def config_table() -> dict:
+    """Plain-data view of the tables (for the fingerprint and `bik check`)."""
+    return {
+        "matmul": {arch: {dt: vars(c) for dt, c in row.items()} for arch, row in _MATMUL_BASE.items()},
+        "rms_norm_max_block": dict(_RMS_NORM_MAX_BLOCK),
+    }

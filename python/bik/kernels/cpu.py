@@ -1,0 +1,120 @@
+"""Thin launcher for the fixed-order fp32 CPU kernels (the ``bik._cpu_kernels`` extension).
+
+The numerics contract (csrc/cpu/contract.h) fixes, per output element, the exact sequence of
+rounded fp32 operations, so each row's bits depend only on that row's inputs: the same whatever
+the batch size M, the row's position, the thread count or the CPU's SIMD width.
+
+This module imports only torch and the extension and never raises at import; callers check
+``available()``. Validation beyond cheap asserts belongs to the ops layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from bik import _cpu_kernels as _ext
+
+    _IMPORT_ERROR: str | None = None
+except Exception as exc:  # noqa: BLE001 - missing .so, ABI mismatch, anything
+    _ext = None
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+__all__ = ["available", "unavailable_reason", "isa", "matmul_f32", "rms_norm_f32"]
+
+
+def available() -> bool:
+    """True when the compiled CPU extension ``bik._cpu_kernels`` imported."""
+    return _ext is not None
+
+
+def unavailable_reason() -> str:
+    """Why the CPU backend is unavailable ("" when it is available)."""
+    if _ext is not None:
+        return ""
+    return (
+        "bik's CPU kernels (extension bik._cpu_kernels) are not built or failed to load "
+        f"({_IMPORT_ERROR}). They are compiled at install time and need a C++17 compiler "
+        "(GCC or Clang): install one, then reinstall bik (e.g. `pip install --force-reinstall "
+        "--no-deps .`, or `python setup.py build_ext --inplace` in a checkout)."
+    )
+
+
+def _require():
+    if _ext is None:
+        raise RuntimeError(unavailable_reason())
+    return _ext
+
+
+def isa(want: str = "auto") -> str:
+    """Name of the SIMD path ``want`` resolves to ("avx512", "avx2" or "generic")."""
+    return _require().isa(want)
+
+
+def matmul_f32(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    num_threads: int | None = None,
+    isa: str = "auto",
+    block_k: int = 0,
+    block_n: int = 0,
+) -> None:
+    """out[M, N] = a[M, K] @ b[K, N] (+ bias[N]), fp32, in fixed k-ascending order.
+
+    a, b: fp32 CPU tensors with any strides (transposed, sliced, expanded); ``b`` may be a
+    ``weight.t()`` view and is read without a copy. bias: fp32 [N] contiguous or None.
+    out: fp32 [M, N] contiguous, preallocated, not overlapping the inputs. Each out[m, n] is
+    the contract's sequence (acc = acc + a[m,k]*b[k,n], k ascending, no FMA, then + bias[n]),
+    so its bits do not depend on M, on m, on num_threads (default torch.get_num_threads()),
+    on ``isa`` (SIMD path) or on ``block_k``/``block_n`` (cache blocking, 0 = auto): those
+    three knobs change speed only and exist for tests and tuning.
+    """
+    ext = _require()
+    M, K = a.shape
+    K2, N = b.shape
+    assert K == K2 and out.shape == (M, N) and out.is_contiguous()
+    assert a.dtype == b.dtype == out.dtype == torch.float32
+    if bias is not None:
+        assert bias.shape == (N,) and bias.dtype == torch.float32 and bias.is_contiguous()
+    if M == 0 or N == 0:
+        return
+    ext.matmul_f32(
+        a.data_ptr(), a.stride(0), a.stride(1),
+        b.data_ptr(), b.stride(0), b.stride(1),
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(), N, M, N, K,
+        torch.get_num_threads() if num_threads is None else num_threads,
+        isa, block_k, block_n,
+    )  # fmt: skip
+
+
+def rms_norm_f32(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    *,
+    num_threads: int | None = None,
+    isa: str = "auto",
+) -> None:
+    """out[M, H] = rms_norm(x[M, H]) * weight[H], fp32, with the contract's 16-lane sum.
+
+    x: fp32 with unit stride along H (any row stride); weight: fp32 [H] contiguous;
+    out: fp32 [M, H] contiguous. eps is rounded to fp32. Rows are independent, so each row's
+    bits do not depend on M, its position, num_threads or ``isa``.
+    """
+    ext = _require()
+    M, H = x.shape
+    assert out.shape == (M, H) and out.is_contiguous() and weight.shape == (H,)
+    assert x.dtype == weight.dtype == out.dtype == torch.float32 and weight.is_contiguous()
+    if M == 0 or H == 0:
+        return
+    assert x.stride(1) == 1 or H == 1
+    ext.rms_norm_f32(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), H, M, H, float(eps),
+        torch.get_num_threads() if num_threads is None else num_threads,
+        isa,
+    )  # fmt: skip

@@ -1,0 +1,64 @@
+"""Input checks shared by the ops: every error names the op and the offending shape/dtype/device."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_tensor(op: str, name: str, t: object, ndim: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{op}: {name} must be {ndim}-D, got shape {list(t.shape)}")
+    return t
+
+
+def check_float_dtype(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{op}: {name} has dtype {_dtype_name(t.dtype)}; supported: bfloat16, float16, float32"
+        )
+
+
+def check_same_dtype(op: str, names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(
+            f"{op}: {names[0]} ({_dtype_name(a.dtype)}) and {names[1]} ({_dtype_name(b.dtype)}) "
+            f"must have the same dtype"
+        )
+
+
+def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{op}: {first_name} is on {first.device} but {name} is on {t.device}; "
+                f"all inputs must be on one device"
+            )
+
+
+def check_out_dtype(op: str, out_dtype: torch.dtype | None, default: torch.dtype) -> torch.dtype:
+    if out_dtype is None:
+        return default
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{op}: out_dtype {out_dtype} is not supported; use bfloat16, float16 or float32"
+        )
+    return out_dtype
+
+
+def check_eps(op: str, eps: float) -> None:
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"{op}: eps must be a float, got {type(eps).__name__}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")

@@ -1,0 +1,160 @@
+"""bik::matmul and bik::bmm: matrix products whose rows do not depend on the batch.
+
+Contract (docs/design.md#matmul): for every output element the K reduction runs in one
+fixed order that depends on (dtype, N, K, arch, backend) and never on M, on the row's
+position, or on what else is in the batch. fp32 inputs run as IEEE fp32, never TF32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bik._backend import require_backend, resolve_backend
+from bik.ops._checks import (
+    check_float_dtype,
+    check_out_dtype,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
+
+__all__ = ["bmm", "linear", "matmul"]
+
+torch.library.define(
+    "bik::matmul",
+    "(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype, str backend) -> Tensor",
+)
+torch.library.define("bik::bmm", "(Tensor a, Tensor b, ScalarType? out_dtype, str backend) -> Tensor")
+
+
+def _check_mm(op: str, a, b, bias, out_dtype, a_rank: int = 2) -> torch.dtype:
+    """Validate a 2-D (or batched 3-D) product; return the output dtype."""
+    check_tensor(op, "a", a, a_rank)
+    check_tensor(op, "b", b, a_rank)
+    check_float_dtype(op, "a", a)
+    check_same_dtype(op, ("a", "b"), a, b)
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(
+            f"{op}: a {list(a.shape)} and b {list(b.shape)} disagree on K "
+            f"({a.shape[-1]} vs {b.shape[-2]})"
+        )
+    if a_rank == 3 and a.shape[0] != b.shape[0]:
+        raise ValueError(
+            f"{op}: a {list(a.shape)} and b {list(b.shape)} disagree on the batch size"
+        )
+    if bias is not None:
+        check_tensor(op, "bias", bias, 1)
+        check_float_dtype(op, "bias", bias)
+        if bias.shape[0] != b.shape[-1]:
+            raise ValueError(f"{op}: bias {list(bias.shape)} does not match N = {b.shape[-1]}")
+    check_same_device(op, a=a, b=b, bias=bias)
+    return check_out_dtype(op, out_dtype, a.dtype)
+
+
+def _cpu_mm_into(a, b, bias, out32) -> None:
+    from bik.kernels import cpu
+
+    # Upcasting bf16/fp16 to fp32 is exact, so the fixed fp32 order is the whole contract.
+    cpu.matmul_f32(a.float(), b.float(), None if bias is None else bias.float().contiguous(), out32)
+
+
+@torch.library.impl("bik::matmul", ("cpu", "cuda"))
+def _matmul_impl(a, b, bias, out_dtype, backend):
+    op = "bik.matmul"
+    out_dtype = _check_mm(op, a, b, bias, out_dtype)
+    require_backend(op, backend, a.device)
+    m, n = a.shape[0], b.shape[1]
+    if backend == "cpu":
+        out = torch.empty((m, n), dtype=torch.float32, device=a.device)
+        _cpu_mm_into(a, b, bias, out)
+        return out.to(out_dtype)
+    from bik.kernels.triton_matmul import launch_matmul
+
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    launch_matmul(a.unsqueeze(0), b.unsqueeze(0), bias, out.unsqueeze(0))
+    return out
+
+
+@torch.library.register_fake("bik::matmul")
+def _matmul_fake(a, b, bias, out_dtype, backend):
+    out_dtype = _check_mm("bik.matmul", a, b, bias, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.impl("bik::bmm", ("cpu", "cuda"))
+def _bmm_impl(a, b, out_dtype, backend):
+    op = "bik.bmm"
+    out_dtype = _check_mm(op, a, b, None, out_dtype, a_rank=3)
+    require_backend(op, backend, a.device)
+    nb, m, n = a.shape[0], a.shape[1], b.shape[2]
+    if backend == "cpu":
+        out = torch.empty((nb, m, n), dtype=torch.float32, device=a.device)
+        for i in range(nb):
+            _cpu_mm_into(a[i], b[i], None, out[i])
+        return out.to(out_dtype)
+    from bik.kernels.triton_matmul import launch_matmul
+
+    out = torch.empty((nb, m, n), dtype=out_dtype, device=a.device)
+    launch_matmul(a, b, None, out)
+    return out
+
+
+@torch.library.register_fake("bik::bmm")
+def _bmm_fake(a, b, out_dtype, backend):
+    out_dtype = _check_mm("bik.bmm", a, b, None, out_dtype, a_rank=3)
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant ``a @ b (+ bias)``.
+
+    Args:
+        a: [..., K]; every leading dim is a row (a 1-D a is one row). bf16, fp16 or fp32.
+        b: [K, N], same dtype as a, any strides (``weight.t()`` of an nn.Linear needs no copy).
+        bias: optional [N], any supported dtype; added in fp32 before the final cast.
+        out_dtype: output dtype (default a.dtype). Accumulation is always fp32.
+        backend: "triton", "cpu" or None (CUDA tensor -> "triton", CPU tensor -> "cpu").
+
+    Returns:
+        [..., N]. Each output row's bits depend only on that row of ``a``, on ``b``/``bias``,
+        and on the kernel configuration (see :func:`bik.fingerprint`), never on how many
+        other rows are in ``a`` or where the row sits. fp32 runs as IEEE fp32, never TF32.
+    """
+    op = "bik.matmul"
+    check_tensor(op, "a", a)
+    check_tensor(op, "b", b, 2)
+    if a.dim() == 0:
+        raise ValueError(f"{op}: a must have at least 1 dim, got a 0-D tensor")
+    if a.shape[-1] != b.shape[0]:
+        raise ValueError(
+            f"{op}: a {list(a.shape)} and b {list(b.shape)} disagree on K "
+            f"({a.shape[-1]} vs {b.shape[0]})"
+        )
+    backend = resolve_backend(op, backend, a.device)
+    rows = math.prod(a.shape[:-1])  # not reshape(-1, K): K may be 0
+    out = torch.ops.bik.matmul(a.reshape(rows, a.shape[-1]), b, bias, out_dtype, backend)
+    return out.reshape(*a.shape[:-1], b.shape[1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant ``F.linear``: x [..., K], weight [N, K] (no copy), bias [N] -> [..., N].
+
+    Same contract as :func:`matmul` (it is ``matmul(x, weight.t(), bias)``).
+    """
+    check_tensor("bik.linear", "weight", weight, 2)
+    return matmul(x, weight.t(), bias, out_dtype=out_dtype, backend=backend)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None,
+        backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant ``torch.bmm``: a [B, M, K] @ b [B, K, N] -> [B, M, N].
+
+    Every row of every batch entry has bits independent of M and of B.
+    """
+    check_tensor("bik.bmm", "a", a, 3)
+    backend = resolve_backend("bik.bmm", backend, a.device)
+    return torch.ops.bik.bmm(a, b, out_dtype, backend)

@@ -1,0 +1,114 @@
+"""Compile bik's Triton kernels for real GPU targets on a machine without a GPU.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` produces the same cubin a
+launch on that GPU would, provided the signature is specialised the way a launch specialises
+it (pointers and ints divisible by 16 carry a divisibility hint; an int equal to 1 becomes a
+constant). :func:`launch_like_signature` does that from example argument values.
+
+triton.compile does not reject shared-memory overruns, so :func:`compile_kernel` reports
+``metadata.shared`` against the per-block limit, and runs the wheel's ``ptxas -v`` on the
+PTX for registers and spill bytes.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["SHARED_LIMIT", "CompileRecord", "Ptr", "compile_kernel", "launch_like_signature"]
+
+# Max dynamic shared memory per block (opt-in), from the CUDA programming guide.
+SHARED_LIMIT = {90: 232_448, 80: 166_912}
+
+_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+class Ptr(NamedTuple):
+    """An example pointer argument: only its element dtype matters (assumed 16-B aligned)."""
+
+    dtype: torch.dtype
+
+
+class CompileRecord(NamedTuple):
+    kernel: str
+    arch: int
+    config: dict
+    shared: int
+    shared_limit: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+
+    @property
+    def fits(self) -> bool:
+        return self.shared <= self.shared_limit
+
+
+def launch_like_signature(kernel, args: dict, constexprs: dict):
+    """Signature, constants and attrs as a launch with ``args`` would specialise them."""
+    signature, constants, attrs = {}, dict(constexprs), {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        value = args[name]
+        if isinstance(value, Ptr):
+            signature[name] = "*" + _TRITON_DTYPE[value.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            if value == 1:
+                signature[name] = "constexpr"
+                constants[name] = 1
+                continue
+            signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: cannot specialise example value {value!r}")
+    return signature, constants, attrs
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run([str(ptxas), f"-arch={target}", "-v", str(src), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
+                             check=True)
+    text = res.stdout + res.stderr
+    regs = int(re.search(r"Used (\d+) registers", text).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return regs, int(spills.group(1)), int(spills.group(2))
+
+
+def compile_kernel(kernel, args: dict, constexprs: dict, *, arch: int, num_warps: int,
+                   num_stages: int) -> CompileRecord:
+    """Compile ``kernel`` for sm_``arch`` as a launch with ``args`` would, and measure it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constants, attrs = launch_like_signature(kernel, args, constexprs)
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constants, attrs),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    regs, spill_st, spill_ld = _ptxas_usage(compiled.asm["ptx"], arch)
+    config = {k: v for k, v in constexprs.items()} | {"num_warps": num_warps,
+                                                      "num_stages": num_stages}
+    return CompileRecord(kernel.__name__, arch, config, compiled.metadata.shared,
+                         SHARED_LIMIT[arch], regs, spill_st, spill_ld)

@@ -1,0 +1,72 @@
+"""Every Triton kernel configuration bik can launch on sm_90 / sm_80, compiled without a GPU.
+
+Used by tests/test_triton_compile.py (limits) and bench/compile_report.py (a JSON record of
+shared memory, registers and spills per config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from bik.configs import matmul_config, rms_norm_config
+from bik.testing.compile import CompileRecord, Ptr, compile_kernel
+
+__all__ = ["ARCHS", "MATMUL_SHAPES", "RMS_NORM_HIDDENS", "compile_all"]
+
+ARCHS = (90, 80)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Llama-3-8B projections and the LM head, plus narrow/short shapes that get smaller tiles.
+MATMUL_SHAPES = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+                 (48, 33), (64, 16))
+RMS_NORM_HIDDENS = (111, 4096, 8192)
+
+
+def _matmul_cases(arch: int) -> Iterator[tuple]:
+    from bik.kernels.triton_matmul import input_precision, matmul_kernel
+
+    seen = set()
+    for dtype in DTYPES:
+        for n, k in MATMUL_SHAPES:
+            cfg = matmul_config(dtype, n, k, f"sm{arch}")
+            for has_bias in (False, True):
+                # B as a transposed nn.Linear weight (stride_bk = 1): the common layout.
+                key = (dtype, cfg, has_bias, k % 16 == 0, n % 16 == 0)
+                if key in seen:
+                    continue
+                seen.add(key)
+                args = dict(a_ptr=Ptr(dtype), b_ptr=Ptr(dtype), bias_ptr=Ptr(torch.float32),
+                            c_ptr=Ptr(dtype), M=4096, N=n, K=k, stride_ab=0, stride_am=k,
+                            stride_ak=1, stride_bb=0, stride_bk=1, stride_bn=k, stride_cb=0,
+                            stride_cm=n, stride_cn=1)
+                consts = dict(HAS_BIAS=has_bias, INPUT_PRECISION=input_precision(dtype),
+                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                              GROUP_M=cfg.group_m)
+                yield matmul_kernel, args, consts, cfg.num_warps, cfg.num_stages
+
+
+def _rms_norm_cases(arch: int) -> Iterator[tuple]:
+    from bik.kernels.triton_rms_norm import rms_norm_kernel
+
+    for dtype in DTYPES:
+        for hidden in RMS_NORM_HIDDENS:
+            cfg = rms_norm_config(dtype, hidden, f"sm{arch}")
+            for residual in (False, True):
+                args = dict(x_ptr=Ptr(dtype), r_ptr=Ptr(dtype), w_ptr=Ptr(dtype),
+                            out_ptr=Ptr(dtype), h_ptr=Ptr(dtype), H=hidden, eps=1e-6,
+                            stride_x=hidden, stride_r=hidden, stride_out=hidden, stride_h=hidden)
+                consts = dict(HAS_RESIDUAL=residual, BLOCK_H=cfg.block_h)
+                yield rms_norm_kernel, args, consts, cfg.num_warps, 1
+
+
+def compile_all(arch: int) -> list[CompileRecord]:
+    records = []
+    for cases in (_matmul_cases(arch), _rms_norm_cases(arch)):
+        for kernel, args, consts, warps, stages in cases:
+            rec = compile_kernel(kernel, args, consts, arch=arch, num_warps=warps,
+                                 num_stages=stages)
+            records.append(rec._replace(config=rec.config | {
+                "dtype": str(next(v.dtype for v in args.values() if isinstance(v, Ptr)))[6:],
+                "shape": {k: v for k, v in args.items() if k in ("N", "K", "H")}}))
+    return records

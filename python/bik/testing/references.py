@@ -1,0 +1,41 @@
+"""Deliberately batch-dependent references: the harness must reject them.
+
+They mimic what non-invariant libraries do — pick a split of the reduction by the number of
+rows — so a test that passes bik and rejects these shows that the test can fail.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["split_by_m_matmul", "split_by_m_rms_norm", "splits_for_rows"]
+
+
+def splits_for_rows(m: int) -> int:
+    """A split-K heuristic in the style of GEMM libraries: fewer rows, more splits."""
+    return 4 if m <= 2 else 2 if m <= 16 else 1
+
+
+def _chunked_sum(terms: torch.Tensor, splits: int) -> torch.Tensor:
+    """Sum fp32 ``terms`` [M, K, ...] over dim 1 in ``splits`` sequential partial sums."""
+    total = None
+    for chunk in terms.tensor_split(splits, dim=1):
+        part = torch.zeros_like(terms[:, 0])
+        for k in range(chunk.shape[1]):  # sequential, so the only variable is the split
+            part = part + chunk[:, k]
+        total = part if total is None else total + part
+    return total
+
+
+def split_by_m_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N] in fp32 with a K split chosen by M (NOT batch-invariant)."""
+    terms = a.float()[:, :, None] * b.float()[None, :, :]
+    return _chunked_sum(terms, splits_for_rows(a.shape[0])).to(a.dtype)
+
+
+def split_by_m_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm whose sum of squares is split by M (NOT batch-invariant)."""
+    x32 = x.float()
+    ss = _chunked_sum((x32 * x32)[:, :, None], splits_for_rows(x.shape[0]))[:, 0]
+    rstd = torch.rsqrt(ss / x.shape[1] + eps)
+    return (x32 * rstd[:, None] * weight.float()).to(x.dtype)

@@ -1,0 +1,63 @@
+"""Ready-made invariance suites per op, used by the test-suite and by `bik check`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from bik.testing.harness import InvarianceReport, probe_every_position, rows_alone_vs_batched
+
+__all__ = ["matmul_suite", "rms_norm_suite"]
+
+
+def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def matmul_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Sequence[int],
+                 shapes: Sequence[tuple[int, int]], seed: int = 0,
+                 probe_batch: int = 0) -> list[InvarianceReport]:
+    """Rows alone vs batched for each (N, K), with B both contiguous and as a ``weight.t()`` view."""
+    from bik import matmul
+
+    gen = torch.Generator().manual_seed(seed)
+    reports = []
+    for n, k in shapes:
+        pool = _randn(gen, max(ms), k, dtype=dtype, device=device)
+        for layout, b in (("B[K,N]", _randn(gen, k, n, dtype=dtype, device=device)),
+                          ("W[N,K].t()", _randn(gen, n, k, dtype=dtype, device=device).t())):
+            bias = _randn(gen, n, dtype=torch.float32, device=device)
+
+            def fn(a, b=b, bias=bias):
+                return matmul(a, b, bias, backend=backend)
+
+            name = f"matmul {str(dtype)[6:]} N={n} K={k} {layout}"
+            reports.append(rows_alone_vs_batched(fn, pool, ms, name=name))
+            if probe_batch:
+                neighbours = _randn(gen, probe_batch - 1, k, dtype=dtype, device=device)
+                reports.append(probe_every_position(fn, pool[:1], neighbours,
+                                                    name=name + " probe"))
+    return reports
+
+
+def rms_norm_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Sequence[int],
+                   hiddens: Sequence[int], seed: int = 0) -> list[InvarianceReport]:
+    """Rows alone vs batched for plain and residual-fused RMSNorm at each hidden size."""
+    from bik import rms_norm
+
+    gen = torch.Generator().manual_seed(seed)
+    reports = []
+    for hidden in hiddens:
+        pool = _randn(gen, max(ms), 2, hidden, dtype=dtype, device=device)
+        weight = _randn(gen, hidden, dtype=dtype, device=device)
+        name = f"rms_norm {str(dtype)[6:]} H={hidden}"
+        reports.append(rows_alone_vs_batched(
+            lambda x: rms_norm(x[:, 0], weight, backend=backend), pool, ms, name=name))
+
+        def fused(x):  # pack (out, h) so both outputs are compared per row
+            out, h = rms_norm(x[:, 0], weight, residual=x[:, 1], backend=backend)
+            return torch.stack([out, h], dim=1)
+
+        reports.append(rows_alone_vs_batched(fused, pool, ms, name=name + " +residual"))
+    return reports

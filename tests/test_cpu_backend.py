@@ -1,0 +1,71 @@
+"""The CPU backend (fixed-order C++ kernels): invariance, accuracy, layouts, edge cases, opcheck.
+
+Invariance is exact (torch.equal) and the same harness provably fails on stock torch.mm and on
+a batch-dependent reference (tests/test_harness.py).
+"""
+
+import pytest
+import torch
+
+import cases
+from bik.kernels import cpu
+from bik.testing.harness import M_SWEEP
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+
+SHAPES = [(64, 64), (48, 33), (40, 128), (17, 255)]  # K: powers of two and odd
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+def test_matmul_rows_invariant_over_m_sweep(dtype):
+    cases.check_matmul_invariance("cpu", dtype, M_SWEEP, SHAPES[:2], probe_batch=40)
+
+
+@pytest.mark.parametrize("shape", SHAPES[2:])
+def test_matmul_rows_invariant_more_shapes(shape):
+    cases.check_matmul_invariance("cpu", torch.float32, (1, 3, 4, 8, 31, 64, 127), [shape])
+
+
+def test_matmul_invariant_llama_width():
+    cases.check_matmul_invariance("cpu", torch.bfloat16, (1, 2, 4, 16, 64), [(256, 4096)])
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+def test_rms_norm_rows_invariant(dtype):
+    cases.check_rms_norm_invariance("cpu", dtype, M_SWEEP, (111, 500, 4096))
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("mnk", [(1, 64, 64), (19, 99, 989), (64, 256, 1024)])
+def test_matmul_accuracy(dtype, mnk, gen):
+    cases.check_matmul_accuracy("cpu", dtype, *mnk, gen)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("hidden", [1, 111, 4096])
+def test_rms_norm_accuracy(dtype, hidden, gen):
+    cases.check_rms_norm_accuracy("cpu", dtype, 9, hidden, gen)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+def test_layouts_agree(dtype, gen):
+    cases.check_layouts_agree("cpu", dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+def test_empty_dims(dtype):
+    cases.check_empty_dims("cpu", dtype)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+def test_non_finite_stays_in_its_row(dtype, gen):
+    cases.check_non_finite("cpu", dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+def test_fused_add_rms_norm_equals_unfused(dtype, gen):
+    cases.check_fused_equals_unfused("cpu", dtype, gen)
+
+
+def test_opcheck(gen):
+    cases.check_opcheck("cpu", gen)

@@ -1,0 +1,81 @@
+"""Bad input raises ValueError/TypeError naming the op and the offending shape/dtype/device;
+an explicit backend that cannot run raises BackendUnavailableError. Nothing falls back."""
+
+import pytest
+import torch
+
+import bik
+from bik.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+
+A = torch.zeros(4, 8)
+B = torch.zeros(8, 3)
+
+
+@pytest.mark.parametrize(
+    "call, exc, pattern",
+    [
+        (lambda: bik.matmul(A, torch.zeros(7, 3)), ValueError, r"bik.matmul: a \[4, 8\] and b \[7, 3\] disagree on K"),
+        (lambda: bik.matmul(A, torch.zeros(8)), ValueError, r"bik.matmul: b must be 2-D, got shape \[8\]"),
+        (lambda: bik.matmul(torch.tensor(1.0), B), ValueError, "bik.matmul: a must have at least 1 dim"),
+        (lambda: bik.matmul(A.double(), B.double()), TypeError, "bik.matmul: a has dtype float64"),
+        (lambda: bik.matmul(A.int(), B.int()), TypeError, "bik.matmul: a has dtype int32"),
+        (lambda: bik.matmul(A, B.half()), TypeError, r"bik.matmul: a \(float32\) and b \(float16\)"),
+        (lambda: bik.matmul(A, B, torch.zeros(4)), ValueError, r"bik.matmul: bias \[4\] does not match N = 3"),
+        (lambda: bik.matmul(A, B, torch.zeros(1, 3)), ValueError, r"bik.matmul: bias must be 1-D"),
+        (lambda: bik.matmul(A, B, out_dtype=torch.int8), TypeError, "bik.matmul: out_dtype"),
+        (lambda: bik.matmul(A, "b"), TypeError, "bik.matmul: b must be a torch.Tensor, got str"),
+        (lambda: bik.matmul(A, B, backend="gpu"), ValueError, "bik.matmul: unknown backend 'gpu'"),
+        (lambda: bik.linear(A, torch.zeros(3, 7)), ValueError, "bik.matmul: a .* disagree on K"),
+        (lambda: bik.bmm(A, B), ValueError, r"bik.bmm: a must be 3-D, got shape \[4, 8\]"),
+        (lambda: bik.bmm(torch.zeros(2, 4, 8), torch.zeros(3, 8, 5)), ValueError, "bik.bmm: .* batch size"),
+        (lambda: bik.rms_norm(A, torch.zeros(7)), ValueError, r"bik.rms_norm: weight \[7\] does not match the hidden size of x \[4, 8\]"),
+        (lambda: bik.rms_norm(A, torch.zeros(8), eps=-1e-6), ValueError, "bik.rms_norm: eps must be finite and >= 0"),
+        (lambda: bik.rms_norm(A, torch.zeros(8), eps=float("nan")), ValueError, "bik.rms_norm: eps must be finite"),
+        (lambda: bik.rms_norm(A, torch.zeros(8), eps=float("inf")), ValueError, "bik.rms_norm: eps must be finite"),
+        (lambda: bik.rms_norm(A.double(), torch.zeros(8)), TypeError, "bik.rms_norm: x has dtype float64"),
+        (lambda: bik.rms_norm(A, torch.zeros(8), residual=torch.zeros(4, 7)), ValueError, r"bik.rms_norm: residual \[4, 7\] must match x \[4, 8\]"),
+        (lambda: bik.rms_norm(A, torch.zeros(8), residual=A.half()), ValueError, "bik.rms_norm: residual .* must match x"),
+    ],
+)
+def test_bad_input_names_op_and_shapes(call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+def test_registered_ops_check_inputs_too():
+    with pytest.raises(ValueError, match="bik.matmul: a .* disagree on K"):
+        torch.ops.bik.matmul(A, torch.zeros(5, 3), None, None, "cpu")
+
+
+def test_triton_backend_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(bik.BackendUnavailableError, match="backend='triton' got CPU tensors"):
+        bik.matmul(A, B, backend="triton")
+    with pytest.raises(bik.BackendUnavailableError, match="bik.rms_norm: backend='triton'"):
+        bik.rms_norm(A, torch.ones(8), backend="triton")
+
+
+def test_cuda_backend_is_not_built_yet():
+    with pytest.raises(bik.BackendUnavailableError, match="backend='cuda'"):
+        bik.matmul(A, B, backend="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for a mixed-device case")
+def test_mixed_devices_are_rejected():
+    with pytest.raises(ValueError, match="bik.matmul: a is on cpu but b is on cuda"):
+        torch.ops.bik.matmul(A, B.cuda(), None, None, "cpu")
+
+
+def test_mixed_devices_are_rejected_with_meta_tensors():
+    """Without a GPU, meta tensors stand in for a second device."""
+    with pytest.raises(ValueError, match="bik.matmul: a is on cpu but b is on meta"):
+        bik.matmul(A, B.to("meta"))
+
+
+def test_unavailable_cpu_extension_is_reported(monkeypatch):
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    monkeypatch.setattr(cpu, "unavailable_reason", lambda: "extension not built")
+    with pytest.raises(bik.BackendUnavailableError, match="backend='cpu' is unavailable: extension not built"):
+        bik.matmul(A, B)

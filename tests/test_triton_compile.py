@@ -1,0 +1,47 @@
+"""Every Triton kernel config in bik's tables compiles for sm_90 and sm_80 without a GPU, fits
+the per-block shared memory (triton.compile does not check it) and does not spill."""
+
+import pytest
+
+from bik.testing.compile_table import ARCHS, compile_all
+
+pytest.importorskip("triton")
+
+# Spill budget in bytes per kernel: none of bik's configs spills today; a change that makes
+# one spill must raise this deliberately (and say why in its commit).
+SPILL_BUDGET = 0
+
+
+@pytest.fixture(scope="module", params=ARCHS, ids=lambda a: f"sm{a}")
+def records(request):
+    return compile_all(request.param)
+
+
+def test_every_config_compiles(records):
+    kernels = {r.kernel for r in records}
+    assert kernels == {"matmul_kernel", "rms_norm_kernel"}
+    assert len(records) >= 20
+
+
+def test_shared_memory_fits(records):
+    over = [r for r in records if not r.fits]
+    assert not over, over
+
+
+def test_no_spills(records):
+    spilled = [r for r in records if r.spill_stores + r.spill_loads > SPILL_BUDGET]
+    assert not spilled, spilled
+
+
+def test_registers_within_hardware_limit(records):
+    assert all(0 < r.registers <= 255 for r in records)
+
+
+def test_hopper_matmul_pipelines(records):
+    """On sm_90 the 16-bit matmul keeps several K stages in flight (shared > one stage) when
+    the strides are 16-aligned, as they are for every Llama projection."""
+    if records[0].arch != 90:
+        pytest.skip("sm_90 only")
+    big = [r for r in records if r.kernel == "matmul_kernel" and r.config["dtype"] != "float32"
+           and r.config["BLOCK_K"] == 64 and r.config["shape"]["K"] % 16 == 0]
+    assert big and all(r.shared >= 3 * (128 + 128) * 64 * 2 for r in big)
