@@ -16,8 +16,9 @@ pytestmark = pytest.mark.gpu
 
 SHAPES = [(4096, 4096), (1000, 333), (128256 // 8, 4096)]  # (N, K)
 M_MAX = 4096
-EVERY_M = list(range(1, 129)) + [m for m in range(129, M_MAX + 1) if m % 97 == 0 or
-                                 (m & (m - 1)) == 0 or ((m + 1) & m) == 0] + [M_MAX]
+# Every M up to 128, then powers of two, their odd neighbours and a few others up to 4096.
+EVERY_M = sorted(set(range(1, 129)) | {p + d for p in (256, 512, 1024, 2048) for d in (-1, 0, 1)}
+                 | {1000, 3000, M_MAX - 1, M_MAX})
 
 
 def _alone(fn, pool):
@@ -35,6 +36,8 @@ def _first_bad_m(fn, pool, alone):
 @pytest.mark.parametrize("shape", SHAPES[:2])
 def test_matmul_every_m_equals_m1(dtype, shape):
     n, k = shape
+    if dtype == torch.float32 and n * k > 10**6:
+        pytest.skip("IEEE fp32 runs without tensor cores: the small shape covers it")
     gen = torch.Generator().manual_seed(n + k)
     pool = torch.randn(M_MAX, k, generator=gen).to("cuda", dtype)
     weight = torch.randn(n, k, generator=gen).to("cuda", dtype) / k**0.5

@@ -25,62 +25,58 @@ CPU_MS = (1, 16, 64, 256)
 CPU_MATMUL = LLAMA_MATMUL[:2] + ((1024, 1024),)  # the big ones take minutes on two cores
 
 
-def _row_bits_stable(outputs: dict[int, torch.Tensor]) -> bool:
+def _row_bits_stable(outputs: list[torch.Tensor]) -> bool:
     """Row 0 (the same input row at every M) has the same bits at every M."""
-    rows = [out[0] for out in outputs.values()]
-    return all(torch.equal(rows[0], r) for r in rows[1:])
+    return all(torch.equal(outputs[0][0], out[0]) for out in outputs[1:])
+
+
+def _sweep(device, pool, ms, bik_fn, torch_fn, work, base: dict) -> list[dict]:
+    """Time bik_fn and torch_fn on pool[:M] for each M; ``work(m)`` -> (rate key, units)."""
+    records, bik_out, torch_out = [], [], []
+    for m in ms:
+        rows = pool[:m]
+        bik_out.append(bik_fn(rows))
+        torch_out.append(torch_fn(rows))
+        t_bik = time_ms(lambda rows=rows: bik_fn(rows), device)
+        t_torch = time_ms(lambda rows=rows: torch_fn(rows), device)
+        key, units = work(m)  # units per ms -> TFLOP/s or GB/s after the 1e9 / 1e6 scaling
+        records.append(base | {
+            "M": m, "bik_ms": t_bik, "torch_ms": t_torch,
+            f"bik_{key}": units / t_bik["p50"], f"torch_{key}": units / t_torch["p50"],
+            "speedup": t_torch["p50"] / t_bik["p50"],
+        })
+    for rec in records:
+        rec["bik_rows_identical"] = _row_bits_stable(bik_out)
+        rec["torch_rows_identical"] = _row_bits_stable(torch_out)
+    return records
 
 
 def bench_matmul(device, dtype, backend, ms, shapes) -> list[dict]:
     records = []
-    cases = [(n, k) for n, k in shapes]
-    for n, k in track(cases, description="matmul", transient=True):
+    for n, k in track(list(shapes), description="matmul", transient=True):
         gen = torch.Generator().manual_seed(n * 7 + k)
         weight = torch.randn(n, k, generator=gen).to(dtype=dtype, device=device) / k**0.5
         pool = torch.randn(max(ms), k, generator=gen).to(dtype=dtype, device=device)
-        bik_out, torch_out = {}, {}
-        for m in ms:
-            a = pool[:m]
-            bik_out[m] = bik.linear(a, weight, backend=backend)
-            torch_out[m] = F.linear(a, weight)
-            t_bik = time_ms(lambda a=a: bik.linear(a, weight, backend=backend), device)
-            t_torch = time_ms(lambda a=a: F.linear(a, weight), device)
-            flops = 2.0 * m * n * k
-            records.append({
-                "op": "matmul", "M": m, "N": n, "K": k, "dtype": str(dtype)[6:],
-                "bik_ms": t_bik, "torch_ms": t_torch,
-                "bik_tflops": flops / t_bik["p50"] / 1e9, "torch_tflops": flops / t_torch["p50"] / 1e9,
-                "speedup": t_torch["p50"] / t_bik["p50"],
-            })
-        for rec in records[-len(ms):]:
-            rec["bik_rows_identical"] = _row_bits_stable(bik_out)
-            rec["torch_rows_identical"] = _row_bits_stable(torch_out)
+        records += _sweep(device, pool, ms,
+                          lambda a: bik.linear(a, weight, backend=backend),
+                          lambda a: F.linear(a, weight),
+                          lambda m: ("tflops", 2.0 * m * n * k / 1e9),
+                          {"op": "matmul", "N": n, "K": k, "dtype": str(dtype)[6:]})
     return records
 
 
 def bench_rms_norm(device, dtype, backend, ms, hiddens) -> list[dict]:
     records = []
-    for hidden in track(hiddens, description="rmsnorm", transient=True):
+    for hidden in track(list(hiddens), description="rmsnorm", transient=True):
         gen = torch.Generator().manual_seed(hidden)
         weight = torch.randn(hidden, generator=gen).to(dtype=dtype, device=device)
         pool = torch.randn(max(ms), hidden, generator=gen).to(dtype=dtype, device=device)
-        bik_out, torch_out = {}, {}
-        for m in ms:
-            x = pool[:m]
-            bik_out[m] = bik.rms_norm(x, weight, backend=backend)
-            torch_out[m] = F.rms_norm(x, (hidden,), weight, 1e-6)
-            t_bik = time_ms(lambda x=x: bik.rms_norm(x, weight, backend=backend), device)
-            t_torch = time_ms(lambda x=x: F.rms_norm(x, (hidden,), weight, 1e-6), device)
-            nbytes = (2 * m * hidden + hidden) * x.element_size()
-            records.append({
-                "op": "rms_norm", "M": m, "H": hidden, "dtype": str(dtype)[6:],
-                "bik_ms": t_bik, "torch_ms": t_torch,
-                "bik_gbps": nbytes / t_bik["p50"] / 1e6, "torch_gbps": nbytes / t_torch["p50"] / 1e6,
-                "speedup": t_torch["p50"] / t_bik["p50"],
-            })
-        for rec in records[-len(ms):]:
-            rec["bik_rows_identical"] = _row_bits_stable(bik_out)
-            rec["torch_rows_identical"] = _row_bits_stable(torch_out)
+        itemsize = pool.element_size()
+        records += _sweep(device, pool, ms,
+                          lambda x: bik.rms_norm(x, weight, backend=backend),
+                          lambda x: F.rms_norm(x, (hidden,), weight, 1e-6),
+                          lambda m: ("gbps", (2 * m * hidden + hidden) * itemsize / 1e6),
+                          {"op": "rms_norm", "H": hidden, "dtype": str(dtype)[6:]})
     return records
 
 
