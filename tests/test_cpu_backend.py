@@ -6,7 +6,10 @@ a batch-dependent reference (tests/test_harness.py).
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import bik
 import cases
 from bik.kernels import cpu
 from bik.testing.harness import M_SWEEP
@@ -69,3 +72,24 @@ def test_fused_add_rms_norm_equals_unfused(dtype, gen):
 
 def test_opcheck(gen):
     cases.check_opcheck("cpu", gen)
+
+
+@settings(deadline=None, derandomize=True, max_examples=60)
+@given(m=st.integers(1, 70), n=st.integers(1, 70), k=st.integers(0, 90), row=st.integers(0, 69),
+       a_t=st.booleans(), b_t=st.booleans(), step=st.integers(1, 3),
+       dtype=st.sampled_from(cases.DTYPES), bias=st.booleans())
+def test_hypothesis_shapes_and_strides(m, n, k, row, a_t, b_t, step, dtype, bias):
+    """Any shape and layout: a row alone equals it in the batch, layouts equal contiguous copies,
+    and the result is accurate."""
+    gen = torch.Generator().manual_seed(m * 10_000 + n * 100 + k)
+    a = cases.randn(gen, k, m, dtype=dtype).t() if a_t else cases.randn(gen, m, k, dtype=dtype)
+    b = cases.randn(gen, n * step, k, dtype=dtype).t()[:, ::step] if b_t else \
+        cases.randn(gen, k, n * step, dtype=dtype)[:, ::step]
+    c = cases.randn(gen, n) if bias else None
+    row %= m
+    full = bik.matmul(a, b, c)
+    assert torch.equal(full, bik.matmul(a.contiguous(), b.contiguous(), c))
+    assert torch.equal(full[row], bik.matmul(a[row:row + 1], b, c)[0])
+    ref = a.double() @ b.double() + (0 if c is None else c.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 if dtype == torch.bfloat16 else 4e-3
+    assert torch.allclose(full.double(), ref, atol=tol * (1 + k) ** 0.5, rtol=tol)

@@ -24,8 +24,8 @@ __all__ = ["Fingerprint", "fingerprint", "OPS"]
 OPS = ("matmul", "bmm", "rms_norm", "fused_add_rms_norm")
 
 _PKG = Path(__file__).resolve().parent
-# Files whose content decides numerics. csrc is hashed through the installed extension's
-# sources when present in a source checkout.
+# Files whose content decides numerics. The C++ sources are hashed when present (a source
+# checkout); an installed wheel is covered by the extension's CONTRACT_VERSION instead.
 _NUMERIC_SOURCES = ("configs.py", "kernels/triton_matmul.py", "kernels/triton_rms_norm.py",
                     "kernels/cpu.py")
 _CSRC = _PKG.parent.parent / "csrc" / "cpu"
@@ -79,7 +79,10 @@ def fingerprint(device: torch.device | str | None = None) -> Fingerprint:
     config_hash = hashlib.sha256(
         json.dumps(config_table(), sort_keys=True).encode()
     ).hexdigest()[:16]
-    versions = {"bik": _version("bik"), "torch": torch.__version__, "triton": _version("triton")}
+    from bik.kernels import cpu
+
+    versions = {"bik": _version("bik"), "torch": torch.__version__, "triton": _version("triton"),
+                "cpu_contract": cpu.contract_version()}
     payload = json.dumps([arch, backends, config_hash, _source_hash(), versions], sort_keys=True)
     return Fingerprint(
         digest=hashlib.sha256(payload.encode()).hexdigest()[:16],

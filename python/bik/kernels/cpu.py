@@ -20,7 +20,8 @@ except Exception as exc:  # noqa: BLE001 - missing .so, ABI mismatch, anything
     _ext = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "unavailable_reason", "isa", "matmul_f32", "rms_norm_f32"]
+__all__ = ["available", "contract_version", "isa", "matmul_f32", "rms_norm_f32",
+           "unavailable_reason"]
 
 
 def available() -> bool:
@@ -118,3 +119,8 @@ def rms_norm_f32(
         torch.get_num_threads() if num_threads is None else num_threads,
         isa,
     )  # fmt: skip
+
+
+def contract_version() -> int | None:
+    """The numerics-contract revision compiled into the extension (None when unavailable)."""
+    return None if _ext is None else int(_ext.CONTRACT_VERSION)

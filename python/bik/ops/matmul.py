@@ -134,6 +134,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
             f"({a.shape[-1]} vs {b.shape[0]})"
         )
     backend = resolve_backend(op, backend, a.device)
+    if a.dim() == 2:
+        return torch.ops.bik.matmul(a, b, bias, out_dtype, backend)
     rows = math.prod(a.shape[:-1])  # not reshape(-1, K): K may be 0
     out = torch.ops.bik.matmul(a.reshape(rows, a.shape[-1]), b, bias, out_dtype, backend)
     return out.reshape(*a.shape[:-1], b.shape[1])
