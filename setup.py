@@ -5,8 +5,21 @@ torch build. If no C++ compiler is present the build is skipped: bik still impor
 Triton backend still runs, and backend="cpu" raises a clear error (see bik.kernels.cpu).
 """
 
+import hashlib
+from pathlib import Path
+
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
+
+CPU_SOURCES = sorted(Path("csrc/cpu").glob("*.[ch]*"))
+
+
+def _source_hash() -> str:
+    """Baked into the extension so bik.fingerprint() covers the C++ kernels of any install."""
+    h = hashlib.sha256()
+    for path in CPU_SOURCES:
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 class OptionalBuildExt(build_ext):
@@ -28,7 +41,8 @@ class OptionalBuildExt(build_ext):
 cpu_ext = Pybind11Extension(
     "bik._cpu_kernels",
     sources=["csrc/cpu/bindings.cpp"],
-    depends=["csrc/cpu/contract.h", "csrc/cpu/kernels_isa.h"],
+    depends=[str(p) for p in CPU_SOURCES],
+    define_macros=[("BIK_CPU_SOURCE_HASH", f'"{_source_hash()}"')],
     include_dirs=["csrc/cpu"],
     cxx_std=17,
     # -ffp-contract=off: every a*b+c stays a rounded multiply then a rounded add, in every

@@ -1,8 +1,8 @@
 """Shared test setup.
 
 * ``gpu`` tests skip without CUDA.
-* In the TRITON_INTERPRET=1 process, the interpreter's ``tl.dot`` is replaced by a sequential
-  fp32 dot, and its fp32 -> bf16 cast by torch's. Triton 3.6's interpreter computes bf16 dots
+* In the TRITON_INTERPRET=1 process, the interpreter's ``tl.dot`` is replaced by a fixed-tree
+  fp32 dot (see _tree_dot), and its fp32 -> bf16 cast by torch's. Triton 3.6's interpreter computes bf16 dots
   on raw bit patterns, truncates fp32 -> bf16 where GPUs round to nearest even, and does fp32
   dots with numpy/OpenBLAS, whose bits depend on the operand shapes (a 1-row product differs
   from the same row inside a 16-row one; ../shared/notes/toolchain.md). None of that is what a
@@ -31,14 +31,27 @@ def _interpreter_f32(handle) -> np.ndarray:
     return data.astype(np.float32)
 
 
-def _sequential_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+def _pairwise_sum(x: np.ndarray, axis: int) -> np.ndarray:
+    """Sum over ``axis`` by a fixed pairwise tree (pairs (0,1), (2,3), ..., then recurse)."""
+    x = np.moveaxis(x, axis, 0)
+    while x.shape[0] > 1:
+        if x.shape[0] % 2:
+            x = np.concatenate([x, np.zeros_like(x[:1])])
+        x = x[0::2] + x[1::2]
+    return x[0]
+
+
+def _tree_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """acc + (a @ b) where each output's K_BLOCK products are summed by one fixed pairwise
+    tree in fp32: every row of the tile is treated alike (as by a tensor-core instruction),
+    and the K step is visible in the bits (as on the hardware), so a BLOCK_K that followed M
+    would show up as a batch dependence."""
     from triton.runtime.interpreter import TensorHandle
 
     a32, b32 = _interpreter_f32(a), _interpreter_f32(b)
-    acc = d.data.astype(np.float32, copy=True)
-    for k in range(a32.shape[-1]):  # acc = acc + a[:, k] * b[k, :], each op rounded in fp32
-        acc = acc + a32[..., :, k:k + 1] * b32[..., k:k + 1, :]
-    return TensorHandle(acc, d.dtype.scalar)
+    products = a32[..., :, :, None] * b32[..., None, :, :]  # [.., M, K, N], each rounded
+    acc = d.data.astype(np.float32) + _pairwise_sum(products, axis=-2)
+    return TensorHandle(acc.astype(np.float32), d.dtype.scalar)
 
 
 def _patch_bf16_cast(original):
@@ -54,12 +67,10 @@ def _patch_bf16_cast(original):
     return cast_impl
 
 
-STOCK_CREATE_DOT = None
 if INTERPRETER:
     from triton.runtime.interpreter import InterpreterBuilder
 
-    STOCK_CREATE_DOT = InterpreterBuilder.create_dot
-    InterpreterBuilder.create_dot = _sequential_dot
+    InterpreterBuilder.create_dot = _tree_dot
     InterpreterBuilder.cast_impl = _patch_bf16_cast(InterpreterBuilder.cast_impl)
 
 

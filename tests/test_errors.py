@@ -27,16 +27,18 @@ B = torch.zeros(8, 3)
         (lambda: bik.matmul(A, B, out_dtype=torch.int8), TypeError, "bik.matmul: out_dtype"),
         (lambda: bik.matmul(A, "b"), TypeError, "bik.matmul: b must be a torch.Tensor, got str"),
         (lambda: bik.matmul(A, B, backend="gpu"), ValueError, "bik.matmul: unknown backend 'gpu'"),
-        (lambda: bik.linear(A, torch.zeros(3, 7)), ValueError, "bik.matmul: a .* disagree on K"),
+        (lambda: bik.linear(A, torch.zeros(3, 7)), ValueError, r"bik.linear: x \[4, 8\] and weight \[3, 7\] disagree on K"),
+        (lambda: bik.matmul(A, B, out_dtype="float16"), TypeError, "bik.matmul: out_dtype"),
+        (lambda: bik.rms_norm(A, torch.zeros(8), eps=1e39), ValueError, "bik.rms_norm: eps must be finite in fp32"),
         (lambda: bik.bmm(A, B), ValueError, r"bik.bmm: a must be 3-D, got shape \[4, 8\]"),
         (lambda: bik.bmm(torch.zeros(2, 4, 8), torch.zeros(3, 8, 5)), ValueError, "bik.bmm: .* batch size"),
         (lambda: bik.rms_norm(A, torch.zeros(7)), ValueError, r"bik.rms_norm: weight \[7\] does not match the hidden size of x \[4, 8\]"),
-        (lambda: bik.rms_norm(A, torch.zeros(8), eps=-1e-6), ValueError, "bik.rms_norm: eps must be finite and >= 0"),
+        (lambda: bik.rms_norm(A, torch.zeros(8), eps=-1e-6), ValueError, "bik.rms_norm: eps must be finite in fp32 and >= 0"),
         (lambda: bik.rms_norm(A, torch.zeros(8), eps=float("nan")), ValueError, "bik.rms_norm: eps must be finite"),
         (lambda: bik.rms_norm(A, torch.zeros(8), eps=float("inf")), ValueError, "bik.rms_norm: eps must be finite"),
         (lambda: bik.rms_norm(A.double(), torch.zeros(8)), TypeError, "bik.rms_norm: x has dtype float64"),
         (lambda: bik.rms_norm(A, torch.zeros(8), residual=torch.zeros(4, 7)), ValueError, r"bik.rms_norm: residual \[4, 7\] must match x \[4, 8\]"),
-        (lambda: bik.rms_norm(A, torch.zeros(8), residual=A.half()), ValueError, "bik.rms_norm: residual .* must match x"),
+        (lambda: bik.rms_norm(A, torch.zeros(8), residual=A.half()), TypeError, "bik.rms_norm: residual .* must have x's dtype"),
     ],
 )
 def test_bad_input_names_op_and_shapes(call, exc, pattern):
@@ -79,3 +81,12 @@ def test_unavailable_cpu_extension_is_reported(monkeypatch):
     monkeypatch.setattr(cpu, "unavailable_reason", lambda: "extension not built")
     with pytest.raises(bik.BackendUnavailableError, match="backend='cpu' is unavailable: extension not built"):
         bik.matmul(A, B)
+
+
+def test_backward_raises_instead_of_silently_dropping_gradients():
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.randn(5, 8, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="bik.matmul: backward is not implemented"):
+        bik.linear(x, w).sum().backward()
+    with pytest.raises(NotImplementedError, match="bik.rms_norm: backward is not implemented"):
+        bik.rms_norm(x, torch.ones(8)).sum().backward()

@@ -1,6 +1,7 @@
 """bik.fingerprint(): stable for unchanged inputs, changed by any config-table change."""
 
 import dataclasses
+import importlib
 
 import torch
 
@@ -12,7 +13,8 @@ def test_fingerprint_is_stable_and_complete():
     a, b = bik.fingerprint("cpu"), bik.fingerprint(torch.device("cpu"))
     assert a == b
     assert a.arch in ("cpu", "interpreter")
-    assert set(a.backends) == {"matmul", "bmm", "rms_norm", "fused_add_rms_norm"}
+    assert set(a.backends) >= {"matmul", "bmm", "rms_norm", "fused_add_rms_norm", "softmax",
+                               "log_softmax", "mean"}
     assert {"bik", "torch", "triton"} <= set(a.versions)
     assert len(a.digest) == 16
 
@@ -39,3 +41,32 @@ def test_configs_never_see_m():
     assert list(inspect.signature(configs.matmul_config).parameters) == ["dtype", "n", "k", "arch"]
     assert list(inspect.signature(configs.rms_norm_config).parameters) == ["dtype", "hidden",
                                                                            "arch"]
+
+
+def test_every_kernel_and_op_source_is_hashed():
+    fp_mod = importlib.import_module("bik.fingerprint")  # bik.fingerprint is the function
+
+    hashed = {p.relative_to(fp_mod._PKG).as_posix() for p in fp_mod.numeric_sources()}
+    pkg = fp_mod._PKG
+    expected = {p.relative_to(pkg).as_posix() for p in
+                [*pkg.glob("kernels/*.py"), *pkg.glob("ops/*.py"), pkg / "configs.py"]}
+    assert expected <= hashed
+
+
+def test_source_change_changes_fingerprint(monkeypatch, tmp_path):
+    fp_mod = importlib.import_module("bik.fingerprint")  # bik.fingerprint is the function
+
+    src = tmp_path / "kernel.py"
+    src.write_text("BLOCK = 64\n")
+    monkeypatch.setattr(fp_mod, "numeric_sources", lambda: [src])
+    monkeypatch.setattr(fp_mod, "_PKG", tmp_path)
+    before = bik.fingerprint("cpu").digest
+    src.write_text("BLOCK = 32\n")
+    assert bik.fingerprint("cpu").digest != before
+
+
+def test_cpu_extension_carries_its_source_hash():
+    from bik.kernels import cpu
+
+    if cpu.available():
+        assert cpu.source_hash() not in (None, "unknown")

@@ -69,3 +69,13 @@ def test_nan_rows_compare_by_bits():
 def test_pool_too_small_is_an_error(gen):
     with pytest.raises(ValueError, match="needs 8"):
         rows_alone_vs_batched(lambda x: x, torch.zeros(4, 2), (1, 8))
+
+
+def test_signed_zeros_and_nans_compare_by_bits():
+    from bik.testing import same_bits
+
+    assert not same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert same_bits(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+    pool = torch.randn(8, 4)
+    flips_zero_sign = lambda x: torch.zeros_like(x) * (1 if x.shape[0] == 1 else -1)  # noqa: E731
+    assert not rows_alone_vs_batched(flips_zero_sign, pool, (1, 8)).ok

@@ -19,7 +19,7 @@ def records(request):
 
 def test_every_config_compiles(records):
     kernels = {r.kernel for r in records}
-    assert kernels == {"matmul_kernel", "rms_norm_kernel"}
+    assert kernels == {"matmul_kernel", "rms_norm_kernel", "softmax_kernel", "mean_kernel"}
     assert len(records) >= 20
 
 
@@ -29,7 +29,7 @@ def test_shared_memory_fits(records):
 
 
 def test_no_spills(records):
-    spilled = [r for r in records if r.spill_stores + r.spill_loads > SPILL_BUDGET]
+    spilled = [r for r in records if r.spill_stores + r.spill_loads + r.local > SPILL_BUDGET]
     assert not spilled, spilled
 
 

@@ -3,11 +3,13 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
 #include "contract.h"
+#include "reductions.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 // The internal per-ISA helpers pass vectors by value; they are inlined, so the ABI note is moot.
@@ -187,13 +189,60 @@ void rms_norm_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t w, std::uintptr_t 
   });
 }
 
+void softmax_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t y, idx_t sym, idx_t M, idx_t N,
+                 bool log, int num_threads) {
+  if (M < 0 || N < 0) throw std::invalid_argument("bik: negative softmax size");
+  if (M == 0 || N == 0) return;
+  const idx_t t = std::max<idx_t>(
+      1, std::min<idx_t>({idx_t(num_threads), M, (M * N) / red::kMinElemsPerThread}));
+  pybind11::gil_scoped_release nogil;
+  parallel_run(int(t), [&](int id) {
+    const idx_t m0 = M * id / t, m1 = M * (id + 1) / t;
+    red::softmax_rows(fptr(x), sxm, reinterpret_cast<float*>(y), sym, m0, m1, N, log);
+  });
+}
+
+void mean_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t y, idx_t M, idx_t N, int num_threads) {
+  if (M < 0 || N <= 0) throw std::invalid_argument("bik: mean needs M >= 0 and N > 0");
+  if (M == 0) return;
+  const idx_t t = std::max<idx_t>(
+      1, std::min<idx_t>({idx_t(num_threads), M, (M * N) / red::kMinElemsPerThread}));
+  pybind11::gil_scoped_release nogil;
+  parallel_run(int(t), [&](int id) {
+    const idx_t m0 = M * id / t, m1 = M * (id + 1) / t;
+    red::mean_rows(fptr(x), sxm, reinterpret_cast<float*>(y), m0, m1, N);
+  });
+}
+
+// y[i] = exp2f(x[i]) or log2f(x[i]): a pure function of each input value (no SIMD body vs scalar tail that could
+// round differently), so an element's bits never depend on its position or the tensor's size.
+// Used by the CPU attention path, whose other steps are exact or fixed-order kernels above.
+void unary_f32(std::uintptr_t x, std::uintptr_t y, idx_t n, const std::string& fn) {
+  if (n < 0) throw std::invalid_argument("bik: negative unary size");
+  const bool is_exp2 = fn == "exp2";
+  if (!is_exp2 && fn != "log2") throw std::invalid_argument("bik: unary_f32 takes exp2 or log2");
+  const float* xp = fptr(x);
+  float* yp = reinterpret_cast<float*>(y);
+  pybind11::gil_scoped_release nogil;
+  FenvGuard g;
+  if (is_exp2) {
+    for (idx_t i = 0; i < n; ++i) yp[i] = std::exp2(xp[i]);
+  } else {
+    for (idx_t i = 0; i < n; ++i) yp[i] = std::log2(xp[i]);
+  }
+}
+
 }  // namespace
 }  // namespace bik_cpu
 
 PYBIND11_MODULE(_cpu_kernels, m) {
   namespace py = pybind11;
   m.doc() = "bik fixed-order fp32 CPU kernels (batch-invariant by construction; see contract.h)";
-  m.attr("CONTRACT_VERSION") = 1;
+#ifndef BIK_CPU_SOURCE_HASH
+#define BIK_CPU_SOURCE_HASH "unknown"
+#endif
+  m.attr("SOURCE_HASH") = BIK_CPU_SOURCE_HASH;  // of csrc/cpu, computed by setup.py
+  m.attr("CONTRACT_VERSION") = 2;  // 2: + softmax, log_softmax, mean
   m.def("matmul_f32", &bik_cpu::matmul_f32, py::arg("a"), py::arg("sam"), py::arg("sak"),
         py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),
         py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("num_threads"),
@@ -204,6 +253,14 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("y"), py::arg("sym"), py::arg("M"), py::arg("H"), py::arg("eps"),
         py::arg("num_threads"), py::arg("isa") = "auto",
         "y[M,H] = rms_norm(x[M,H]) * w[H]; unit stride along H, row strides sxm/sym.");
+  m.def("softmax_f32", &bik_cpu::softmax_f32, py::arg("x"), py::arg("sxm"), py::arg("y"),
+        py::arg("sym"), py::arg("M"), py::arg("N"), py::arg("log"), py::arg("num_threads"),
+        "y[M,N] = softmax (log_softmax if log) of each row of x[M,N]; unit stride along N.");
+  m.def("mean_f32", &bik_cpu::mean_f32, py::arg("x"), py::arg("sxm"), py::arg("y"), py::arg("M"),
+        py::arg("N"), py::arg("num_threads"),
+        "y[M] = mean of each row of x[M,N] (N > 0); unit stride along N.");
+  m.def("unary_f32", &bik_cpu::unary_f32, py::arg("x"), py::arg("y"), py::arg("n"),
+        py::arg("fn"), "y[i] = exp2f(x[i]) or log2f(x[i]) (fn) for contiguous fp32 buffers.");
   m.def(
       "isa", [](const std::string& want) { return std::string(bik_cpu::select_isa(want).name); },
       py::arg("want") = "auto", "Name of the ISA path `want` resolves to.");

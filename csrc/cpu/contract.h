@@ -27,6 +27,22 @@
 //   Rows are independent; threads split rows only. The vector body adds +0.0f (= 0*0) in the
 //   lanes past H; since every s[l] is >= +0, NaN or +inf, that add is exact and changes nothing.
 //
+// softmax / log_softmax (fp32 in, fp32 out; reductions.h), per row x[0..n-1]:
+//     mx = max_j x[j]  (NaN if any x[j] is NaN; max is exact, so its order is irrelevant)
+//     s[l] = 0.0f for l = 0..15;  for j ascending:  e[j] = expf(x[j] - mx);  s[j % 16] += e[j]
+//     for w = 8, 4, 2, 1:  s[l] = s[l] + s[l + w]  for l < w;   S = s[0]
+//     softmax:      y[j] = e[j] / S                   (correctly rounded division)
+//     log_softmax:  y[j] = (x[j] - mx) - logf(S)
+//   expf/logf are the C library's: pure functions of their argument (the libm, not the batch,
+//   decides their bits). Hence a +inf in a row makes the row NaN (inf - inf), an all -inf row is
+//   NaN (-inf - -inf), a NaN poisons only its row, and -inf entries among finite ones give 0.
+//
+// mean (fp32 in, fp32 out; reductions.h), per row x[0..n-1], n >= 1:
+//     s[l] = 0.0f for l = 0..15;  for j ascending:  s[j % 16] = s[j % 16] + x[j]
+//     for w = 8, 4, 2, 1:  s[l] = s[l] + s[l + w]  for l < w;   y = s[0] / (float)n
+//   (no padding adds in the tail: only lane j % 16 of each element is touched).
+//   Rows are independent; threads split rows only, as for rms_norm.
+//
 // FP environment: each compute thread (the caller included, restored afterwards) runs with the
 // default environment (round to nearest, no flush-to-zero / denormals-are-zero), so a caller's
 // torch.set_flush_denormal(True) cannot make a threaded call differ from a single-thread one.

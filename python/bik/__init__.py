@@ -2,6 +2,7 @@
 
 Public API (see docs/api.md):
     bik.matmul, bik.linear, bik.bmm, bik.rms_norm  -- the ops (also torch.ops.bik.*)
+    bik.softmax, bik.log_softmax, bik.mean           -- row reductions (also torch.ops.bik.*)
     bik.fingerprint                                  -- what decides the bits, as one digest
     bik.testing                                      -- the invariance harness
 """
@@ -9,6 +10,7 @@ Public API (see docs/api.md):
 from bik._backend import BACKENDS, BackendUnavailableError
 from bik.fingerprint import Fingerprint, fingerprint
 from bik.ops.matmul import bmm, linear, matmul
+from bik.ops.reductions import log_softmax, mean, softmax
 from bik.ops.rms_norm import rms_norm
 
 __version__ = "0.1.0"
@@ -20,6 +22,9 @@ __all__ = [
     "bmm",
     "fingerprint",
     "linear",
+    "log_softmax",
     "matmul",
+    "mean",
     "rms_norm",
+    "softmax",
 ]

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["MatmulConfig", "RMSNormConfig", "arch_family", "matmul_config", "rms_norm_config"]
+__all__ = ["AttentionConfig", "MatmulConfig", "RMSNormConfig", "arch_family", "attention_config",
+           "matmul_config", "reduction_config", "ReductionConfig", "rms_norm_config"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,21 @@ class MatmulConfig:
 @dataclass(frozen=True)
 class RMSNormConfig:
     block_h: int  # the fixed chunk of the hidden dimension reduced per step
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int  # query rows per tile: (G query heads sharing a KV head) x BLOCK_M // G tokens
+    block_n: int  # keys per inner block; divides split
+    split: int  # the fixed KV split size, aligned to absolute KV positions
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class ReductionConfig:
+    block: int  # the fixed chunk of a row (softmax, log_softmax, mean) reduced per step
     num_warps: int
 
 
@@ -55,6 +71,9 @@ _MATMUL_BASE = {
 }
 
 _RMS_NORM_MAX_BLOCK = {"sm90": 4096, "sm80": 4096, "interpreter": 64}
+# Softmax / log_softmax / mean: the largest chunk of a row reduced per step (lanes of the
+# accumulator). Small in the interpreter so that test rows of a few hundred cross many chunks.
+_REDUCTION_MAX_BLOCK = {"sm90": 4096, "sm80": 4096, "interpreter": 64}
 
 
 def arch_family(arch: str) -> str:
@@ -91,9 +110,52 @@ def rms_norm_config(dtype: torch.dtype, hidden: int, arch: str) -> RMSNormConfig
     return RMSNormConfig(block_h=block, num_warps=4 if block <= 1024 else 8)
 
 
+def reduction_config(n: int, arch: str) -> ReductionConfig:
+    """The one chunking of a row of length n on this arch (softmax, log_softmax, mean).
+
+    The number of rows is deliberately absent, and so is the dtype: every dtype is reduced in
+    fp32 with the same chunks.
+    """
+    block = min(_REDUCTION_MAX_BLOCK[arch_family(arch)], max(16, _pow2_at_least(n)))
+    return ReductionConfig(block=block, num_warps=4 if block <= 1024 else 8)
+
+
 def config_table() -> dict:
     """Plain-data view of the tables (for the fingerprint and `bik check`)."""
     return {
         "matmul": {arch: {dt: vars(c) for dt, c in row.items()} for arch, row in _MATMUL_BASE.items()},
         "rms_norm_max_block": dict(_RMS_NORM_MAX_BLOCK),
+        "reduction_max_block": dict(_REDUCTION_MAX_BLOCK),
+        "attention": {arch: {dt: vars(c) for dt, c in row.items()}
+                      for arch, row in _ATTENTION_BASE.items()},
+        "cpu_attention_split": CPU_ATTENTION_SPLIT,
     }
+
+
+# Per (arch family, dtype): the split size is a constant of the table, never of the length.
+_ATTENTION_BASE = {
+    "sm90": {
+        "bf16": AttentionConfig(64, 64, 256, num_warps=4, num_stages=2),
+        "fp16": AttentionConfig(64, 64, 256, num_warps=4, num_stages=2),
+        "fp32": AttentionConfig(32, 32, 256, num_warps=4, num_stages=2),
+    },
+    "sm80": {
+        "bf16": AttentionConfig(64, 64, 256, num_warps=4, num_stages=2),
+        "fp16": AttentionConfig(64, 64, 256, num_warps=4, num_stages=2),
+        "fp32": AttentionConfig(32, 32, 256, num_warps=4, num_stages=2),
+    },
+    # Small splits so interpreter tests cross several splits at lengths of a few dozen.
+    "interpreter": {dt: AttentionConfig(16, 16, 32, num_warps=4, num_stages=1)
+                    for dt in ("bf16", "fp16", "fp32")},
+}
+# The CPU backend's split size (it uses no tiles).
+CPU_ATTENTION_SPLIT = 256
+
+
+def attention_config(dtype: torch.dtype, head_dim: int, gqa: int, arch: str) -> AttentionConfig:
+    """The one attention configuration for (dtype, head_dim, GQA ratio, arch), every q_len."""
+    base = _ATTENTION_BASE[arch_family(arch)][_DTYPE_KEY[dtype]]
+    if head_dim > 128 and base.block_n > 32:  # keep K/V blocks of D = 256 within shared memory
+        return replace(base, block_n=32)
+    del gqa  # the tile packs G heads x BLOCK_M // G tokens; the table needs no G-specific entry
+    return base

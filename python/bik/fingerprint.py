@@ -21,14 +21,17 @@ from bik.configs import config_table
 
 __all__ = ["Fingerprint", "fingerprint", "OPS"]
 
-OPS = ("matmul", "bmm", "rms_norm", "fused_add_rms_norm")
+OPS = ("matmul", "bmm", "rms_norm", "fused_add_rms_norm", "softmax", "log_softmax", "mean")
 
 _PKG = Path(__file__).resolve().parent
-# Files whose content decides numerics. The C++ sources are hashed when present (a source
-# checkout); an installed wheel is covered by the extension's CONTRACT_VERSION instead.
-_NUMERIC_SOURCES = ("configs.py", "kernels/triton_matmul.py", "kernels/triton_rms_norm.py",
-                    "kernels/cpu.py")
-_CSRC = _PKG.parent.parent / "csrc" / "cpu"
+# Everything whose content can decide numerics: configs, backend choice, the ops layer (upcasts,
+# bias and residual rounding) and every kernel launcher. The C++ sources are covered by the
+# hash the extension was compiled with (setup.py), so installed wheels are covered too.
+_NUMERIC_GLOBS = ("configs.py", "_backend.py", "ops/*.py", "kernels/*.py")
+
+
+def numeric_sources() -> list[Path]:
+    return sorted({p for pattern in _NUMERIC_GLOBS for p in _PKG.glob(pattern)})
 
 
 class Fingerprint(NamedTuple):
@@ -51,14 +54,13 @@ def _version(dist: str) -> str:
 
 
 def _source_hash() -> str:
+    from bik.kernels import cpu
+
     h = hashlib.sha256()
-    files = [_PKG / rel for rel in _NUMERIC_SOURCES]
-    if _CSRC.is_dir():
-        files += sorted(p for p in _CSRC.iterdir() if p.suffix in (".h", ".cpp"))
-    for path in files:
-        if path.exists():
-            h.update(path.name.encode())
-            h.update(path.read_bytes())
+    for path in numeric_sources():
+        h.update(path.relative_to(_PKG).as_posix().encode())
+        h.update(path.read_bytes())
+    h.update(str(cpu.source_hash()).encode())
     return h.hexdigest()[:16]
 
 

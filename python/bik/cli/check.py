@@ -12,7 +12,7 @@ import bik
 from bik.cli.common import pick_device, run_metadata, write_json
 from bik.testing import rows_alone_vs_batched, split_by_m_matmul
 from bik.testing.harness import M_SWEEP
-from bik.testing.suites import matmul_suite, rms_norm_suite
+from bik.testing.suites import matmul_suite, reduction_suite, rms_norm_suite
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -36,6 +36,11 @@ def check_rows(device: torch.device, quick: bool) -> list[dict]:
                          "mismatches": len(r.mismatches)})
         for r in rms_norm_suite(device=device, dtype=dtype, backend=None, ms=plan["ms"],
                                 hiddens=plan["hiddens"]):
+            rows.append({"check": r.name, "rows": r.comparisons, "ok": r.ok,
+                         "mismatches": len(r.mismatches)})
+        # softmax, log_softmax, mean: row lengths odd and a power of two
+        for r in reduction_suite(device=device, dtype=dtype, backend=None, ms=plan["ms"],
+                                 lengths=(111,) if quick else (111, 4096)):
             rows.append({"check": r.name, "rows": r.comparisons, "ok": r.ok,
                          "mismatches": len(r.mismatches)})
     return rows

@@ -20,8 +20,8 @@ except Exception as exc:  # noqa: BLE001 - missing .so, ABI mismatch, anything
     _ext = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "contract_version", "isa", "matmul_f32", "rms_norm_f32",
-           "unavailable_reason"]
+__all__ = ["available", "contract_version", "isa", "matmul_f32", "mean_f32", "rms_norm_f32",
+           "softmax_f32", "unavailable_reason"]
 
 
 def available() -> bool:
@@ -121,6 +121,57 @@ def rms_norm_f32(
     )  # fmt: skip
 
 
+def softmax_f32(x: torch.Tensor, out: torch.Tensor, *, log: bool = False,
+                num_threads: int | None = None) -> None:
+    """out[M, N] = softmax (log_softmax when ``log``) of each row of x[M, N], fp32.
+
+    x: fp32 with unit stride along N (any row stride); out: fp32 [M, N] contiguous. The row sum
+    of exp(x - max) is the contract's 16-lane sum, so each row's bits do not depend on M, its
+    position or num_threads.
+    """
+    ext = _require()
+    M, N = x.shape
+    assert out.shape == (M, N) and out.is_contiguous()
+    assert x.dtype == out.dtype == torch.float32
+    if M == 0 or N == 0:
+        return
+    assert x.stride(1) == 1 or N == 1
+    ext.softmax_f32(x.data_ptr(), x.stride(0), out.data_ptr(), N, M, N, bool(log),
+                    torch.get_num_threads() if num_threads is None else num_threads)
+
+
+def mean_f32(x: torch.Tensor, out: torch.Tensor, *, num_threads: int | None = None) -> None:
+    """out[M] = mean of each row of x[M, N] (N >= 1), fp32, with the contract's 16-lane sum.
+
+    x: fp32 with unit stride along N (any row stride); out: fp32 [M] contiguous.
+    """
+    ext = _require()
+    M, N = x.shape
+    assert out.shape == (M,) and out.is_contiguous() and N >= 1
+    assert x.dtype == out.dtype == torch.float32
+    if M == 0:
+        return
+    assert x.stride(1) == 1 or N == 1
+    ext.mean_f32(x.data_ptr(), x.stride(0), out.data_ptr(), M, N,
+                 torch.get_num_threads() if num_threads is None else num_threads)
+
+
 def contract_version() -> int | None:
     """The numerics-contract revision compiled into the extension (None when unavailable)."""
     return None if _ext is None else int(_ext.CONTRACT_VERSION)
+
+
+def unary_f32(fn: str, x: torch.Tensor) -> torch.Tensor:
+    """exp2 or log2 of x elementwise via exp2f/log2f: each output a pure function of its input
+    value (torch's CPU kernels may round a SIMD body and a scalar tail differently)."""
+    ext = _require()
+    assert x.dtype == torch.float32
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    ext.unary_f32(x.data_ptr(), out.data_ptr(), x.numel(), fn)
+    return out
+
+
+def source_hash() -> str | None:
+    """Hash of csrc/cpu as compiled into the extension (None when unavailable)."""
+    return None if _ext is None else str(_ext.SOURCE_HASH)

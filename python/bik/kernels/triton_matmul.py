@@ -21,7 +21,9 @@ from bik.configs import matmul_config
 __all__ = ["matmul_kernel", "launch_matmul"]
 
 
-@triton.jit
+# M is never specialised (Triton would compile M == 1 and M % 16 == 0 separately): one compiled
+# kernel serves every M, so no batch size can select different code.
+@triton.jit(do_not_specialize=["M"])
 def matmul_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr,
     M, N, K,
@@ -33,10 +35,12 @@ def matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    batch = tl.program_id(1).to(tl.int64)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
+    # The batch is folded into grid axis 0 (axis 1 is capped at 65535 on CUDA).
+    tiles = num_pid_m * num_pid_n
+    batch = (tl.program_id(0) // tiles).to(tl.int64)
+    pid = tl.program_id(0) % tiles
     # Grouped tile order for L2 reuse. It only permutes which program computes which tile.
     group_size = GROUP_M * num_pid_n
     group_id = pid // group_size
@@ -86,9 +90,9 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     if nb == 0 or m == 0 or n == 0:
         return
     cfg = matmul_config(a.dtype, n, k, device_arch(a.device))
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), nb)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * nb,)
     matmul_kernel[grid](
-        a, b, bias if bias is not None else out, out,
+        a, b, bias.contiguous() if bias is not None else out, out,
         m, n, k,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),

@@ -1,3 +1,4 @@
 """The torch.ops.bik.* contracts. Importing this package registers every op."""
 
-from bik.ops import matmul, rms_norm  # noqa: F401  (registration side effects)
+from bik.ops import attention, matmul, rms_norm  # noqa: F401  (registration side effects)
+from bik.ops import reductions  # noqa: F401  (registration side effects)

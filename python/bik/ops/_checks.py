@@ -7,6 +7,7 @@ import math
 import torch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP32_MAX = torch.finfo(torch.float32).max  # eps is used in fp32
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -50,7 +51,7 @@ def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
 def check_out_dtype(op: str, out_dtype: torch.dtype | None, default: torch.dtype) -> torch.dtype:
     if out_dtype is None:
         return default
-    if out_dtype not in SUPPORTED_DTYPES:
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"{op}: out_dtype {out_dtype} is not supported; use bfloat16, float16 or float32"
         )
@@ -60,5 +61,24 @@ def check_out_dtype(op: str, out_dtype: torch.dtype | None, default: torch.dtype
 def check_eps(op: str, eps: float) -> None:
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):
         raise TypeError(f"{op}: eps must be a float, got {type(eps).__name__}")
-    if not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+    if not math.isfinite(eps) or eps < 0 or eps > FP32_MAX:
+        raise ValueError(f"{op}: eps must be finite in fp32 and >= 0, got {eps}")
+
+
+def register_no_backward(qualname: str, op: str) -> None:
+    """Make backward through ``qualname`` raise instead of silently returning no gradients.
+
+    Without an autograd registration, a custom op's outputs would not require grad and
+    ``.backward()`` would leave the inputs' ``.grad`` at None with only a warning.
+    """
+
+    def setup_context(ctx, inputs, output):
+        del ctx, inputs, output
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"{op}: backward is not implemented yet (batch-invariant backward is planned); "
+            f"run it under torch.no_grad() or use the stock op for training"
+        )
+
+    torch.library.register_autograd(qualname, backward, setup_context=setup_context)

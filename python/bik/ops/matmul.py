@@ -18,6 +18,7 @@ from bik.ops._checks import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    register_no_backward,
 )
 
 __all__ = ["bmm", "linear", "matmul"]
@@ -51,6 +52,10 @@ def _check_mm(op: str, a, b, bias, out_dtype, a_rank: int = 2) -> torch.dtype:
             raise ValueError(f"{op}: bias {list(bias.shape)} does not match N = {b.shape[-1]}")
     check_same_device(op, a=a, b=b, bias=bias)
     return check_out_dtype(op, out_dtype, a.dtype)
+
+
+register_no_backward("bik::matmul", "bik.matmul")
+register_no_backward("bik::bmm", "bik.bmm")
 
 
 def _cpu_mm_into(a, b, bias, out32) -> None:
@@ -133,6 +138,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
             f"{op}: a {list(a.shape)} and b {list(b.shape)} disagree on K "
             f"({a.shape[-1]} vs {b.shape[0]})"
         )
+    check_out_dtype(op, out_dtype, a.dtype)
     backend = resolve_backend(op, backend, a.device)
     if a.dim() == 2:
         return torch.ops.bik.matmul(a, b, bias, out_dtype, backend)
@@ -147,7 +153,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Same contract as :func:`matmul` (it is ``matmul(x, weight.t(), bias)``).
     """
-    check_tensor("bik.linear", "weight", weight, 2)
+    op = "bik.linear"
+    check_tensor(op, "x", x)
+    check_tensor(op, "weight", weight, 2)
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{op}: x {list(x.shape)} and weight {list(weight.shape)} disagree on "
+                         f"K (x's last dim must equal weight.shape[1])")
     return matmul(x, weight.t(), bias, out_dtype=out_dtype, backend=backend)
 
 

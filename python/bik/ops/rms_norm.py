@@ -13,7 +13,13 @@ import math
 import torch
 
 from bik._backend import require_backend, resolve_backend
-from bik.ops._checks import check_eps, check_float_dtype, check_same_device, check_tensor
+from bik.ops._checks import (
+    check_eps,
+    check_float_dtype,
+    check_same_device,
+    check_tensor,
+    register_no_backward,
+)
 
 __all__ = ["rms_norm"]
 
@@ -36,18 +42,18 @@ def _check_norm(op: str, x, weight, eps, residual=None) -> None:
         )
     if residual is not None:
         check_tensor(op, "residual", residual, 2)
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError(
-                f"{op}: residual {list(residual.shape)} {residual.dtype} must match x "
-                f"{list(x.shape)} {x.dtype}"
-            )
+        if residual.shape != x.shape:
+            raise ValueError(f"{op}: residual {list(residual.shape)} must match x {list(x.shape)}")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"{op}: residual ({residual.dtype}) must have x's dtype ({x.dtype})")
     check_eps(op, eps)
     check_same_device(op, x=x, weight=weight, residual=residual)
 
 
 def _add_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     # Elementwise, so batch-invariant; rounded to x.dtype exactly as the Triton kernel does.
-    return (x.float() + residual.float()).to(x.dtype)
+    # contiguous: the returned h must match the fake's layout whatever x's strides are.
+    return (x.float() + residual.float()).to(x.dtype).contiguous()
 
 
 def _cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,6 +65,10 @@ def _cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     cpu.rms_norm_f32(x32, weight.float().contiguous(), float(eps), out)
     return out.to(x.dtype)
+
+
+register_no_backward("bik::rms_norm", "bik.rms_norm")
+register_no_backward("bik::fused_add_rms_norm", "bik.rms_norm")
 
 
 def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ it (pointers and ints divisible by 16 carry a divisibility hint; an int equal to
 constant). :func:`launch_like_signature` does that from example argument values.
 
 triton.compile does not reject shared-memory overruns, so :func:`compile_kernel` reports
-``metadata.shared`` against the per-block limit, and runs the wheel's ``ptxas -v`` on the
-PTX for registers and spill bytes.
+``metadata.shared`` against the per-block limit, reads registers, stack and local memory of the
+cubin Triton produced with the wheel's ``cuobjdump --dump-resource-usage``, and spill bytes with
+its ``ptxas -v`` on the same PTX.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class CompileRecord(NamedTuple):
     shared: int
     shared_limit: int
     registers: int
+    stack: int  # bytes of stack frame per thread (cuobjdump)
+    local: int  # bytes of local memory per thread (cuobjdump)
     spill_stores: int
     spill_loads: int
 
@@ -77,10 +80,25 @@ def launch_like_signature(kernel, args: dict, constexprs: dict):
     return signature, constants, attrs
 
 
-def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
+def _nvidia_tool(name: str) -> Path:
     import triton
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
+def _cubin_usage(cubin: bytes) -> tuple[int, int, int]:
+    """(registers, stack bytes, local bytes) of the one kernel in ``cubin``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        text = subprocess.run([str(_nvidia_tool("cuobjdump")), "--dump-resource-usage",
+                               str(path)], capture_output=True, text=True, check=True).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+    return int(usage.group(1)), int(usage.group(2)), int(usage.group(3))
+
+
+def _ptxas_spills(ptx: str) -> tuple[int, int]:
+    ptxas = _nvidia_tool("ptxas")
     target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
@@ -89,9 +107,8 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
                               str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
                              check=True)
     text = res.stdout + res.stderr
-    regs = int(re.search(r"Used (\d+) registers", text).group(1))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    return regs, int(spills.group(1)), int(spills.group(2))
+    return int(spills.group(1)), int(spills.group(2))
 
 
 def compile_kernel(kernel, args: dict, constexprs: dict, *, arch: int, num_warps: int,
@@ -107,8 +124,9 @@ def compile_kernel(kernel, args: dict, constexprs: dict, *, arch: int, num_warps
         target=GPUTarget("cuda", arch, 32),
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
-    regs, spill_st, spill_ld = _ptxas_usage(compiled.asm["ptx"], arch)
+    regs, stack, local = _cubin_usage(compiled.asm["cubin"])
+    spill_st, spill_ld = _ptxas_spills(compiled.asm["ptx"])
     config = {k: v for k, v in constexprs.items()} | {"num_warps": num_warps,
                                                       "num_stages": num_stages}
     return CompileRecord(kernel.__name__, arch, config, compiled.metadata.shared,
-                         SHARED_LIMIT[arch], regs, spill_st, spill_ld)
+                         SHARED_LIMIT[arch], regs, stack, local, spill_st, spill_ld)

@@ -13,7 +13,7 @@ import torch
 from bik.configs import matmul_config, rms_norm_config
 from bik.testing.compile import CompileRecord, Ptr, compile_kernel
 
-__all__ = ["ARCHS", "MATMUL_SHAPES", "RMS_NORM_HIDDENS", "compile_all"]
+__all__ = ["ARCHS", "MATMUL_SHAPES", "REDUCTION_LENGTHS", "RMS_NORM_HIDDENS", "compile_all"]
 
 ARCHS = (90, 80)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -21,6 +21,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MATMUL_SHAPES = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
                  (48, 33), (64, 16))
 RMS_NORM_HIDDENS = (111, 4096, 8192)
+# softmax / log_softmax / mean row lengths: odd and short, one chunk, a Llama-3 vocabulary.
+REDUCTION_LENGTHS = (111, 4096, 128256)
 
 
 def _matmul_cases(arch: int) -> Iterator[tuple]:
@@ -60,9 +62,27 @@ def _rms_norm_cases(arch: int) -> Iterator[tuple]:
                 yield rms_norm_kernel, args, consts, cfg.num_warps, 1
 
 
+def _reduction_cases(arch: int) -> Iterator[tuple]:
+    from bik.configs import reduction_config
+    from bik.kernels.triton_reductions import mean_kernel, softmax_kernel
+
+    for dtype in DTYPES:
+        for n in REDUCTION_LENGTHS:
+            cfg = reduction_config(n, f"sm{arch}")
+            for out_dtype in sorted({dtype, torch.float32}, key=str):  # incl. half -> float
+                for log in (False, True):
+                    args = dict(x_ptr=Ptr(dtype), out_ptr=Ptr(out_dtype), N=n, stride_x=n,
+                                stride_out=n)
+                    yield (softmax_kernel, args, dict(LOG=log, BLOCK=cfg.block),
+                           cfg.num_warps, 1)
+                args = dict(x_ptr=Ptr(dtype), out_ptr=Ptr(out_dtype), N=n, n_f32=float(n),
+                            stride_x=n)
+                yield mean_kernel, args, dict(BLOCK=cfg.block), cfg.num_warps, 1
+
+
 def compile_all(arch: int) -> list[CompileRecord]:
     records = []
-    for cases in (_matmul_cases(arch), _rms_norm_cases(arch)):
+    for cases in (_matmul_cases(arch), _rms_norm_cases(arch), _reduction_cases(arch)):
         for kernel, args, consts, warps, stages in cases:
             rec = compile_kernel(kernel, args, consts, arch=arch, num_warps=warps,
                                  num_stages=stages)

@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["InvarianceReport", "probe_every_position", "rows_alone_vs_batched", "M_SWEEP"]
+__all__ = ["M_SWEEP", "InvarianceReport", "probe_every_position", "rows_alone_vs_batched",
+           "same_bits"]
 
 # The batch sizes a full sweep covers: small, odd, powers of two and their neighbours.
 M_SWEEP = (1, 2, 3, 4, 7, 8, 16, 31, 64, 127, 128, 255, 256, 1000)
@@ -36,11 +37,17 @@ class InvarianceReport(NamedTuple):
         return f"{self.name}: {verdict} ({self.comparisons} rows compared)"
 
 
-def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
-    # torch.equal treats NaN != NaN; compare raw bits so that a NaN row equal in bits passes.
-    if x.dtype.is_floating_point and x.isnan().any():
-        view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-        return torch.equal(x.view(view), y.view(view))
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Exact equality of the bit patterns: NaN equals the same NaN, +0.0 differs from -0.0
+    (``torch.equal`` alone gets both wrong for this purpose)."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if x.dtype.is_floating_point:
+        view = _INT_VIEW[x.element_size()]
+        return torch.equal(x.contiguous().view(view), y.contiguous().view(view))
     return torch.equal(x, y)
 
 
@@ -59,7 +66,7 @@ def rows_alone_vs_batched(fn: RowOp, pool: torch.Tensor, ms: Sequence[int] = M_S
         batched = fn(pool[:m])
         for i in range(m):
             comparisons += 1
-            if not _same_bits(batched[i], alone[i]):
+            if not same_bits(batched[i], alone[i]):
                 mismatches.append((m, i))
     return InvarianceReport(name, comparisons, tuple(mismatches))
 
@@ -76,6 +83,6 @@ def probe_every_position(fn: RowOp, probe: torch.Tensor, neighbours: torch.Tenso
     size = neighbours.shape[0] + 1
     for j in range(size):
         batch = torch.cat([neighbours[:j], probe, neighbours[j:]])
-        if not _same_bits(fn(batch)[j], alone):
+        if not same_bits(fn(batch)[j], alone):
             mismatches.append((size, j))
     return InvarianceReport(name, size, tuple(mismatches))

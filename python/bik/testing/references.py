@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["split_by_m_matmul", "split_by_m_rms_norm", "splits_for_rows"]
+__all__ = ["split_by_m_matmul", "split_by_m_mean", "split_by_m_rms_norm", "split_by_m_softmax",
+           "splits_for_rows"]
 
 
 def splits_for_rows(m: int) -> int:
@@ -39,3 +40,20 @@ def split_by_m_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
     ss = _chunked_sum((x32 * x32)[:, :, None], splits_for_rows(x.shape[0]))[:, 0]
     rstd = torch.rsqrt(ss / x.shape[1] + eps)
     return (x32 * rstd[:, None] * weight.float()).to(x.dtype)
+
+
+def split_by_m_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax over the last dim of x [M, n] whose sum of exp(x - max) is split by M (NOT
+    batch-invariant)."""
+    assert dim in (-1, x.dim() - 1)
+    x32 = x.float()
+    e = torch.exp(x32 - x32.amax(dim=-1, keepdim=True))
+    total = _chunked_sum(e[:, :, None], splits_for_rows(x.shape[0]))
+    return (e / total).to(x.dtype)
+
+
+def split_by_m_mean(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Mean over the last dim of x [M, n] with the sum split by M (NOT batch-invariant)."""
+    assert dim in (-1, x.dim() - 1)
+    total = _chunked_sum(x.float()[:, :, None], splits_for_rows(x.shape[0]))[:, 0]
+    return (total / x.shape[-1]).to(x.dtype)

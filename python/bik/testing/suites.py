@@ -8,7 +8,7 @@ import torch
 
 from bik.testing.harness import InvarianceReport, probe_every_position, rows_alone_vs_batched
 
-__all__ = ["matmul_suite", "rms_norm_suite"]
+__all__ = ["matmul_suite", "reduction_suite", "rms_norm_suite"]
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -60,4 +60,37 @@ def rms_norm_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Seque
             return torch.stack([out, h], dim=1)
 
         reports.append(rows_alone_vs_batched(fused, pool, ms, name=name + " +residual"))
+    return reports
+
+
+def reduction_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Sequence[int],
+                    lengths: Sequence[int], seed: int = 0,
+                    probe_batch: int = 0) -> list[InvarianceReport]:
+    """Rows alone vs batched for softmax, log_softmax (also half -> fp32), mean over the last
+    dim, mean over two dims and softmax over a middle dim, at each row length."""
+    from bik import log_softmax, mean, softmax
+
+    gen = torch.Generator().manual_seed(seed)
+    reports = []
+    for n in lengths:
+        tag = f"{str(dtype)[6:]} n={n}"
+        pool = _randn(gen, max(ms), n, dtype=dtype, device=device) * 3
+        pool3 = _randn(gen, max(ms), 3, n, dtype=dtype, device=device)
+        checks = [
+            (f"softmax {tag}", pool, lambda x: softmax(x, backend=backend)),
+            (f"log_softmax {tag}", pool, lambda x: log_softmax(x, backend=backend)),
+            (f"log_softmax {tag} -> float32", pool,
+             lambda x: log_softmax(x, dtype=torch.float32, backend=backend)),
+            (f"mean {tag}", pool, lambda x: mean(x, -1, backend=backend)),
+            (f"mean {tag} dims (1, 2)", pool3, lambda x: mean(x, (2, 1), backend=backend)),
+            (f"softmax {tag} dim=1 of [M, n, 3]", pool3,
+             lambda x: softmax(x.transpose(1, 2), dim=1, backend=backend)),
+        ]
+        for name, data, fn in checks:
+            reports.append(rows_alone_vs_batched(fn, data, ms, name=name))
+            if probe_batch:
+                neighbours = _randn(gen, probe_batch - 1, *data.shape[1:], dtype=dtype,
+                                    device=device)
+                reports.append(probe_every_position(fn, data[:1], neighbours,
+                                                    name=name + " probe"))
     return reports
