@@ -34,7 +34,7 @@ print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version_
 PYEOF
 stage gpu_tests 150 env BIK_GPU_RECORD="$OUT/torch_mm_variance.json" \
   $PY -m pytest -q -x tests/test_gpu.py --junitxml "$OUT/gpu_tests.xml"
-stage check 60 $PY -m bik check --json "$OUT/check.json"
+stage check 120 $PY -m bik check --json "$OUT/check.json"
 stage bench_rmsnorm 45 $PY -m bik bench rmsnorm --json "$OUT/bench_rmsnorm.json"
 stage bench_matmul 150 $PY -m bik bench matmul --json "$OUT/bench_matmul.json" \
   --plot "$OUT/bench_matmul.png"

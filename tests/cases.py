@@ -10,7 +10,7 @@ import torch
 from torch.library import opcheck
 
 import bik
-from bik.testing.suites import matmul_suite, rms_norm_suite
+from bik.testing.suites import bmm_suite, matmul_suite, rms_norm_suite
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -38,9 +38,13 @@ def check_matmul_invariance(backend, dtype, ms, shapes, probe_batch=0):
                                   shapes=shapes, probe_batch=probe_batch))
 
 
-def check_rms_norm_invariance(backend, dtype, ms, hiddens):
+def check_rms_norm_invariance(backend, dtype, ms, hiddens, probe_batch=0):
     assert_invariant(rms_norm_suite(device="cpu", dtype=dtype, backend=backend, ms=ms,
-                                    hiddens=hiddens))
+                                    hiddens=hiddens, probe_batch=probe_batch))
+
+
+def check_bmm_invariance(backend, dtype, ms, n=24, k=40):
+    assert_invariant(bmm_suite(device="cpu", dtype=dtype, backend=backend, ms=ms, n=n, k=k))
 
 
 def _max_err(x, ref):

@@ -35,7 +35,12 @@ def test_matmul_invariant_llama_width():
 
 @pytest.mark.parametrize("dtype", cases.DTYPES)
 def test_rms_norm_rows_invariant(dtype):
-    cases.check_rms_norm_invariance("cpu", dtype, M_SWEEP, (111, 500, 4096))
+    cases.check_rms_norm_invariance("cpu", dtype, M_SWEEP, (111, 500, 4096), probe_batch=40)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+def test_bmm_rows_and_entries_invariant(dtype):
+    cases.check_bmm_invariance("cpu", dtype, (1, 2, 4, 7, 31, 64))
 
 
 @pytest.mark.parametrize("dtype", cases.DTYPES)

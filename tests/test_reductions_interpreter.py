@@ -31,7 +31,9 @@ LENGTHS = (1, 111, 128)  # odd, and a power of two of two chunks
 
 @pytest.mark.parametrize("dtype", rc.DTYPES)
 def test_rows_invariant(dtype):
-    rc.check_invariance("triton", dtype, MS, LENGTHS, probe_batch=9)
+    # every position among neighbours for fp32 only: the interpreter costs ~1 ms per program
+    rc.check_invariance("triton", dtype, MS, LENGTHS,
+                        probe_batch=9 if dtype == torch.float32 else 0)
 
 
 @pytest.mark.parametrize("dtype", rc.DTYPES)
@@ -56,6 +58,7 @@ def test_empty():
     rc.check_empty("triton", torch.float32)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy: inf - inf
 @pytest.mark.parametrize("dtype", rc.DTYPES)
 def test_non_finite_stays_in_its_row(dtype, gen):
     rc.check_non_finite("triton", dtype, gen)

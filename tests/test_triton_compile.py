@@ -7,9 +7,11 @@ from bik.testing.compile_table import ARCHS, compile_all
 
 pytest.importorskip("triton")
 
-# Spill budget in bytes per kernel: none of bik's configs spills today; a change that makes
-# one spill must raise this deliberately (and say why in its commit).
-SPILL_BUDGET = 0
+# Spill budget in bytes (spill stores + stack frame of the real cubin) per kernel. Matmul, norms
+# and reductions do not spill. The attention kernels keep two fp32 accumulators (the running
+# fold and the current split) and measured at most 24 B of stack on some fp32 / sm_80 configs.
+# A change that spills more must raise these deliberately (and say why in its commit).
+SPILL_BUDGET = {"attention_kernel": 32, "attention_merge_kernel": 0}
 
 
 @pytest.fixture(scope="module", params=ARCHS, ids=lambda a: f"sm{a}")
@@ -19,7 +21,8 @@ def records(request):
 
 def test_every_config_compiles(records):
     kernels = {r.kernel for r in records}
-    assert kernels == {"matmul_kernel", "rms_norm_kernel", "softmax_kernel", "mean_kernel"}
+    assert kernels == {"matmul_kernel", "rms_norm_kernel", "softmax_kernel", "mean_kernel",
+                       "attention_kernel", "attention_merge_kernel"}
     assert len(records) >= 20
 
 
@@ -29,7 +32,8 @@ def test_shared_memory_fits(records):
 
 
 def test_no_spills(records):
-    spilled = [r for r in records if r.spill_stores + r.spill_loads + r.local > SPILL_BUDGET]
+    spilled = [r for r in records
+               if max(r.spill_stores, r.stack) + r.local > SPILL_BUDGET.get(r.kernel, 0)]
     assert not spilled, spilled
 
 

@@ -37,7 +37,11 @@ def test_matmul_rows_invariant(dtype):
 
 @pytest.mark.parametrize("dtype", cases.DTYPES)
 def test_rms_norm_rows_invariant(dtype):
-    cases.check_rms_norm_invariance("triton", dtype, MS, (1, 111, 128))
+    cases.check_rms_norm_invariance("triton", dtype, MS, (1, 111, 128), probe_batch=12)
+
+
+def test_bmm_rows_and_entries_invariant():
+    cases.check_bmm_invariance("triton", torch.float32, (1, 2, 17), n=20, k=33)
 
 
 @pytest.mark.parametrize("dtype", cases.DTYPES)

@@ -137,12 +137,12 @@ _ATTENTION_BASE = {
     "sm90": {
         "bf16": AttentionConfig(64, 64, 256, num_warps=4, num_stages=2),
         "fp16": AttentionConfig(64, 64, 256, num_warps=4, num_stages=2),
-        "fp32": AttentionConfig(32, 32, 256, num_warps=4, num_stages=2),
+        "fp32": AttentionConfig(16, 32, 256, num_warps=4, num_stages=2),
     },
     "sm80": {
-        "bf16": AttentionConfig(64, 64, 256, num_warps=4, num_stages=2),
-        "fp16": AttentionConfig(64, 64, 256, num_warps=4, num_stages=2),
-        "fp32": AttentionConfig(32, 32, 256, num_warps=4, num_stages=2),
+        "bf16": AttentionConfig(64, 32, 256, num_warps=4, num_stages=2),
+        "fp16": AttentionConfig(64, 32, 256, num_warps=4, num_stages=2),
+        "fp32": AttentionConfig(16, 32, 256, num_warps=4, num_stages=2),
     },
     # Small splits so interpreter tests cross several splits at lengths of a few dozen.
     "interpreter": {dt: AttentionConfig(16, 16, 32, num_warps=4, num_stages=1)
@@ -154,8 +154,12 @@ CPU_ATTENTION_SPLIT = 256
 
 def attention_config(dtype: torch.dtype, head_dim: int, gqa: int, arch: str) -> AttentionConfig:
     """The one attention configuration for (dtype, head_dim, GQA ratio, arch), every q_len."""
-    base = _ATTENTION_BASE[arch_family(arch)][_DTYPE_KEY[dtype]]
-    if head_dim > 128 and base.block_n > 32:  # keep K/V blocks of D = 256 within shared memory
-        return replace(base, block_n=32)
     del gqa  # the tile packs G heads x BLOCK_M // G tokens; the table needs no G-specific entry
+    base = _ATTENTION_BASE[arch_family(arch)][_DTYPE_KEY[dtype]]
+    if head_dim > 64 and arch_family(arch) != "interpreter":
+        # Two fp32 accumulators (the running fold and the current split) of BLOCK_M x D: eight
+        # warps keep them in registers at D = 128 (four spill, measured with ptxas).
+        base = replace(base, num_warps=8)
+    if head_dim > 128:  # keep K/V blocks of D = 256 within shared memory and registers
+        base = replace(base, block_n=32)
     return base

@@ -12,38 +12,36 @@ import bik
 from bik.cli.common import pick_device, run_metadata, write_json
 from bik.testing import rows_alone_vs_batched, split_by_m_matmul
 from bik.testing.harness import M_SWEEP
-from bik.testing.suites import matmul_suite, reduction_suite, rms_norm_suite
+from bik.testing.suites import bmm_suite, matmul_suite, reduction_suite, rms_norm_suite
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _plan(device: torch.device, quick: bool) -> dict:
     if quick:
-        return {"ms": (1, 2, 4, 17, 64), "shapes": ((96, 64),), "hiddens": (111,)}
+        return {"ms": (1, 2, 4, 17, 64), "shapes": ((96, 64),), "hiddens": (111,),
+                "lengths": (111,), "probe": 0}
     if device.type == "cuda":
         return {"ms": M_SWEEP + (2048, 4096), "shapes": ((4096, 4096), (1000, 333)),
-                "hiddens": (111, 4096, 8192)}
-    return {"ms": M_SWEEP, "shapes": ((256, 256), (96, 333)), "hiddens": (111, 4096)}
+                "hiddens": (111, 4096, 8192), "lengths": (111, 4096), "probe": 130}
+    return {"ms": M_SWEEP, "shapes": ((256, 256), (96, 333)), "hiddens": (111, 4096),
+            "lengths": (111, 4096), "probe": 33}
 
 
 def check_rows(device: torch.device, quick: bool) -> list[dict]:
     plan = _plan(device, quick)
-    rows = []
+    common = {"device": device, "backend": None, "ms": plan["ms"]}
+    reports = []
     for dtype in DTYPES:
-        for r in matmul_suite(device=device, dtype=dtype, backend=None, ms=plan["ms"],
-                              shapes=plan["shapes"]):
-            rows.append({"check": r.name, "rows": r.comparisons, "ok": r.ok,
-                         "mismatches": len(r.mismatches)})
-        for r in rms_norm_suite(device=device, dtype=dtype, backend=None, ms=plan["ms"],
-                                hiddens=plan["hiddens"]):
-            rows.append({"check": r.name, "rows": r.comparisons, "ok": r.ok,
-                         "mismatches": len(r.mismatches)})
+        reports += matmul_suite(dtype=dtype, shapes=plan["shapes"], probe_batch=plan["probe"],
+                                **common)
+        reports += bmm_suite(dtype=dtype, n=96, k=64, **common)
+        reports += rms_norm_suite(dtype=dtype, hiddens=plan["hiddens"],
+                                  probe_batch=plan["probe"], **common)
         # softmax, log_softmax, mean: row lengths odd and a power of two
-        for r in reduction_suite(device=device, dtype=dtype, backend=None, ms=plan["ms"],
-                                 lengths=(111,) if quick else (111, 4096)):
-            rows.append({"check": r.name, "rows": r.comparisons, "ok": r.ok,
-                         "mismatches": len(r.mismatches)})
-    return rows
+        reports += reduction_suite(dtype=dtype, lengths=plan["lengths"], **common)
+    return [{"check": r.name, "rows": r.comparisons, "ok": r.ok,
+             "mismatches": len(r.mismatches)} for r in reports]
 
 
 def controls(device: torch.device) -> dict:

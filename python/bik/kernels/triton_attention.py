@@ -175,9 +175,9 @@ def attention_merge_kernel(
     else:
         n_splits = tl.cdiv(seqlen_k, SPLIT)
     dims = tl.arange(0, D)
-    m = tl.full((G,), float("-inf"), tl.float32)
-    l = tl.zeros((G,), tl.float32)
-    acc = tl.zeros((G, D), tl.float32)
+    m = tl.full((G_P2,), float("-inf"), tl.float32)
+    l = tl.zeros((G_P2,), tl.float32)
+    acc = tl.zeros((G_P2, D), tl.float32)
     plane = total_q.to(tl.int64) * num_heads_q
     for j in range(0, n_splits):
         row_idx = j * plane + t * num_heads_q + head

@@ -200,6 +200,9 @@ def _attention_impl(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_tabl
 def _attention_fake(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, scale, causal,
                     backend):
     _check_qkv("bik.attention", q, k_cache, v_cache, 4)
+    check_same_device("bik.attention", q=q, k_cache=k_cache, v_cache=v_cache,
+                      cache_seqlens=cache_seqlens, cu_seqlens_q=cu_seqlens_q,
+                      block_table=block_table)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -228,6 +231,8 @@ def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, b
 @torch.library.register_fake("bik::attention_varlen")
 def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, backend):
     _check_qkv("bik.attention_varlen", q, k, v, 3)
+    check_same_device("bik.attention_varlen", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                      cu_seqlens_k=cu_seqlens_k)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32))
 

@@ -26,7 +26,8 @@ __all__ = ["SHARED_LIMIT", "CompileRecord", "Ptr", "compile_kernel", "launch_lik
 # Max dynamic shared memory per block (opt-in), from the CUDA programming guide.
 SHARED_LIMIT = {90: 232_448, 80: 166_912}
 
-_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                 torch.int32: "i32", torch.int64: "i64"}
 
 
 class Ptr(NamedTuple):
@@ -55,6 +56,7 @@ class CompileRecord(NamedTuple):
 def launch_like_signature(kernel, args: dict, constexprs: dict):
     """Signature, constants and attrs as a launch with ``args`` would specialise them."""
     signature, constants, attrs = {}, dict(constexprs), {}
+    unspecialised = {p.name for p in kernel.params if p.do_not_specialize}
     for index, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
@@ -65,6 +67,8 @@ def launch_like_signature(kernel, args: dict, constexprs: dict):
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif isinstance(value, bool):
             signature[name] = "i1"
+        elif isinstance(value, int) and name in unspecialised:
+            signature[name] = "i64" if abs(value) >= 2**31 else "i32"
         elif isinstance(value, int):
             if value == 1:
                 signature[name] = "constexpr"
@@ -112,7 +116,7 @@ def _ptxas_spills(ptx: str) -> tuple[int, int]:
 
 
 def compile_kernel(kernel, args: dict, constexprs: dict, *, arch: int, num_warps: int,
-                   num_stages: int) -> CompileRecord:
+                   num_stages: int, options: dict | None = None) -> CompileRecord:
     """Compile ``kernel`` for sm_``arch`` as a launch with ``args`` would, and measure it."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -122,7 +126,7 @@ def compile_kernel(kernel, args: dict, constexprs: dict, *, arch: int, num_warps
     compiled = triton.compile(
         ASTSource(kernel, signature, constants, attrs),
         target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
+        options={"num_warps": num_warps, "num_stages": num_stages} | (options or {}),
     )
     regs, stack, local = _cubin_usage(compiled.asm["cubin"])
     spill_st, spill_ld = _ptxas_spills(compiled.asm["ptx"])

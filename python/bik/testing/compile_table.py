@@ -13,7 +13,8 @@ import torch
 from bik.configs import matmul_config, rms_norm_config
 from bik.testing.compile import CompileRecord, Ptr, compile_kernel
 
-__all__ = ["ARCHS", "MATMUL_SHAPES", "REDUCTION_LENGTHS", "RMS_NORM_HIDDENS", "compile_all"]
+__all__ = ["ARCHS", "ATTENTION_HEADS", "MATMUL_SHAPES", "REDUCTION_LENGTHS", "RMS_NORM_HIDDENS",
+           "compile_all"]
 
 ARCHS = (90, 80)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -23,6 +24,8 @@ MATMUL_SHAPES = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (1282
 RMS_NORM_HIDDENS = (111, 4096, 8192)
 # softmax / log_softmax / mean row lengths: odd and short, one chunk, a Llama-3 vocabulary.
 REDUCTION_LENGTHS = (111, 4096, 128256)
+# (head_dim, q heads, kv heads): Llama-3-8B, Llama-3-70B (per 8-way TP shard: 8 q / 1 kv), MHA.
+ATTENTION_HEADS = ((128, 32, 8), (128, 8, 1), (64, 16, 16))
 
 
 def _matmul_cases(arch: int) -> Iterator[tuple]:
@@ -80,12 +83,47 @@ def _reduction_cases(arch: int) -> Iterator[tuple]:
                 yield mean_kernel, args, dict(BLOCK=cfg.block), cfg.num_warps, 1
 
 
+def _attention_cases(arch: int) -> Iterator[tuple]:
+    """Llama-style GQA ratios and head dims, paged and contiguous, both launch modes."""
+    from bik.configs import attention_config
+    from bik.kernels.triton_attention import LOG2E, attention_kernel, attention_merge_kernel
+
+    i32, f32 = Ptr(torch.int32), Ptr(torch.float32)
+    no_fusion = {"enable_fp_fusion": False}
+    for dtype in DTYPES:
+        for d, hq, hkv in ATTENTION_HEADS:
+            g = hq // hkv
+            cfg = attention_config(dtype, d, g, f"sm{arch}")
+            block_m = max(cfg.block_m, 1 << (g - 1).bit_length())
+            for paged in (True, False):
+                for fold in (True, False):
+                    args = dict(q_ptr=Ptr(dtype), k_ptr=Ptr(dtype), v_ptr=Ptr(dtype),
+                                out_ptr=Ptr(dtype), lse_ptr=f32, pacc_ptr=f32, pml_ptr=f32,
+                                cu_q_ptr=i32, seqlens_k_ptr=i32, table_ptr=i32,
+                                base_ptr=Ptr(torch.int64), stride_qt=hq * d, stride_qh=d,
+                                stride_ot=hq * d, stride_oh=d, stride_table_b=64,
+                                stride_page=16 * hkv * d if paged else 0,
+                                stride_tok=hkv * d, stride_kvh=d, block_size=16, total_q=4096,
+                                num_heads_q=hq, scale_log2e=LOG2E / d**0.5)
+                    consts = dict(HKV=hkv, G=g, D=d, BLOCK_M=block_m,
+                                  BLOCK_T=max(1, cfg.block_m // g), BLOCK_N=cfg.block_n,
+                                  SPLIT=cfg.split, PAGED=paged, CAUSAL=True, FOLD=fold,
+                                  DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+                    yield attention_kernel, args, consts, cfg.num_warps, cfg.num_stages, no_fusion
+            args = dict(out_ptr=Ptr(dtype), lse_ptr=f32, pacc_ptr=f32, pml_ptr=f32,
+                        tok_seq_ptr=i32, cu_q_ptr=i32, seqlens_k_ptr=i32, stride_ot=hq * d,
+                        stride_oh=d, total_q=4096, num_heads_q=hq)
+            consts = dict(G=g, G_P2=1 << (g - 1).bit_length(), D=d, SPLIT=cfg.split, CAUSAL=True)
+            yield attention_merge_kernel, args, consts, 4, 1, no_fusion
+
+
 def compile_all(arch: int) -> list[CompileRecord]:
     records = []
-    for cases in (_matmul_cases(arch), _rms_norm_cases(arch), _reduction_cases(arch)):
-        for kernel, args, consts, warps, stages in cases:
+    for cases in (_matmul_cases(arch), _rms_norm_cases(arch), _reduction_cases(arch),
+                  _attention_cases(arch)):
+        for kernel, args, consts, warps, stages, *options in cases:
             rec = compile_kernel(kernel, args, consts, arch=arch, num_warps=warps,
-                                 num_stages=stages)
+                                 num_stages=stages, options=options[0] if options else None)
             records.append(rec._replace(config=rec.config | {
                 "dtype": str(next(v.dtype for v in args.values() if isinstance(v, Ptr)))[6:],
                 "shape": {k: v for k, v in args.items() if k in ("N", "K", "H")}}))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["split_by_m_matmul", "split_by_m_mean", "split_by_m_rms_norm", "split_by_m_softmax",
+__all__ = ["length_adaptive_attention", "split_by_m_matmul", "split_by_m_mean", "split_by_m_rms_norm", "split_by_m_softmax",
            "splits_for_rows"]
 
 
@@ -57,3 +57,43 @@ def split_by_m_mean(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     assert dim in (-1, x.dim() - 1)
     total = _chunked_sum(x.float()[:, :, None], splits_for_rows(x.shape[0]))[:, 0]
     return (total / x.shape[-1]).to(x.dtype)
+
+
+def length_adaptive_attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
+                              *, keys_per_split: int = 16):
+    """Paged attention whose split COUNT follows the number of cached keys (NOT invariant).
+
+    Like kernels that pick num_splits from the sequence length, the split boundaries move when
+    the same token is computed in a prefill (many keys cached) or in decode (fewer), so its bits
+    change with the schedule. Same calling convention as :func:`bik.attention` (paged only).
+    """
+    page = k_cache.shape[1]
+    hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
+    out = torch.empty_like(q)
+    cu, lens = cu_seqlens_q.tolist(), cache_seqlens.tolist()
+    for b, length in enumerate(lens):
+        pos = torch.arange(length)
+        slot = block_table[b, pos // page].long() * page + pos % page
+        k = k_cache.reshape(-1, hkv, d)[slot].float().repeat_interleave(hq // hkv, 1)
+        v = v_cache.reshape(-1, hkv, d)[slot].float().repeat_interleave(hq // hkv, 1)
+        splits = max(1, length // keys_per_split)
+        q_len = cu[b + 1] - cu[b]
+        for t in range(q_len):
+            p = length - q_len + t
+            qt = q[cu[b] + t].float() / d**0.5  # [Hq, D]
+            m = torch.full((hq,), float("-inf"))
+            den = torch.zeros(hq)
+            acc = torch.zeros(hq, d)
+            for idx in torch.arange(p + 1).tensor_split(splits):
+                if idx.numel() == 0:
+                    continue
+                s = (qt[None] * k[idx]).sum(-1)  # [n, Hq]
+                m_j = s.amax(0)
+                e = torch.exp(s - m_j)
+                m_new = torch.maximum(m, m_j)
+                a, c = torch.exp(m - m_new), torch.exp(m_j - m_new)
+                den = den * a + e.sum(0) * c
+                acc = acc * a[:, None] + (e[:, :, None] * v[idx]).sum(0) * c[:, None]
+                m = m_new
+            out[cu[b] + t] = (acc / den[:, None]).to(q.dtype)
+    return out

@@ -6,9 +6,14 @@ from collections.abc import Sequence
 
 import torch
 
-from bik.testing.harness import InvarianceReport, probe_every_position, rows_alone_vs_batched
+from bik.testing.harness import (
+    InvarianceReport,
+    probe_every_position,
+    rows_alone_vs_batched,
+    same_bits,
+)
 
-__all__ = ["matmul_suite", "reduction_suite", "rms_norm_suite"]
+__all__ = ["bmm_suite", "matmul_suite", "reduction_suite", "rms_norm_suite"]
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -42,7 +47,8 @@ def matmul_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Sequenc
 
 
 def rms_norm_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Sequence[int],
-                   hiddens: Sequence[int], seed: int = 0) -> list[InvarianceReport]:
+                   hiddens: Sequence[int], seed: int = 0,
+                   probe_batch: int = 0) -> list[InvarianceReport]:
     """Rows alone vs batched for plain and residual-fused RMSNorm at each hidden size."""
     from bik import rms_norm
 
@@ -60,7 +66,32 @@ def rms_norm_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Seque
             return torch.stack([out, h], dim=1)
 
         reports.append(rows_alone_vs_batched(fused, pool, ms, name=name + " +residual"))
+        if probe_batch:
+            neighbours = _randn(gen, probe_batch - 1, 2, hidden, dtype=dtype, device=device)
+            reports.append(probe_every_position(fused, pool[:1], neighbours,
+                                                name=name + " +residual probe"))
     return reports
+
+
+def bmm_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Sequence[int],
+              n: int, k: int, batch: int = 3, seed: int = 0) -> list[InvarianceReport]:
+    """bmm rows alone vs batched along M in every batch entry, and entries alone vs in a batch."""
+    from bik import bmm
+
+    gen = torch.Generator().manual_seed(seed)
+    pool = _randn(gen, max(ms), batch, k, dtype=dtype, device=device)  # rows first for the harness
+    b = _randn(gen, batch, k, n, dtype=dtype, device=device)
+    name = f"bmm {str(dtype)[6:]} B={batch} N={n} K={k}"
+    by_rows = rows_alone_vs_batched(
+        lambda x: bmm(x.transpose(0, 1), b, backend=backend).transpose(0, 1), pool, ms,
+        name=name)
+    # Entries: row i of bmm over the first e entries equals it over all entries.
+    entries = pool[: max(ms)].transpose(0, 1)  # [batch, M, K]
+    full = bmm(entries, b, backend=backend)
+    mismatches = tuple((e, i) for e in range(1, batch)
+                       if not same_bits(bmm(entries[:e], b[:e], backend=backend), full[:e])
+                       for i in (0,))
+    return [by_rows, InvarianceReport(name + " entries", batch - 1, mismatches)]
 
 
 def reduction_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Sequence[int],
