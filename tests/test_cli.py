@@ -22,6 +22,17 @@ def test_demo_shows_stock_bits_moving_and_bik_bits_fixed():
     assert rows[0]["stock"] != rows[-1]["stock"]
 
 
+def test_demo_attention_schedules():
+    import torch
+
+    from bik.cli.demo import attention_rows
+
+    rows = attention_rows(torch.device("cpu"), torch.float32)
+    assert len({r["bik"] for r in rows}) == 1
+    # Measured on the project's CPUs: fp32 SDPA differs between decode and prefill.
+    assert rows[0]["stock"] != rows[-1]["stock"]
+
+
 def test_check_quick_passes_and_writes_json(tmp_path):
     out = tmp_path / "check.json"
     assert main(["check", "--quick", "--json", str(out)]) == 0

@@ -16,7 +16,7 @@ import torch
 from bik.testing.harness import InvarianceReport, same_bits
 
 __all__ = ["PagedBatch", "Request", "chunking_report", "make_request", "neighbours_report",
-           "pack_paged", "page_size_report"]
+           "pack_paged", "page_size_report", "run_chunks"]
 
 AttnFn = Callable[..., torch.Tensor]
 
@@ -68,7 +68,7 @@ def pack_paged(seqs: Sequence[Request], lengths: Sequence[int], page_size: int,
                       torch.tensor(lengths, dtype=torch.int32, device=device))
 
 
-def _run_chunks(attn: AttnFn, seq: Request, chunk: int, page_size: int,
+def run_chunks(attn: AttnFn, seq: Request, chunk: int, page_size: int,
                 gen: torch.Generator) -> torch.Tensor:
     """All tokens of ``seq`` computed in calls of ``chunk`` new tokens each (1 = decode)."""
     length = seq.q.shape[0]
@@ -92,18 +92,18 @@ def chunking_report(attn: AttnFn, seq: Request, chunks: Sequence[int], *, page_s
     """One prefill of the whole sequence vs chunked prefill / decode (chunk 1) / verify windows:
     every token's output must have the same bits."""
     gen = torch.Generator().manual_seed(seed)
-    whole = _run_chunks(attn, seq, seq.q.shape[0], page_size, gen)
+    whole = run_chunks(attn, seq, seq.q.shape[0], page_size, gen)
     return [_token_report(f"{name} chunks of {c} vs one prefill (L={seq.q.shape[0]})", whole,
-                          _run_chunks(attn, seq, c, page_size, gen), c) for c in chunks]
+                          run_chunks(attn, seq, c, page_size, gen), c) for c in chunks]
 
 
 def page_size_report(attn: AttnFn, seq: Request, page_sizes: Sequence[int], *, seed: int = 0,
                      name: str = "attention") -> list[InvarianceReport]:
     gen = torch.Generator().manual_seed(seed)
     length = seq.q.shape[0]
-    ref = _run_chunks(attn, seq, length, page_sizes[0], gen)
+    ref = run_chunks(attn, seq, length, page_sizes[0], gen)
     return [_token_report(f"{name} page size {p} vs {page_sizes[0]} (L={length})", ref,
-                          _run_chunks(attn, seq, length, p, gen), p) for p in page_sizes[1:]]
+                          run_chunks(attn, seq, length, p, gen), p) for p in page_sizes[1:]]
 
 
 def neighbours_report(attn: AttnFn, seq: Request, q_len: int, neighbours: Sequence[Request],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["length_adaptive_attention", "split_by_m_matmul", "split_by_m_mean", "split_by_m_rms_norm", "split_by_m_softmax",
+__all__ = ["length_adaptive_attention", "sdpa_attention", "split_by_m_matmul", "split_by_m_mean", "split_by_m_rms_norm", "split_by_m_softmax",
            "splits_for_rows"]
 
 
@@ -97,3 +97,26 @@ def length_adaptive_attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, 
                 m = m_new
             out[cu[b] + t] = (acc / den[:, None]).to(q.dtype)
     return out
+
+
+def sdpa_attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table):
+    """Stock torch SDPA behind :func:`bik.attention`'s calling convention (paged cache), per
+    sequence: causal prefill with is_causal, decode without a mask, other chunks with a
+    bottom-right mask. Not bik's: the stock path that the demo and the tests compare against
+    (on the CPU, fp32 SDPA gives a token other bits in decode than in a prefill, measured)."""
+    page, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    hq = q.shape[1]
+    outs = []
+    cu, lens = cu_seqlens_q.tolist(), cache_seqlens.tolist()
+    for b, length in enumerate(lens):
+        pos = torch.arange(length)
+        slot = block_table[b, pos // page].long() * page + pos % page
+        k = k_cache.reshape(-1, hkv, d)[slot].repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        v = v_cache.reshape(-1, hkv, d)[slot].repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        qb = q[cu[b]:cu[b + 1]].transpose(0, 1)
+        t = qb.shape[1]
+        kwargs = ({"is_causal": True} if t == length else {} if t == 1 else
+                  {"attn_mask": pos[None, :] <= torch.arange(length - t, length)[:, None]})
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qb, k, v, **kwargs)
+                    .transpose(0, 1))
+    return torch.cat(outs)
