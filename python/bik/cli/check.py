@@ -20,12 +20,13 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _plan(device: torch.device, quick: bool) -> dict:
     if quick:
         return {"ms": (1, 2, 4, 17, 64), "shapes": ((96, 64),), "hiddens": (111,),
-                "lengths": (111,), "probe": 0}
+                "lengths": (111,), "probe": 0, "attention_len": 40}
     if device.type == "cuda":
         return {"ms": M_SWEEP + (2048, 4096), "shapes": ((4096, 4096), (1000, 333)),
-                "hiddens": (111, 4096, 8192), "lengths": (111, 4096), "probe": 130}
+                "hiddens": (111, 4096, 8192), "lengths": (111, 4096), "probe": 130,
+                "attention_len": 1100}
     return {"ms": M_SWEEP, "shapes": ((256, 256), (96, 333)), "hiddens": (111, 4096),
-            "lengths": (111, 4096), "probe": 33}
+            "lengths": (111, 4096), "probe": 33, "attention_len": 300}
 
 
 def check_rows(device: torch.device, quick: bool) -> list[dict]:
@@ -40,8 +41,23 @@ def check_rows(device: torch.device, quick: bool) -> list[dict]:
                                   probe_batch=plan["probe"], **common)
         # softmax, log_softmax, mean: row lengths odd and a power of two
         reports += reduction_suite(dtype=dtype, lengths=plan["lengths"], **common)
+        reports += _attention_reports(device, dtype, plan["attention_len"])
     return [{"check": r.name, "rows": r.comparisons, "ok": r.ok,
              "mismatches": len(r.mismatches)} for r in reports]
+
+
+def _attention_reports(device, dtype, length):
+    """One request prefilled at once vs in chunks vs decoded token by token (bik.attention)."""
+    from bik.testing.attention import chunking_report, make_request
+
+    def attn(q, k_cache, v_cache, seqlens, cu, table):
+        return bik.attention(q, k_cache, v_cache, cache_seqlens=seqlens, cu_seqlens_q=cu,
+                             block_table=table)
+
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d = (32, 8, 128) if device.type == "cuda" else (4, 2, 64)
+    req = make_request(gen, length, hq, hkv, d, dtype, device)
+    return chunking_report(attn, req, (1, 7, 64), name=f"attention {str(dtype)[6:]}")
 
 
 def controls(device: torch.device) -> dict:

@@ -76,9 +76,11 @@ def attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    b = tl.program_id(1) // HKV
-    hk = tl.program_id(1) % HKV
+    # Axis 0 (up to 2**31 - 1 programs) takes sequences x KV heads; axes 1 and 2 (65535 max)
+    # take query tiles and splits.
+    b = tl.program_id(0) // HKV
+    hk = tl.program_id(0) % HKV
+    tile = tl.program_id(1)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     if tile * BLOCK_T >= q_len:
@@ -225,7 +227,7 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
         pml = torch.empty((n_splits, 2, total_q, hq), dtype=torch.float32, device=q.device)
     else:
         pacc = pml = lse  # unused
-    grid = (triton.cdiv(max_q_len, block_t), n_seq * hkv, n_splits if split else 1)
+    grid = (n_seq * hkv, triton.cdiv(max_q_len, block_t), n_splits if split else 1)
     dummy = seqlens_k
     attention_kernel[grid](
         q, k, v, out, lse, pacc, pml,

@@ -110,16 +110,19 @@ def _run(op, backend, q, k, v, layout: _Layout, cu, lens, cu_q, seqlens_k, scale
     if backend == "cpu":
         from bik.kernels.cpu_attention import attention_cpu
 
-        flat_k, flat_v = k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
+        if layout.table is not None:
+            flat_k, flat_v = k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)  # views when contiguous
 
         def keys_of(b, length):
-            pos = torch.arange(length)
-            if layout.table is not None:
+            if layout.table is not None:  # paged: gather the sequence's slots
+                pos = torch.arange(length)
                 idx = layout.table[b, pos // layout.block_size].long() * layout.block_size \
                     + pos % layout.block_size
-            else:
-                idx = int(layout.base[b]) // layout.stride_tok + pos
-            return flat_k[idx].float(), flat_v[idx].float()
+                return flat_k[idx].float(), flat_v[idx].float()
+            if k.dim() == 4:  # contiguous cache [B, max_len, Hkv, D]
+                return k[b, :length].float(), v[b, :length].float()
+            start = int(layout.base[b]) // k.stride(0)  # varlen [total_k, Hkv, D]
+            return k[start:start + length].float(), v[start:start + length].float()
 
         return attention_cpu(q, keys_of, cu_q=cu, seqlens_k=lens, num_kv_heads=hkv, scale=scale,
                              causal=causal)
