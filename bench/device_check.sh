@@ -2,7 +2,8 @@
 # The one prepared GPU check: GPU tests, then the benchmarks, each stage with its own deadline,
 # JSON written after every stage into OUT (default: $OUT or ./out). Installs nothing from the
 # network: it uses the machine's torch/triton and installs bik itself with --no-deps
-# --no-build-isolation. About 5 minutes on an H200. Without a GPU it says so and exits 0.
+# --no-build-isolation. The stage deadlines sum to about 10 minutes (an upper bound: a stage that
+# finishes early hands its time on). Without a GPU it says so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-out}}
@@ -24,7 +25,7 @@ stage() {  # stage NAME SECONDS CMD...
   echo "device_check: $name rc=$rc ($(( $(date +%s) - t0 )) s)"
 }
 
-stage install 120 $PY -m pip install --no-deps --no-build-isolation -q -e .
+stage install 60 $PY -m pip install --no-deps --no-build-isolation -q -e .
 $PY - > "$OUT/env.json" <<'PYEOF'
 import json, datetime, torch, triton, bik
 print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -32,11 +33,15 @@ print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version_
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   "fingerprint": bik.fingerprint("cuda").as_dict()}, indent=2))
 PYEOF
-stage gpu_tests 150 env BIK_GPU_RECORD="$OUT/torch_mm_variance.json" \
+stage gpu_tests 90 env BIK_GPU_RECORD="$OUT/torch_mm_variance.json" \
   $PY -m pytest -q -x tests/test_gpu.py --junitxml "$OUT/gpu_tests.xml"
-stage check 120 $PY -m bik check --json "$OUT/check.json"
-stage bench_rmsnorm 45 $PY -m bik bench rmsnorm --json "$OUT/bench_rmsnorm.json"
-stage bench_matmul 150 $PY -m bik bench matmul --json "$OUT/bench_matmul.json" \
+stage gpu_attention_tests 180 env BIK_GPU_RECORD_ATTN="$OUT/sdpa_variance.json" \
+  $PY -m pytest -q -x tests/test_attention_gpu.py --junitxml "$OUT/gpu_attention_tests.xml"
+stage check 90 $PY -m bik check --json "$OUT/check.json"
+stage bench_rmsnorm 20 $PY -m bik bench rmsnorm --json "$OUT/bench_rmsnorm.json"
+stage bench_attention 150 $PY -m bik bench attention --json "$OUT/bench_attention.json" \
+  --plot "$OUT/bench_attention.png"
+stage bench_matmul 60 $PY -m bik bench matmul --json "$OUT/bench_matmul.json" \
   --plot "$OUT/bench_matmul.png"
-stage bench_boundary 20 $PY -m bik bench boundary --json "$OUT/bench_boundary.json"
+stage bench_boundary 10 $PY -m bik bench boundary --json "$OUT/bench_boundary.json"
 echo "device_check: done; results in $OUT"

@@ -55,6 +55,15 @@ def test_bench_quick_json_and_plot(tmp_path, op):
     assert png.stat().st_size > 1000
 
 
+def test_bench_attention_quick_json(tmp_path):
+    out = tmp_path / "a.json"
+    assert main(["bench", "attention", "--quick", "--json", str(out)]) == 0
+    recs = json.loads(out.read_text())["records"]
+    assert {r["workload"] for r in recs} == {"decode", "verify", "prefill"}
+    assert all(r["bik_rows_identical"] for r in recs)
+    assert all(r["bik_ms"]["p50"] > 0 and r["bik_gbps"] > 0 for r in recs)
+
+
 def test_bench_boundary():
     assert main(["bench", "boundary"]) == 0
 

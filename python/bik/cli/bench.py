@@ -1,4 +1,6 @@
-"""`bik bench matmul|rmsnorm|boundary`: bik against torch, with a bit-identity check across M.
+"""`bik bench matmul|rmsnorm|attention|boundary`: bik against torch, with a bit-identity check.
+
+Attention's runner, table and plot live in bik.cli.bench_attention.
 
 Runners return plain records (dicts); one printer renders them as a table, JSON and a plot.
 Models: matmul moves 2*M*N*K flops (TFLOP/s); RMSNorm moves 2*M*H*itemsize bytes plus the
@@ -102,6 +104,10 @@ def bench_boundary(device, dtype, backend) -> list[dict]:
 
 
 def _render(records: list[dict], console: Console) -> None:
+    if records[0]["op"] == "attention":
+        from bik.cli.bench_attention import render_attention
+
+        return render_attention(records, console)
     if records[0]["op"] == "boundary":
         table = Table(title="op boundary (M=1, N=K=16)")
         table.add_column("call")
@@ -133,6 +139,10 @@ def _plot(records: list[dict], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise SystemExit(f"bik bench --plot needs matplotlib (pip install 'bik[plot]'): {exc}")
+    if records[0]["op"] == "attention":
+        from bik.cli.bench_attention import plot_attention
+
+        return plot_attention(records, plt, path)
     fig, ax = plt.subplots(figsize=(7, 4))
     key = (lambda r: f"{r['N']}x{r['K']}") if records[0]["op"] == "matmul" else (lambda r: f"H={r['H']}")
     for label in dict.fromkeys(key(r) for r in records):
@@ -155,6 +165,10 @@ def run_bench(args) -> int:
     dtype = DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
     if args.op == "boundary":
         records = bench_boundary(device, dtype, args.backend)
+    elif args.op == "attention":
+        from bik.cli.bench_attention import bench_attention
+
+        records = bench_attention(device, dtype, args.backend, args.quick, args.ms)
     elif args.op == "matmul":
         shapes = ((256, 128), (96, 33)) if args.quick else (LLAMA_MATMUL if on_gpu else CPU_MATMUL)
         ms = args.ms or ((1, 3, 16) if args.quick else GPU_MS if on_gpu else CPU_MS)
@@ -170,5 +184,5 @@ def run_bench(args) -> int:
         _plot(records, args.plot)
     stable = all(r.get("bik_rows_identical", True) for r in records)
     if not stable:
-        console.print("[red]bik rows changed with M: this is a bug, please report it")
+        console.print("[red]bik rows changed with the batch: this is a bug, please report it")
     return 0 if stable else 1

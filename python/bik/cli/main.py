@@ -16,14 +16,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="time bik against torch and check rows stay identical")
-    bench.add_argument("op", choices=("matmul", "rmsnorm", "boundary"))
+    bench.add_argument("op", choices=("matmul", "rmsnorm", "attention", "boundary"))
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     bench.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"))
     bench.add_argument("--backend", default=None, help="bik backend (default: by device)")
-    bench.add_argument("--ms", type=_ints, default=None, help="comma-separated batch sizes")
+    bench.add_argument("--ms", type=_ints, default=None,
+                       help="comma-separated batch sizes (attention: decode batches)")
     bench.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     bench.add_argument("--json", metavar="PATH", help="write records as JSON")
-    bench.add_argument("--plot", metavar="PATH", help="PNG of bik/torch speed against M")
+    bench.add_argument("--plot", metavar="PATH", help="PNG of torch time / bik time")
 
     demo = sub.add_parser("demo", help="show a stock path's bits change with batch, bik's not")
     demo.add_argument("--device", default=None)
