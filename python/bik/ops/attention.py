@@ -176,11 +176,15 @@ def _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     capacity = lambda b: block_table.shape[1] * block_size  # noqa: E731
     cu, lens = _host_lengths(op, cu_seqlens_q, cache_seqlens, q.shape[0], capacity)
-    for b, length in enumerate(lens):
-        used = block_table[b, : -(-length // block_size)]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
-            raise ValueError(f"{op}: block_table row {b} points outside the cache's {num_blocks} "
-                             f"blocks: {used.tolist()}")
+    # One vectorised check (one host sync) over the pages each sequence actually uses.
+    pages = torch.tensor([-(-n // block_size) for n in lens], device=block_table.device)
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages[:, None]
+    outside = used & ((block_table < 0) | (block_table >= num_blocks))
+    bad_rows = outside.any(dim=1).nonzero().flatten().tolist()
+    if bad_rows:
+        b = bad_rows[0]
+        raise ValueError(f"{op}: block_table row {b} points outside the cache's {num_blocks} "
+                         f"blocks: {block_table[b, : int(pages[b])].tolist()}")
     table = block_table.to(torch.int32).contiguous()
     return _Layout(table, None, block_size, k_cache.stride(0), k_cache.stride(1)), cu, lens
 
