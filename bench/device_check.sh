@@ -43,5 +43,6 @@ stage bench_attention 150 $PY -m bik bench attention --json "$OUT/bench_attentio
   --plot "$OUT/bench_attention.png"
 stage bench_matmul 60 $PY -m bik bench matmul --json "$OUT/bench_matmul.json" \
   --plot "$OUT/bench_matmul.png"
+stage bench_sample 60 $PY -m bik bench sample --json "$OUT/bench_sample.json"
 stage bench_boundary 10 $PY -m bik bench boundary --json "$OUT/bench_boundary.json"
 echo "device_check: done; results in $OUT"

@@ -10,6 +10,7 @@
 
 #include "contract.h"
 #include "reductions.h"
+#include "sampling.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 // The internal per-ISA helpers pass vectors by value; they are inlined, so the ABI note is moot.
@@ -232,6 +233,57 @@ void unary_f32(std::uintptr_t x, std::uintptr_t y, idx_t n, const std::string& f
   }
 }
 
+// Gumbel-max sampler (sampling.h): rows of fp32 logits, per-row parameters, threads split rows.
+void sample_f32(std::uintptr_t x, idx_t sx, idx_t B, idx_t V, std::uintptr_t seed,
+                std::uintptr_t position, std::uintptr_t temperature, std::uintptr_t top_k,
+                std::uintptr_t top_p, std::uintptr_t log_min_p, std::uint32_t stream,
+                std::uintptr_t tokens, std::uintptr_t logprobs, int num_threads) {
+  if (B < 0 || V <= 0) throw std::invalid_argument("bik: sample needs B >= 0 and V > 0");
+  if (B == 0) return;
+  using I64 = const std::int64_t*;
+  using F32 = const float*;
+  const idx_t t = std::max<idx_t>(
+      1, std::min<idx_t>({idx_t(num_threads), B, (B * V) / red::kMinElemsPerThread}));
+  pybind11::gil_scoped_release nogil;
+  parallel_run(int(t), [&](int id) {
+    const idx_t r0 = B * id / t, r1 = B * (id + 1) / t;
+    sampling::sample_rows(fptr(x), sx, V, reinterpret_cast<I64>(seed),
+                          reinterpret_cast<I64>(position), reinterpret_cast<F32>(temperature),
+                          reinterpret_cast<I64>(top_k), reinterpret_cast<F32>(top_p),
+                          reinterpret_cast<F32>(log_min_p), stream,
+                          reinterpret_cast<std::int64_t*>(tokens),
+                          reinterpret_cast<float*>(logprobs), r0, r1);
+  });
+}
+
+// The sampler's building blocks, elementwise over n entries (tests and cross-backend checks):
+// "philox": in = uint32 [n, 6] (counter c0..c3, key k0, k1) -> out = uint32 [n, 4];
+// "log": fp32 -> bik_log; "gumbel": fp32 u -> -bik_log(-bik_log(u)).
+void sampling_elementwise(const std::string& fn, std::uintptr_t in, std::uintptr_t out, idx_t n) {
+  if (n < 0) throw std::invalid_argument("bik: negative size");
+  pybind11::gil_scoped_release nogil;
+  FenvGuard g;
+  if (fn == "philox") {
+    const auto* c = reinterpret_cast<const std::uint32_t*>(in);
+    auto* o = reinterpret_cast<std::uint32_t*>(out);
+    for (idx_t i = 0; i < n; ++i) {
+      const auto w = sampling::philox4x32_10(c[6 * i], c[6 * i + 1], c[6 * i + 2], c[6 * i + 3],
+                                             c[6 * i + 4], c[6 * i + 5]);
+      for (int k = 0; k < 4; ++k) o[4 * i + k] = w.v[k];
+    }
+    return;
+  }
+  const float* xp = fptr(in);
+  float* yp = reinterpret_cast<float*>(out);
+  if (fn == "log") {
+    for (idx_t i = 0; i < n; ++i) yp[i] = sampling::bik_log(xp[i]);
+  } else if (fn == "gumbel") {
+    for (idx_t i = 0; i < n; ++i) yp[i] = sampling::gumbel_from_unit(xp[i]);
+  } else {
+    throw std::invalid_argument("bik: sampling_elementwise takes philox, log or gumbel");
+  }
+}
+
 }  // namespace
 }  // namespace bik_cpu
 
@@ -242,7 +294,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
 #define BIK_CPU_SOURCE_HASH "unknown"
 #endif
   m.attr("SOURCE_HASH") = BIK_CPU_SOURCE_HASH;  // of csrc/cpu, computed by setup.py
-  m.attr("CONTRACT_VERSION") = 2;  // 2: + softmax, log_softmax, mean
+  m.attr("CONTRACT_VERSION") = 3;  // 2: + softmax, log_softmax, mean; 3: + sampler
   m.def("matmul_f32", &bik_cpu::matmul_f32, py::arg("a"), py::arg("sam"), py::arg("sak"),
         py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),
         py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("num_threads"),
@@ -261,6 +313,13 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "y[M] = mean of each row of x[M,N] (N > 0); unit stride along N.");
   m.def("unary_f32", &bik_cpu::unary_f32, py::arg("x"), py::arg("y"), py::arg("n"),
         py::arg("fn"), "y[i] = exp2f(x[i]) or log2f(x[i]) (fn) for contiguous fp32 buffers.");
+  m.def("sample_f32", &bik_cpu::sample_f32, py::arg("x"), py::arg("sx"), py::arg("B"),
+        py::arg("V"), py::arg("seed"), py::arg("position"), py::arg("temperature"),
+        py::arg("top_k"), py::arg("top_p"), py::arg("log_min_p"), py::arg("stream"),
+        py::arg("tokens"), py::arg("logprobs"), py::arg("num_threads"),
+        "Gumbel-max sampler over rows of x[B,V] (unit stride along V); see sampling.h.");
+  m.def("sampling_elementwise", &bik_cpu::sampling_elementwise, py::arg("fn"), py::arg("in"),
+        py::arg("out"), py::arg("n"), "philox / log / gumbel building blocks of the sampler.");
   m.def(
       "isa", [](const std::string& want) { return std::string(bik_cpu::select_isa(want).name); },
       py::arg("want") = "auto", "Name of the ISA path `want` resolves to.");

@@ -4,7 +4,9 @@ Public API (see docs/api.md):
     bik.matmul, bik.linear, bik.bmm, bik.rms_norm  -- the ops (also torch.ops.bik.*)
     bik.softmax, bik.log_softmax, bik.mean           -- row reductions (also torch.ops.bik.*)
     bik.attention, bik.attention_varlen              -- fixed-split attention (paged KV, GQA)
+    bik.sample, bik.verify_draft                     -- Gumbel-max sampler keyed by (seed, position)
     bik.fingerprint                                  -- what decides the bits, as one digest
+    bik.batch_invariant_mode                         -- stock torch ops on bik's kernels
     bik.testing                                      -- the invariance harness
 """
 
@@ -14,6 +16,16 @@ from bik.ops.attention import AttentionOutput, attention, attention_varlen, writ
 from bik.ops.matmul import bmm, linear, matmul
 from bik.ops.reductions import log_softmax, mean, softmax
 from bik.ops.rms_norm import rms_norm
+from bik.ops.sampling import SampleOutput, VerifyOutput, sample, verify_draft
+from bik.mode import (
+    BatchInvarianceWarning,
+    ModeStats,
+    batch_invariant_mode,
+    is_batch_invariant_mode_enabled,
+    mode_stats,
+    reset_mode_stats,
+    set_batch_invariant_mode,
+)
 
 __version__ = "0.1.0"
 
@@ -21,16 +33,27 @@ __all__ = [
     "BACKENDS",
     "AttentionOutput",
     "BackendUnavailableError",
+    "BatchInvarianceWarning",
     "Fingerprint",
+    "ModeStats",
+    "SampleOutput",
+    "VerifyOutput",
     "attention",
     "attention_varlen",
+    "batch_invariant_mode",
     "bmm",
     "fingerprint",
+    "is_batch_invariant_mode_enabled",
     "linear",
     "log_softmax",
     "matmul",
     "mean",
+    "mode_stats",
+    "reset_mode_stats",
     "rms_norm",
+    "sample",
+    "set_batch_invariant_mode",
     "softmax",
+    "verify_draft",
     "write_kv_cache",
 ]

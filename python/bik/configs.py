@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 import torch
 
 __all__ = ["AttentionConfig", "MatmulConfig", "RMSNormConfig", "arch_family", "attention_config",
-           "matmul_config", "reduction_config", "ReductionConfig", "rms_norm_config"]
+           "matmul_config", "reduction_config", "ReductionConfig", "rms_norm_config",
+           "SamplingConfig", "sampling_config"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ def config_table() -> dict:
         "attention": {arch: {dt: vars(c) for dt, c in row.items()}
                       for arch, row in _ATTENTION_BASE.items()},
         "cpu_attention_split": CPU_ATTENTION_SPLIT,
+        "sampling": {arch: vars(c) for arch, c in _SAMPLING.items()},
     }
 
 
@@ -163,3 +165,25 @@ def attention_config(dtype: torch.dtype, head_dim: int, gqa: int, arch: str) -> 
     if head_dim > 128:  # keep K/V blocks of D = 256 within shared memory and registers
         base = replace(base, block_n=32)
     return base
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    block: int  # lanes per chunk: the stats kernel's fixed lane sums, and the pick's chunk
+    split: int  # vocabulary entries per pick program (the pick's merge is order-free)
+    num_warps: int
+
+
+# The sampler's token never depends on these (the pick is an argmax under a total order); the
+# within-backend top-p threshold and logprob sums follow `block`, never the batch.
+# Eight warps: four spilled 12 B in the stats kernel for odd vocabularies (ptxas, sm_90/sm_80).
+_SAMPLING = {
+    "sm90": SamplingConfig(block=1024, split=16384, num_warps=8),
+    "sm80": SamplingConfig(block=1024, split=16384, num_warps=8),
+    "interpreter": SamplingConfig(block=64, split=128, num_warps=4),
+}
+
+
+def sampling_config(arch: str) -> SamplingConfig:
+    """The one sampler configuration on this arch (every batch size, every vocabulary)."""
+    return _SAMPLING[arch_family(arch)]

@@ -22,7 +22,7 @@ from bik.configs import config_table
 __all__ = ["Fingerprint", "fingerprint", "OPS"]
 
 OPS = ("matmul", "bmm", "rms_norm", "fused_add_rms_norm", "softmax", "log_softmax", "mean",
-       "attention", "attention_varlen")
+       "attention", "attention_varlen", "sample", "verify_draft")
 
 _PKG = Path(__file__).resolve().parent
 # Everything whose content can decide numerics: configs, backend choice, the ops layer (upcasts,

@@ -1,6 +1,7 @@
-"""`bik bench matmul|rmsnorm|attention|boundary`: bik against torch, with a bit-identity check.
+"""`bik bench matmul|rmsnorm|attention|sample|boundary`: bik against torch, with a bit-identity check.
 
-Attention's runner, table and plot live in bik.cli.bench_attention.
+Attention's runner, table and plot live in bik.cli.bench_attention; the sampler's in
+bik.cli.bench_sample.
 
 Runners return plain records (dicts); one printer renders them as a table, JSON and a plot.
 Models: matmul moves 2*M*N*K flops (TFLOP/s); RMSNorm moves 2*M*H*itemsize bytes plus the
@@ -108,6 +109,10 @@ def _render(records: list[dict], console: Console) -> None:
         from bik.cli.bench_attention import render_attention
 
         return render_attention(records, console)
+    if records[0]["op"] == "sample":
+        from bik.cli.bench_sample import render_sample
+
+        return render_sample(records, console)
     if records[0]["op"] == "boundary":
         table = Table(title="op boundary (M=1, N=K=16)")
         table.add_column("call")
@@ -169,6 +174,10 @@ def run_bench(args) -> int:
         from bik.cli.bench_attention import bench_attention
 
         records = bench_attention(device, dtype, args.backend, args.quick, args.ms)
+    elif args.op == "sample":
+        from bik.cli.bench_sample import bench_sample
+
+        records = bench_sample(device, dtype, args.backend, args.quick, args.ms)
     elif args.op == "matmul":
         shapes = ((256, 128), (96, 33)) if args.quick else (LLAMA_MATMUL if on_gpu else CPU_MATMUL)
         ms = args.ms or ((1, 3, 16) if args.quick else GPU_MS if on_gpu else CPU_MS)
@@ -180,7 +189,7 @@ def run_bench(args) -> int:
     _render(records, console)
     if args.json:
         write_json(args.json, {"meta": run_metadata(device), "records": records})
-    if args.plot and records[0]["op"] != "boundary":
+    if args.plot and records[0]["op"] not in ("boundary", "sample"):
         _plot(records, args.plot)
     stable = all(r.get("bik_rows_identical", True) for r in records)
     if not stable:

@@ -2,3 +2,4 @@
 
 from bik.ops import attention, matmul, rms_norm  # noqa: F401  (registration side effects)
 from bik.ops import reductions  # noqa: F401  (registration side effects)
+from bik.ops import sampling  # noqa: F401  (registration side effects)

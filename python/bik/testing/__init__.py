@@ -13,10 +13,12 @@ from bik.testing.harness import (
 )
 from bik.testing.references import split_by_m_matmul, split_by_m_rms_norm
 from bik.testing.references import split_by_m_mean, split_by_m_softmax
+from bik.testing.references import row_keyed_sample
 
 __all__ = [
     "InvarianceReport",
     "probe_every_position",
+    "row_keyed_sample",
     "rows_alone_vs_batched",
     "same_bits",
     "split_by_m_matmul",

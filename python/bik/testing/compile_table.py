@@ -14,7 +14,7 @@ from bik.configs import matmul_config, rms_norm_config
 from bik.testing.compile import CompileRecord, Ptr, compile_kernel
 
 __all__ = ["ARCHS", "ATTENTION_HEADS", "MATMUL_SHAPES", "REDUCTION_LENGTHS", "RMS_NORM_HIDDENS",
-           "compile_all"]
+           "SAMPLE_VOCABS", "compile_all", "sampling_kernel_cases"]
 
 ARCHS = (90, 80)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -117,10 +117,35 @@ def _attention_cases(arch: int) -> Iterator[tuple]:
             yield attention_merge_kernel, args, consts, 4, 1, no_fusion
 
 
+# Sampler vocabularies: small and odd, Llama-3 (128256), and a 256k vocabulary.
+SAMPLE_VOCABS = (111, 128256, 262144)
+
+
+def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
+    """The sampler's stats and pick kernels for every logits dtype and vocabulary; the pick is
+    compiled exactly as launched (no fp fusion), so its PTX can be checked for approximations."""
+    from bik.configs import sampling_config
+    from bik.kernels.triton_sampling import NO_FUSION, gumbel_pick_kernel, sample_stats_kernel
+
+    cfg = sampling_config(f"sm{arch}")
+    f32, i32 = Ptr(torch.float32), Ptr(torch.int32)
+    for dtype in DTYPES:
+        for v in SAMPLE_VOCABS:
+            args = dict(x_ptr=Ptr(dtype), stride_x=v, V=v, temp_ptr=f32, vk_ptr=f32, ik_ptr=i32,
+                        top_p_ptr=f32, log_min_p_ptr=f32, m_ptr=f32, vlo_ptr=f32, logs_ptr=f32,
+                        bad_ptr=i32)
+            yield sample_stats_kernel, args, dict(BLOCK=cfg.block), cfg.num_warps, 1
+            args = dict(x_ptr=Ptr(dtype), stride_x=v, V=v, key_ptr=Ptr(torch.int64),
+                        temp_ptr=f32, vk_ptr=f32, ik_ptr=i32, vlo_ptr=f32, m_ptr=f32, part_val_ptr=f32,
+                        part_idx_ptr=i32, n_splits=-(-v // cfg.split))
+            yield (gumbel_pick_kernel, args, dict(SPLIT=cfg.split, BLOCK=cfg.block),
+                   cfg.num_warps, 1, NO_FUSION)
+
+
 def compile_all(arch: int) -> list[CompileRecord]:
     records = []
     for cases in (_matmul_cases(arch), _rms_norm_cases(arch), _reduction_cases(arch),
-                  _attention_cases(arch)):
+                  _attention_cases(arch), sampling_kernel_cases(arch)):
         for kernel, args, consts, warps, stages, *options in cases:
             rec = compile_kernel(kernel, args, consts, arch=arch, num_warps=warps,
                                  num_stages=stages, options=options[0] if options else None)

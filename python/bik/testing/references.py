@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["length_adaptive_attention", "sdpa_attention", "split_by_m_matmul", "split_by_m_mean", "split_by_m_rms_norm", "split_by_m_softmax",
-           "splits_for_rows"]
+           "row_keyed_sample", "splits_for_rows"]
 
 
 def splits_for_rows(m: int) -> int:
@@ -120,3 +120,15 @@ def sdpa_attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table
         outs.append(torch.nn.functional.scaled_dot_product_attention(qb, k, v, **kwargs)
                     .transpose(0, 1))
     return torch.cat(outs)
+
+
+def row_keyed_sample(logits: torch.Tensor, seed: int, temperature: float = 1.0) -> torch.Tensor:
+    """Gumbel-max sampling whose noise is keyed by the batch ROW (NOT batch-invariant).
+
+    Like FlashInfer's sampler (Philox offset by row), row i reads the i-th slice of one random
+    stream seeded per call, so a request's token changes when it moves to another row or the
+    batch grows. Returns int64 tokens [B]. The sampler tests must reject it.
+    """
+    gen = torch.Generator(device=logits.device).manual_seed(seed)
+    u = torch.rand(logits.shape, generator=gen, device=logits.device).clamp(1e-7, 1 - 1e-7)
+    return (logits.float() / temperature - torch.log(-torch.log(u))).argmax(dim=-1)

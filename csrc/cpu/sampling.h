@@ -1,0 +1,237 @@
+// bik's Gumbel-max sampler on the CPU (contract: docs/design.md#sampler; this header is its
+// C++ implementation, mirrored bit for bit by python/bik/kernels/triton_sampling.py for the noise,
+// the filters built from exact operations, and the pick).
+//
+// Noise for (seed, position, token id, stream):
+//   bits = word 0 of Philox4x32-10(counter = (token_id, pos_lo, pos_hi, stream),
+//                                  key     = (seed_lo, seed_hi))      (Random123's round)
+//   u    = (2 * (bits >> 9) + 1) * 2^-24          exact in fp32, u in [2^-24, 1 - 2^-24]
+//   g    = 0 - bik_log(0 - bik_log(u))            in [-2.8116, 16.6355], always finite
+// bik_log(x), x a positive normal fp32, uses only exactly rounded operations (bit manipulation,
+// separate multiplies and adds, no FMA: the build has -ffp-contract=off):
+//   x = m * 2^e with m in [sqrt(1/2), sqrt(2)), f = m - 1 (exact), q = Horner(C8..C0, f),
+//   p = q * f + 1, l = f * p,  bik_log = e * LN2_HI + (e * LN2_LO + l)
+// Per row (z = x / T with correctly rounded division, or z = x when T == 0):
+//   invalid row (token -1, logprob NaN): a NaN or +inf in z, or no finite z left by the filters
+//   top-k (0 < k < V): keep the first k tokens in the order (z desc, index asc)
+//   m = max z (top-k, top-p and min-p always keep the max)
+//   top-p (p < 1): e_j = expf(z_j - m) over top-k-kept j, S = lanesum(e); keep z_j >= v_p where
+//     v_p is the largest fp32 v with lanesum(e_j [z_j >= v]) >= p * S (bisection on the order key)
+//   min-p (log_min_p > -inf): keep z_j >= m + log_min_p (log_min_p = bik_log(min_p), host side)
+//   pick: argmax over kept j of (T == 0 ? z_j : z_j + g_j), ties to the lowest index
+//   logprob = (z_c - m) - logf(lanesum(expf(z_j - m) over kept j))
+// lanesum: s[j % 16] += term_j for j ascending, folded 8, 4, 2, 1 (as reductions.h).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "contract.h"
+
+namespace bik_cpu {
+namespace sampling {
+
+constexpr std::uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u;
+constexpr std::uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
+
+struct Words {
+  std::uint32_t v[4];
+};
+
+static inline Words philox4x32_10(std::uint32_t c0, std::uint32_t c1, std::uint32_t c2,
+                                  std::uint32_t c3, std::uint32_t k0, std::uint32_t k1) {
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += kPhiloxW0;
+      k1 += kPhiloxW1;
+    }
+    const std::uint64_t p0 = std::uint64_t(kPhiloxM0) * c0;
+    const std::uint64_t p1 = std::uint64_t(kPhiloxM1) * c2;
+    const std::uint32_t hi0 = std::uint32_t(p0 >> 32), lo0 = std::uint32_t(p0);
+    const std::uint32_t hi1 = std::uint32_t(p1 >> 32), lo1 = std::uint32_t(p1);
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+  }
+  return Words{{c0, c1, c2, c3}};
+}
+
+static inline float bits_to_unit(std::uint32_t bits) {
+  // 2 * (bits >> 9) + 1 < 2^24: exact as a float, and the scale by 2^-24 is exact.
+  return float(((bits >> 9) << 1) | 1u) * 0x1p-24f;
+}
+
+static inline float f32_from_bits(std::uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+static inline std::uint32_t bits_of(float f) {
+  std::uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+// Natural log of a positive normal fp32 (max error 2 ulp vs fp64 over the sampler's domain,
+// measured in tests/test_sampling.py). Only exactly rounded ops, so every backend that follows
+// this sequence gets the same bits.
+static inline float bik_log(float x) {
+  std::uint32_t b = bits_of(x);
+  std::int32_t e = std::int32_t(b >> 23) - 127;
+  std::uint32_t mb = (b & 0x007FFFFFu) | 0x3F800000u;  // m in [1, 2)
+  if (mb > 0x3FB504F3u) {                              // m > sqrt(2): use m / 2, e + 1
+    mb -= 0x00800000u;
+    e += 1;
+  }
+  const float f = f32_from_bits(mb) - 1.0f;  // exact (Sterbenz)
+  float q = -0x1.4238320000000p-4f;
+  q = q * f + 0x1.0697100000000p-3f;
+  q = q * f + -0x1.0c52540000000p-3f;
+  q = q * f + 0x1.2297340000000p-3f;
+  q = q * f + -0x1.5488820000000p-3f;
+  q = q * f + 0x1.99a3ec0000000p-3f;
+  q = q * f + -0x1.0002060000000p-2f;
+  q = q * f + 0x1.55554e0000000p-2f;
+  q = q * f + -0x1.fffffe0000000p-2f;
+  const float p = q * f + 1.0f;
+  const float l = f * p;
+  const float ef = float(e);
+  return ef * 0x1.62e4000000000p-1f + (ef * 0x1.7f7d1c0000000p-20f + l);
+}
+
+// Negation is written 0 - x (as Triton lowers unary minus): g(u) = +0 where -log(u) = 1.
+static inline float gumbel_from_unit(float u) { return 0.0f - bik_log(0.0f - bik_log(u)); }
+
+// The noise's exact extremes over all 2^23 u (tested): g(2^-24) and g(1 - 2^-24).
+constexpr float kGumbelMin = -0x1.67e0920000000p+1f;
+constexpr float kGumbelMax = 0x1.0a2b240000000p+4f;
+
+static inline float gumbel(std::int64_t seed, std::int64_t position, std::uint32_t token,
+                           std::uint32_t stream) {
+  const std::uint64_t s = std::uint64_t(seed), p = std::uint64_t(position);
+  const Words w = philox4x32_10(token, std::uint32_t(p), std::uint32_t(p >> 32), stream,
+                                std::uint32_t(s), std::uint32_t(s >> 32));
+  return gumbel_from_unit(bits_to_unit(w.v[0]));
+}
+
+// The total order key of a non-NaN fp32: key(a) < key(b) iff a < b (with -0 < +0).
+static inline std::int64_t order_key(float v) {
+  const std::int32_t b = std::int32_t(bits_of(v));
+  return b >= 0 ? b : (b ^ 0x7FFFFFFF);
+}
+
+static inline float from_order_key(std::int64_t k) {
+  const std::int32_t b = std::int32_t(k);
+  return f32_from_bits(std::uint32_t(b >= 0 ? b : (b ^ 0x7FFFFFFF)));
+}
+
+constexpr int kLanes = 16;
+
+template <class Term>
+static inline float lanesum(idx_t n, const Term& term) {
+  float s[kLanes] = {};
+  for (idx_t j = 0; j < n; ++j) s[j % kLanes] = s[j % kLanes] + term(j);
+  for (int w = 8; w >= 1; w >>= 1)
+    for (int l = 0; l < w; ++l) s[l] = s[l] + s[l + w];
+  return s[0];
+}
+
+struct RowParams {
+  std::int64_t seed, position, top_k;
+  float temperature, top_p, log_min_p;
+  std::uint32_t stream;
+};
+
+// Samples one row x[0..V-1] (unit stride). z, e: scratch of V floats; idx: V int32.
+static void sample_row(const float* x, idx_t V, const RowParams& rp, float* z, float* e,
+                       std::int32_t* idx, std::int64_t* token_out, float* logprob_out) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  *token_out = -1;
+  *logprob_out = nan;
+  const float T = rp.temperature;
+  bool bad = false;
+  for (idx_t j = 0; j < V; ++j) {
+    z[j] = T > 0.0f ? x[j] / T : x[j];
+    bad |= (z[j] != z[j]) || z[j] == INFINITY;
+  }
+  if (bad) return;
+  // top-k: the k-th token in (z desc, index asc) is the threshold (vk, ik).
+  float vk = -INFINITY;
+  idx_t ik = V;  // keep everything
+  if (rp.top_k > 0 && rp.top_k < V) {
+    for (idx_t j = 0; j < V; ++j) idx[j] = std::int32_t(j);
+    auto before = [z](std::int32_t a, std::int32_t b) {
+      return z[a] > z[b] || (z[a] == z[b] && a < b);
+    };
+    std::nth_element(idx, idx + (rp.top_k - 1), idx + V, before);
+    ik = idx[rp.top_k - 1];
+    vk = z[ik];
+  }
+  const bool topk_on = ik < V;
+  auto kept_k = [&](idx_t j) { return !topk_on || z[j] > vk || (z[j] == vk && j <= ik); };
+  float m = -INFINITY;
+  for (idx_t j = 0; j < V; ++j)
+    if (kept_k(j)) m = z[j] > m ? z[j] : m;
+  if (m == -INFINITY) return;  // nothing finite left
+  for (idx_t j = 0; j < V; ++j) e[j] = kept_k(j) ? std::exp(z[j] - m) : 0.0f;
+  float v_lo = -INFINITY;
+  if (rp.top_p < 1.0f) {
+    const float target = rp.top_p * lanesum(V, [e](idx_t j) { return e[j]; });
+    std::int64_t lo = order_key(-INFINITY), hi = order_key(m) + 1;
+    for (int it = 0; it < 32; ++it) {
+      const std::int64_t mid = (lo + hi) >> 1;
+      const float v = from_order_key(mid);
+      const float mass = lanesum(V, [e, z, v](idx_t j) { return z[j] >= v ? e[j] : 0.0f; });
+      if (mass >= target) lo = mid; else hi = mid;
+    }
+    v_lo = from_order_key(lo);
+  }
+  if (rp.log_min_p > -INFINITY) {
+    const float v_m = m + rp.log_min_p;
+    v_lo = v_m > v_lo ? v_m : v_lo;
+  }
+  // The pick: argmax of the score under (value desc, index asc); strict > keeps the lowest index.
+  // A token with z + kGumbelMax < m + kGumbelMin (each rounded) scores below the max token
+  // whatever the noise (fp32 addition is monotone), so it is skipped: the same token results.
+  const float floor = m + kGumbelMin;
+  float best = -INFINITY;
+  idx_t best_j = -1;
+  for (idx_t j = 0; j < V; ++j) {
+    if (!kept_k(j) || !(z[j] >= v_lo) || z[j] == -INFINITY) continue;
+    if (T > 0.0f && z[j] + kGumbelMax < floor) continue;
+    const float s = T > 0.0f ? z[j] + gumbel(rp.seed, rp.position, std::uint32_t(j), rp.stream)
+                             : z[j];
+    if (best_j < 0 || s > best) {
+      best = s;
+      best_j = j;
+    }
+  }
+  if (best_j < 0) return;
+  const float sum = lanesum(V, [&](idx_t j) { return kept_k(j) && z[j] >= v_lo ? e[j] : 0.0f; });
+  *token_out = best_j;
+  *logprob_out = (z[best_j] - m) - std::log(sum);
+}
+
+// Rows r0..r1-1 of x [B, V] (row stride sx, unit stride along V).
+static void sample_rows(const float* x, idx_t sx, idx_t V, const std::int64_t* seed,
+                        const std::int64_t* position, const float* temperature,
+                        const std::int64_t* top_k, const float* top_p, const float* log_min_p,
+                        std::uint32_t stream, std::int64_t* tokens, float* logprobs, idx_t r0,
+                        idx_t r1) {
+  std::vector<float> z(static_cast<size_t>(V)), e(static_cast<size_t>(V));
+  std::vector<std::int32_t> idx(static_cast<size_t>(V));
+  for (idx_t r = r0; r < r1; ++r) {
+    const RowParams rp{seed[r], position[r], top_k[r], temperature[r], top_p[r], log_min_p[r],
+                       stream};
+    sample_row(x + r * sx, V, rp, z.data(), e.data(), idx.data(), tokens + r, logprobs + r);
+  }
+}
+
+}  // namespace sampling
+}  // namespace bik_cpu

@@ -1,0 +1,256 @@
+"""The aten ops bik's mode routes, one handler each (docs/api.md#bikbatch_invariant_mode).
+
+A handler gets ``(func, *args, **kwargs)`` as aten passes them and returns what ``func`` would,
+computed by ``torch.ops.bik.*``; it raises :class:`Fallback` to hand the call to the original
+kernel (counted, and warned once where ``warn``), or NotImplementedError when the call would
+record autograd history.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import bik.ops  # noqa: F401  (registers torch.ops.bik.*)
+from bik.ops._checks import SUPPORTED_DTYPES
+from bik.ops.attention import TRITON_HEAD_DIMS
+
+__all__ = ["HANDLERS", "Fallback"]
+
+aten = torch.ops.aten
+_NAME = "bik.batch_invariant_mode"
+
+
+class Fallback(Exception):
+    """Raised by a handler: this call goes to the original kernel, for ``reason``."""
+
+    def __init__(self, reason: str, warn: bool = False):
+        super().__init__(reason)
+        self.reason, self.warn = reason, warn
+
+
+def _backend(t: torch.Tensor) -> str:
+    kind = t.device.type  # an attribute read, not a device query
+    if kind == "cpu":
+        return "cpu"
+    if kind == "cuda":
+        return "triton"
+    raise Fallback(f"device {kind} has no bik backend")
+
+
+def _prepare(func, *tensors: torch.Tensor | None) -> str:
+    """Check that bik serves these operands; return the backend. Raises Fallback otherwise,
+    and NotImplementedError when the call would record autograd history."""
+    ts = [t for t in tensors if t is not None]
+    dtype, device = ts[0].dtype, ts[0].device
+    for t in ts:
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise Fallback(f"dtype {str(t.dtype).removeprefix('torch.')}")
+        if t.dtype != dtype or t.device != device:
+            raise Fallback("operands of different dtypes or devices")
+    backend = _backend(ts[0])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        raise NotImplementedError(
+            f"{_NAME}: {func} got inputs that require grad; backward through the mode is not "
+            f"implemented yet (batch-invariant backward is planned). Run the forward under "
+            f"torch.no_grad() or torch.inference_mode(), or leave the mode for training.")
+    return backend
+
+
+def _matmul_rows(a: torch.Tensor, b: torch.Tensor, bias, backend: str, out_dtype=None):
+    """a [..., K] @ b [K, N] (+ bias [N]) on bik::matmul, every leading dim of a a row."""
+    rows = math.prod(a.shape[:-1])
+    out = torch.ops.bik.matmul(a.reshape(rows, a.shape[-1]), b, bias, out_dtype, backend)
+    return out.reshape(*a.shape[:-1], b.shape[-1])
+
+
+def _write_out(func, out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    if out.dtype != result.dtype or out.device != result.device:
+        raise Fallback("out= tensor of another dtype or device")
+    if out.shape != result.shape:
+        out.resize_(result.shape)
+    return out.copy_(result)
+
+
+def _mm(func, a, b, out=None):
+    r = torch.ops.bik.matmul(a, b, None, None, _prepare(func, a, b))
+    return r if out is None else _write_out(func, out, r)
+
+
+def _addmm(func, bias, a, b, *, beta=1, alpha=1, out=None):
+    backend = _prepare(func, bias, a, b)
+    n = b.shape[-1]
+    if beta == 1 and alpha == 1 and bias.dim() <= 2 and bias.numel() == n \
+            and bias.shape[-1] == n and (bias.dim() < 2 or bias.shape[0] == 1):
+        r = torch.ops.bik.matmul(a, b, bias.reshape(n), None, backend)  # bias added in fp32
+    else:  # alpha/beta honoured elementwise on bik's fp32 product (elementwise is invariant)
+        r = torch.ops.bik.matmul(a, b, None, torch.float32, backend)
+        if alpha != 1:
+            r = r * alpha
+        if beta != 0:  # beta == 0 ignores bias, NaN included, as torch does
+            r = r + bias.float() * beta if beta != 1 else r + bias.float()
+        r = r.to(a.dtype)
+    return r if out is None else _write_out(func, out, r)
+
+
+def _bmm(func, a, b, out=None):
+    r = torch.ops.bik.bmm(a, b, None, _prepare(func, a, b))
+    return r if out is None else _write_out(func, out, r)
+
+
+def _matmul(func, a, b):
+    backend = _prepare(func, a, b)
+    if a.dim() == 0 or b.dim() == 0:
+        raise Fallback("0-D operand")
+    if b.dim() == 2:
+        return _matmul_rows(a, b, None, backend)
+    if b.dim() == 1:
+        return _matmul_rows(a, b.unsqueeze(1), None, backend).squeeze(-1)
+    a2 = a.unsqueeze(0) if a.dim() == 1 else a
+    batch = torch.broadcast_shapes(a2.shape[:-2], b.shape[:-2])
+    m, k, n = a2.shape[-2], a2.shape[-1], b.shape[-1]
+    a3 = a2.expand(*batch, m, k).reshape(-1, m, k)
+    b3 = b.expand(*batch, k, n).reshape(-1, k, n)
+    r = torch.ops.bik.bmm(a3, b3, None, backend).reshape(*batch, m, n)
+    return r.squeeze(-2) if a.dim() == 1 else r
+
+
+def _linear(func, x, weight, bias=None):
+    backend = _prepare(func, x, weight, bias)
+    if bias is not None and bias.dim() != 1:
+        raise Fallback("bias that is not 1-D")
+    if x.dim() == 0:
+        raise Fallback("0-D input")
+    return _matmul_rows(x, weight.t(), bias, backend)
+
+
+def _softmax_like(log: bool):
+    op = torch.ops.bik.log_softmax if log else torch.ops.bik.softmax
+
+    def internal(func, x, dim, half_to_float):  # aten::_softmax / _log_softmax
+        backend = _prepare(func, x)
+        return op(x, dim, torch.float32 if half_to_float else None, backend)
+
+    def public(func, x, dim, dtype=None):  # aten::softmax.int / log_softmax.int
+        if dtype is not None:  # torch casts x to dtype first
+            if dtype not in SUPPORTED_DTYPES:
+                raise Fallback(f"dtype {dtype}")
+            x = x.to(dtype)
+        return op(x, dim, None, _prepare(func, x))
+
+    return internal, public
+
+
+def _mean(func, x, dim=None, keepdim=False, *, dtype=None):
+    if dtype is not None:  # torch casts x to dtype first
+        if dtype not in SUPPORTED_DTYPES:
+            raise Fallback(f"dtype {dtype}")
+        x = x.to(dtype)
+    backend = _prepare(func, x)
+    return torch.ops.bik.mean(x, [] if dim is None else list(dim), bool(keepdim), None, backend)
+
+
+def _rms_norm_args(func, x, normalized_shape, weight, eps):
+    backend = _prepare(func, x)
+    if weight is not None:
+        _prepare(func, weight)
+    if len(normalized_shape) != 1 or x.dim() == 0 or normalized_shape[0] != x.shape[-1]:
+        raise Fallback("normalized_shape other than the last dim")
+    h = x.shape[-1]
+    if weight is None:
+        weight = torch.ones(h, dtype=x.dtype, device=x.device)
+    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    x2 = x.reshape(math.prod(x.shape[:-1]), h)
+    return torch.ops.bik.rms_norm(x2, weight, eps, backend).reshape(x.shape), x2, eps, backend
+
+
+def _rms_norm(func, x, normalized_shape, weight=None, eps=None):
+    return _rms_norm_args(func, x, normalized_shape, weight, eps)[0]
+
+
+def _fused_rms_norm(func, x, normalized_shape, weight=None, eps=None):
+    out, x2, eps, backend = _rms_norm_args(func, x, normalized_shape, weight, eps)
+    x32 = x2.float()
+    ms = torch.ops.bik.mean(x32 * x32, [1], True, None, backend)
+    return out, torch.rsqrt(ms + eps).reshape(*x.shape[:-1], 1)
+
+
+def _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale):
+    """SDPA on [B, H, L, D] through bik::attention_varlen; (out, lse) or Fallback."""
+    if attn_mask is not None:
+        raise Fallback("attn_mask given (padding or a custom mask)", warn=True)
+    if dropout_p != 0:
+        raise Fallback("dropout_p > 0", warn=True)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise Fallback("q/k/v not 4-D [B, H, L, D]", warn=True)
+    backend = _prepare(func, q, k, v)
+    nb, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    if k.shape[0] != nb or v.shape != k.shape or hkv == 0 or hq % hkv or lq == 0 or lq > lk:
+        raise Fallback("shapes other than equal-batch GQA with 0 < Lq <= Lk", warn=True)
+    if is_causal and lq != lk:
+        raise Fallback("is_causal with Lq != Lk (torch aligns the mask top-left)", warn=True)
+    if backend == "triton" and d not in TRITON_HEAD_DIMS:
+        raise Fallback(f"head_dim {d} not in {TRITON_HEAD_DIMS}", warn=True)
+    # A single query without a mask sees every key: the bottom-right causal case, the same keys.
+    causal = bool(is_causal) or lq == 1
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    cu_q = torch.arange(nb + 1, dtype=torch.int32, device=q.device) * lq
+    cu_k = torch.arange(nb + 1, dtype=torch.int32, device=q.device) * lk
+    out, lse = torch.ops.bik.attention_varlen(
+        q.transpose(1, 2).reshape(nb * lq, hq, d), k.transpose(1, 2).reshape(nb * lk, hkv, d),
+        v.transpose(1, 2).reshape(nb * lk, hkv, d), cu_q, cu_k, scale, causal, backend)
+    out = out.view(nb, lq, hq, d).transpose(1, 2).contiguous()
+    return out, lse.view(nb, lq, hq).transpose(1, 2)
+
+
+def _sdpa(func, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+          enable_gqa=False):
+    if q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1] and not enable_gqa:
+        raise Fallback("Hq != Hkv without enable_gqa (torch raises)")
+    return _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale)[0]
+
+
+def _sdpa_flash_cpu(func, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                    scale=None):
+    return _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale)
+
+
+def _not_routed_cuda_attention(func, *args, **kwargs):
+    raise Fallback("fused CUDA attention below autograd is not routed; run under "
+                    "torch.inference_mode() (the mode then sees scaled_dot_product_attention) "
+                    "or use eager attention", warn=True)
+
+
+_softmax_internal, _softmax_public = _softmax_like(log=False)
+_log_softmax_internal, _log_softmax_public = _softmax_like(log=True)
+
+_ROUTES = (  # (aten op, overload, handler); ops missing from an older torch are skipped
+    ("mm", "default", _mm),
+    ("mm", "out", _mm),
+    ("addmm", "default", _addmm),
+    ("addmm", "out", _addmm),
+    ("bmm", "default", _bmm),
+    ("bmm", "out", _bmm),
+    ("matmul", "default", _matmul),
+    ("linear", "default", _linear),
+    ("_softmax", "default", _softmax_internal),
+    ("_log_softmax", "default", _log_softmax_internal),
+    ("softmax", "int", _softmax_public),
+    ("log_softmax", "int", _log_softmax_public),
+    ("mean", "dim", _mean),
+    ("mean", "default", _mean),
+    ("rms_norm", "default", _rms_norm),
+    ("_fused_rms_norm", "default", _fused_rms_norm),
+    ("scaled_dot_product_attention", "default", _sdpa),
+    ("_scaled_dot_product_flash_attention_for_cpu", "default", _sdpa_flash_cpu),
+    ("_scaled_dot_product_flash_attention", "default", _not_routed_cuda_attention),
+    ("_scaled_dot_product_efficient_attention", "default", _not_routed_cuda_attention),
+    ("_scaled_dot_product_cudnn_attention", "default", _not_routed_cuda_attention),
+)
+HANDLERS = {
+    getattr(getattr(aten, name), overload): handler
+    for name, overload, handler in _ROUTES
+    if hasattr(aten, name) and hasattr(getattr(aten, name), overload)
+}

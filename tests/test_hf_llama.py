@@ -1,0 +1,146 @@
+"""A real client: a small Hugging Face Llama under bik.batch_invariant_mode.
+
+Random weights from a seeded LlamaConfig (no download). Prompts have equal lengths and no
+padding: left padding shifts a prompt's absolute positions and lengthens its attention rows, so
+a padded prompt does not give its unpadded bits (test_left_padding_changes_the_bits).
+"""
+
+import pytest
+import torch
+
+import bik
+from bik.kernels import cpu
+from bik.testing import probe_every_position, rows_alone_vs_batched, same_bits
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+GEN_TOKENS = 32
+
+# (device, dtype, attention, grad context). On CUDA the fused SDPA kernels run below autograd
+# where the mode does not route them, so the GPU SDPA variant runs under inference_mode, where
+# the mode sees aten::scaled_dot_product_attention itself (docs/integration.md).
+SETUPS = [
+    pytest.param("cpu", torch.float32, "eager", torch.no_grad, id="cpu-fp32-eager"),
+    pytest.param("cpu", torch.float32, "sdpa", torch.no_grad, id="cpu-fp32-sdpa"),
+    pytest.param("cpu", torch.float32, "sdpa", torch.inference_mode, id="cpu-fp32-sdpa-inference"),
+    pytest.param("cuda", torch.bfloat16, "eager", torch.no_grad, id="cuda-bf16-eager",
+                 marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.bfloat16, "sdpa", torch.inference_mode,
+                 id="cuda-bf16-sdpa-inference", marks=pytest.mark.gpu),
+]
+
+
+def make_model(device="cpu", dtype=torch.float32, attention="eager"):
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+        attn_implementation=attention)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def prompts(n: int, length: int, device: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + length)
+    return torch.randint(3, VOCAB, (n, length), generator=gen).to(device)  # no bos/eos/pad ids
+
+
+def next_token_logits(model):
+    return lambda ids: model(ids).logits[:, -1]
+
+
+@pytest.fixture(autouse=True)
+def _require_cpu_kernels(request):
+    callspec = getattr(request.node, "callspec", None)
+    device = callspec.params.get("device", "cpu") if callspec else "cpu"
+    if device == "cpu" and not cpu.available():
+        pytest.skip("CPU extension not built")
+    bik.reset_mode_stats()
+
+
+@pytest.mark.parametrize("device,dtype,attention,grad", SETUPS)
+@pytest.mark.parametrize("length", [1, 24])
+def test_next_token_logits_alone_and_in_batches(device, dtype, attention, grad, length):
+    model = make_model(device, dtype, attention)
+    fn = next_token_logits(model)
+    pool = prompts(8, length, device)
+    with grad(), bik.batch_invariant_mode():
+        batches = rows_alone_vs_batched(fn, pool, (1, 2, 3, 5, 8), name="llama")
+        probe = probe_every_position(fn, pool[:1], pool[1:], name="llama probe")
+    assert batches.ok, batches
+    assert probe.ok, probe
+    routed = bik.mode_stats().routed
+    assert routed.get("aten.mm.default", 0) + routed.get("aten.linear.default", 0) > 0
+    if attention == "sdpa":
+        assert not bik.mode_stats().fallbacks
+        assert any("scaled_dot_product" in op for op in routed)
+
+
+@pytest.mark.parametrize("device,dtype,attention,grad", SETUPS)
+def test_greedy_generate_bs1_equals_bsN(device, dtype, attention, grad):
+    model = make_model(device, dtype, attention)
+    ids = prompts(4, 24, device)
+
+    def generate(x):
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=GEN_TOKENS,
+                             min_new_tokens=GEN_TOKENS, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        return out.sequences, torch.stack(out.scores, dim=1)
+
+    with grad(), bik.batch_invariant_mode():
+        tokens, scores = generate(ids)
+        alone = [generate(ids[i:i + 1]) for i in range(ids.shape[0])]
+    assert tokens.shape == (4, 24 + GEN_TOKENS)
+    assert not bik.mode_stats().fallbacks  # nothing ran on a stock kernel
+    for i, (tok1, score1) in enumerate(alone):
+        assert torch.equal(tokens[i], tok1[0]), i
+        assert same_bits(scores[i], score1[0]), i
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_mode_logits_match_stock_within_fp32_error(attention):
+    """Invariance alone would not catch a wrong layout in a routed op: compare values too."""
+    model = make_model(attention=attention)
+    ids = prompts(3, 24, "cpu")
+    with torch.no_grad():
+        stock = model(ids).logits
+        with bik.batch_invariant_mode():
+            routed = model(ids).logits
+    torch.testing.assert_close(routed, stock, rtol=1e-4, atol=1e-5)
+    assert not same_bits(routed, stock)  # bik's kernels really ran
+
+
+def test_without_the_mode_prompt_length_1_differs():
+    """Negative control, measured on the project's CPUs: stock fp32 mm computes a row at M = 1
+    differently from M >= 4, so a one-token prompt's logits move with the batch size. (At prompt
+    length 24 every matmul has M >= 24 and the stock CPU path was measured invariant.)"""
+    fn = next_token_logits(make_model())
+    pool = prompts(8, 1, "cpu")
+    with torch.no_grad():
+        report = rows_alone_vs_batched(fn, pool, (1, 4, 8), name="stock llama")
+    assert not report.ok
+    assert {m for m, _ in report.mismatches} <= {4, 8}
+
+
+def test_left_padding_changes_the_bits():
+    """Documented limitation: a left-padded prompt is not bit-identical to the same prompt
+    unpadded, even under the mode (its attention rows are longer and, with a mask, SDPA falls
+    back to the stock kernel). Batch equal-length prompts, or use bik.attention's varlen API."""
+    model = make_model(attention="eager")
+    ids = prompts(1, 24, "cpu")
+    padded = torch.cat([torch.zeros(1, 3, dtype=ids.dtype), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=ids.dtype), torch.ones_like(ids)], dim=1)
+    with torch.no_grad(), bik.batch_invariant_mode():
+        plain = model(ids).logits[:, -1]
+        pad = model(padded, attention_mask=mask).logits[:, -1]
+    torch.testing.assert_close(plain, pad)
+    assert not same_bits(plain, pad)
+
+
+def test_forward_with_grad_under_the_mode_is_reported():
+    model = make_model()
+    with bik.batch_invariant_mode():
+        with pytest.raises(NotImplementedError, match="require grad"):
+            model(prompts(2, 4, "cpu"))
