@@ -49,6 +49,9 @@ def _cases(gen):
         ("addmm", lambda: torch.addmm(bias, a, w.t()), lambda: bik.matmul(a, w.t(), bias)),
         ("matmul_3d_2d", lambda: x3 @ w.t(), lambda: bik.matmul(x3, w.t())),
         ("bmm", lambda: torch.bmm(a3, b3), lambda: bik.bmm(a3, b3)),
+        ("mv", lambda: a @ gamma, lambda: bik.matmul(a, gamma[:, None])[:, 0]),
+        ("dot", lambda: gamma @ bias.repeat(2)[:40],
+         lambda: bik.matmul(gamma[None], bias.repeat(2)[:40, None]).reshape(())),
         ("matmul_3d_3d", lambda: a3 @ b3, lambda: bik.bmm(a3, b3)),
         ("softmax", lambda: s4.softmax(-1), lambda: bik.softmax(s4, -1)),
         ("softmax_mid", lambda: F.softmax(s4, 1), lambda: bik.softmax(s4, 1)),
@@ -334,3 +337,47 @@ def test_torch_compile_under_the_mode_runs_eagerly_or_raises(gen):
             with pytest.raises(RuntimeError, match="no compiled frames"):
                 torch.compile(fn, fullgraph=True)(x)
     assert same_bits(got, want)
+
+
+def test_addmm_edge_cases_follow_torch(gen):
+    a, b = torch.randn(3, 4, generator=gen), torch.randn(4, 1, generator=gen)
+    inf_a = torch.full((2, 3), float("inf"))
+    with torch.no_grad():
+        want = [torch.addmm(torch.tensor(0.5), a, b),
+                torch.addmm(torch.ones(2, 2), inf_a, torch.ones(3, 2), alpha=0)]
+        with bik.batch_invariant_mode():
+            got = [torch.addmm(torch.tensor(0.5), a, b),  # 0-D bias, N = 1
+                   torch.addmm(torch.ones(2, 2), inf_a, torch.ones(3, 2), alpha=0)]
+            with pytest.raises(RuntimeError):  # a bias that cannot broadcast: torch's error
+                torch.addmm(torch.ones(3, 1), torch.ones(1, 4), torch.ones(4, 3))
+    torch.testing.assert_close(got[0], want[0])
+    assert torch.equal(got[1], want[1]) and torch.equal(got[1], torch.ones(2, 2))
+
+
+def test_linear_with_a_1d_weight_falls_back(gen):
+    x, w = torch.randn(3, 8, generator=gen), torch.randn(8, generator=gen)
+    with torch.inference_mode():
+        want = F.linear(x, w)
+        with bik.batch_invariant_mode():
+            got = F.linear(x, w)
+    assert torch.equal(got, want)
+
+
+def test_rms_norm_default_eps_is_fp32_eps_for_16_bit(gen):
+    """Stock rms_norm with eps=None uses the fp32 epsilon for bf16 input too."""
+    x = (torch.randn(4, 64, generator=gen) * 0.01).bfloat16()
+    w = torch.ones(64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = F.rms_norm(x, (64,), w)
+        with bik.batch_invariant_mode():
+            got = F.rms_norm(x, (64,), w)
+    assert _routed("aten.rms_norm.default") == 1
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_unrouted_matmul_variants_are_counted(gen):
+    a3, b3 = torch.randn(2, 3, 4, generator=gen), torch.randn(2, 4, 5, generator=gen)
+    with torch.no_grad(), bik.batch_invariant_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", bik.BatchInvarianceWarning)
+        torch.baddbmm(torch.zeros(2, 3, 5), a3, b3)
+    assert any(key.startswith("aten.baddbmm") for key in bik.mode_stats().fallbacks)

@@ -80,18 +80,41 @@ def _mm(func, a, b, out=None):
 
 def _addmm(func, bias, a, b, *, beta=1, alpha=1, out=None):
     backend = _prepare(func, bias, a, b)
-    n = b.shape[-1]
-    if beta == 1 and alpha == 1 and bias.dim() <= 2 and bias.numel() == n \
+    m, n = a.shape[0], b.shape[-1]
+    try:  # torch's broadcasting rule: bias must expand to [M, N]
+        bias_mn = bias.expand(m, n)
+    except RuntimeError as exc:
+        raise Fallback("bias that does not broadcast to [M, N] (torch raises)") from exc
+    if beta == 1 and alpha == 1 and bias.dim() >= 1 and bias.numel() == n \
             and bias.shape[-1] == n and (bias.dim() < 2 or bias.shape[0] == 1):
         r = torch.ops.bik.matmul(a, b, bias.reshape(n), None, backend)  # bias added in fp32
     else:  # alpha/beta honoured elementwise on bik's fp32 product (elementwise is invariant)
-        r = torch.ops.bik.matmul(a, b, None, torch.float32, backend)
-        if alpha != 1:
-            r = r * alpha
+        if alpha == 0:  # BLAS semantics, as torch: a @ b is ignored (inf/NaN included)
+            r = torch.zeros((m, n), dtype=torch.float32, device=a.device)
+        else:
+            r = torch.ops.bik.matmul(a, b, None, torch.float32, backend)
+            if alpha != 1:
+                r = r * alpha
         if beta != 0:  # beta == 0 ignores bias, NaN included, as torch does
-            r = r + bias.float() * beta if beta != 1 else r + bias.float()
+            r = r + bias_mn.float() * beta if beta != 1 else r + bias_mn.float()
         r = r.to(a.dtype)
     return r if out is None else _write_out(func, out, r)
+
+
+def _mv(func, a, v, out=None):  # [M, K] @ [K]: each output element is one row of a
+    r = torch.ops.bik.matmul(a, v.unsqueeze(1), None, None, _prepare(func, a, v)).squeeze(1)
+    return r if out is None else _write_out(func, out, r)
+
+
+def _dot(func, a, b, out=None):
+    r = torch.ops.bik.matmul(a.unsqueeze(0), b.unsqueeze(1), None, None,
+                             _prepare(func, a, b)).reshape(())
+    return r if out is None else _write_out(func, out, r)
+
+
+def _not_routed(func, *args, **kwargs):
+    raise Fallback("not routed through bik yet (stock kernel, may vary with the batch)",
+                   warn=True)
 
 
 def _bmm(func, a, b, out=None):
@@ -122,6 +145,8 @@ def _linear(func, x, weight, bias=None):
         raise Fallback("bias that is not 1-D")
     if x.dim() == 0:
         raise Fallback("0-D input")
+    if weight.dim() != 2:
+        raise Fallback("weight that is not 2-D")
     return _matmul_rows(x, weight.t(), bias, backend)
 
 
@@ -160,7 +185,8 @@ def _rms_norm_args(func, x, normalized_shape, weight, eps):
     h = x.shape[-1]
     if weight is None:
         weight = torch.ones(h, dtype=x.dtype, device=x.device)
-    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    # Stock rms_norm defaults to the fp32 epsilon for every input dtype (bf16's would be 0.0078).
+    eps = torch.finfo(torch.float32).eps if eps is None else float(eps)
     x2 = x.reshape(math.prod(x.shape[:-1]), h)
     return torch.ops.bik.rms_norm(x2, weight, eps, backend).reshape(x.shape), x2, eps, backend
 
@@ -208,7 +234,7 @@ def _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale):
 def _sdpa(func, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
           enable_gqa=False):
     if q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1] and not enable_gqa:
-        raise Fallback("Hq != Hkv without enable_gqa (torch raises)")
+        raise Fallback("Hq != Hkv without enable_gqa")
     return _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale)[0]
 
 
@@ -234,6 +260,12 @@ _ROUTES = (  # (aten op, overload, handler); ops missing from an older torch are
     ("bmm", "default", _bmm),
     ("bmm", "out", _bmm),
     ("matmul", "default", _matmul),
+    ("mv", "default", _mv),
+    ("mv", "out", _mv),
+    ("dot", "default", _dot),
+    ("addmv", "default", _not_routed),
+    ("baddbmm", "default", _not_routed),
+    ("addbmm", "default", _not_routed),
     ("linear", "default", _linear),
     ("_softmax", "default", _softmax_internal),
     ("_log_softmax", "default", _log_softmax_internal),
