@@ -17,7 +17,7 @@ from rich.progress import track
 from rich.table import Table
 
 import bik
-from bik.cli.common import DTYPES, pick_device, run_metadata, write_json
+from bik.cli.common import DTYPES, make_console, pick_device, run_metadata, write_json
 from bik.cli.timing import time_ms
 
 # Llama-3-8B: qkv, o, gate/up, down, LM head (N x K of the weight [N, K]).
@@ -164,7 +164,7 @@ def _plot(records: list[dict], path: str) -> None:
 
 
 def run_bench(args) -> int:
-    console = Console()
+    console = make_console()
     device = pick_device(args.device)
     on_gpu = device.type == "cuda"
     dtype = DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]

@@ -169,7 +169,6 @@ def _copy_gbps(device) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
     gbps = 2 * n / time_ms(lambda: dst.copy_(src), device)["p50"] / 1e6
-    del src, dst
     return gbps
 
 

@@ -5,11 +5,10 @@ fingerprint. Exit status 0 only if every bik op is bit-identical across batch si
 from __future__ import annotations
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 import bik
-from bik.cli.common import pick_device, run_metadata, write_json
+from bik.cli.common import make_console, pick_device, run_metadata, write_json
 from bik.testing import rows_alone_vs_batched, split_by_m_matmul
 from bik.testing.harness import M_SWEEP
 from bik.testing.suites import bmm_suite, matmul_suite, reduction_suite, rms_norm_suite
@@ -74,7 +73,7 @@ def controls(device: torch.device) -> dict:
 
 
 def run_check(args) -> int:
-    console = Console()
+    console = make_console()
     device = pick_device(args.device)
     fp = bik.fingerprint(device)
     rows = check_rows(device, args.quick)

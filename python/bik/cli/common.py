@@ -42,3 +42,13 @@ def run_metadata(device: torch.device) -> dict:
 def write_json(path: str, payload: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def make_console():
+    """A rich console; when output is not a terminal (CI, pipes) use a width that fits the
+    tables instead of rich's 80-column default."""
+    import sys
+
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=140)

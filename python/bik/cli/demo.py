@@ -14,11 +14,10 @@ import hashlib
 
 import torch
 import torch.nn.functional as F
-from rich.console import Console
 from rich.table import Table
 
 import bik
-from bik.cli.common import pick_device
+from bik.cli.common import make_console, pick_device
 
 HIDDEN, FFN = 512, 1536
 BATCHES = (1, 2, 3, 4, 8, 32, 128)
@@ -88,7 +87,7 @@ def _print_table(console, title: str, key: str, rows: list[dict]) -> tuple[bool,
 
 
 def run_demo(args) -> int:
-    console = Console()
+    console = make_console()
     device = pick_device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     moved, fixed = _print_table(
