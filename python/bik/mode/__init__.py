@@ -159,13 +159,14 @@ def set_batch_invariant_mode(enabled: bool) -> None:
 def batch_invariant_mode() -> Iterator[None]:
     """Run stock PyTorch ops on bik's batch-invariant kernels inside the block (this thread).
 
-    Routed: aten mm, addmm (alpha/beta honoured), bmm (and their .out forms), matmul, linear,
+    Routed: aten mm, addmm (alpha/beta honoured), bmm (and their .out forms), mv, dot, matmul, linear,
     _softmax/softmax, _log_softmax/log_softmax, mean (any dims), rms_norm/_fused_rms_norm, and
     scaled_dot_product_attention / the CPU flash kernel when there is no mask, no dropout and
     equal-length sequences (causal with Lq == Lk, or no mask). bf16/fp16/fp32 on CPU and CUDA.
     Other dtypes and cases run the original kernel (counted in :func:`mode_stats`; attention
     fallbacks warn once with :class:`BatchInvarianceWarning`). A routed op whose inputs require
-    grad under grad mode raises NotImplementedError (backward is not batch-invariant yet).
+    grad under grad mode raises NotImplementedError: autograd has already recorded the stock
+    backward when the mode sees the op (call bik ops directly for training: they have backward).
     Re-entrant and exception-safe; TF32 is off (process-wide) while any thread is in the mode.
     """
     set_batch_invariant_mode(True)

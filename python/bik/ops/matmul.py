@@ -18,7 +18,6 @@ from bik.ops._checks import (
     check_same_device,
     check_same_dtype,
     check_tensor,
-    register_no_backward,
 )
 
 __all__ = ["bmm", "linear", "matmul"]
@@ -52,10 +51,6 @@ def _check_mm(op: str, a, b, bias, out_dtype, a_rank: int = 2) -> torch.dtype:
             raise ValueError(f"{op}: bias {list(bias.shape)} does not match N = {b.shape[-1]}")
     check_same_device(op, a=a, b=b, bias=bias)
     return check_out_dtype(op, out_dtype, a.dtype)
-
-
-register_no_backward("bik::matmul", "bik.matmul")
-register_no_backward("bik::bmm", "bik.bmm")
 
 
 def _cpu_mm_into(a, b, bias, out32) -> None:
@@ -110,6 +105,70 @@ def _bmm_impl(a, b, out_dtype, backend):
 def _bmm_fake(a, b, out_dtype, backend):
     out_dtype = _check_mm("bik.bmm", a, b, None, out_dtype, a_rank=3)
     return a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype)
+
+
+# ---- backward (docs/design.md#backward): built only from bik ops, so every backend keeps
+# bik's fixed orders. grad_a = g @ b^T is row-invariant like the forward; grad_b = a^T @ g and
+# grad_bias = ones[1, M] @ g reduce over the rows in the K order of bik::matmul (fixed for a
+# given M, ascending row index on the CPU backend) -- deterministic, not batch-invariant.
+
+def _operands(g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype):
+    """g and x in one dtype for a bik product: as they are when g already has x's dtype
+    (``dtype``), else both upcast to fp32 (exact), so accumulation is fp32 either way."""
+    g = g.contiguous()  # an upstream gradient may be expanded (stride 0)
+    if g.dtype == dtype:
+        return g, x
+    return g.float(), x.float()
+
+
+def _matmul_setup(ctx, inputs, output):
+    a, b, bias, out_dtype, backend = inputs
+    del output, out_dtype
+    ctx.save_for_backward(a, b)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.backend = backend
+
+
+def _matmul_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    need_a, need_b, need_bias = ctx.needs_input_grad[:3]
+    mm = torch.ops.bik.matmul
+    grad_a = grad_b = grad_bias = None
+    if need_a:
+        g, bt = _operands(grad, b.t(), a.dtype)
+        grad_a = mm(g, bt, None, a.dtype, ctx.backend)
+    if need_b:
+        g, at = _operands(grad, a.t(), b.dtype)
+        grad_b = mm(at, g, None, b.dtype, ctx.backend)
+    if need_bias:
+        g = grad.contiguous()
+        ones = g.new_ones((1, g.shape[0]))  # ones * g is exact: a fixed-order column sum
+        grad_bias = mm(ones, g, None, ctx.bias_dtype, ctx.backend).reshape(g.shape[1])
+    return grad_a, grad_b, grad_bias, None, None
+
+
+def _bmm_setup(ctx, inputs, output):
+    a, b, out_dtype, backend = inputs
+    del output, out_dtype
+    ctx.save_for_backward(a, b)
+    ctx.backend = backend
+
+
+def _bmm_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[:2]
+    grad_a = grad_b = None
+    if need_a:
+        g, bt = _operands(grad, b.transpose(1, 2), a.dtype)
+        grad_a = torch.ops.bik.bmm(g, bt, a.dtype, ctx.backend)
+    if need_b:
+        g, at = _operands(grad, a.transpose(1, 2), b.dtype)
+        grad_b = torch.ops.bik.bmm(at, g, b.dtype, ctx.backend)
+    return grad_a, grad_b, None, None
+
+
+torch.library.register_autograd("bik::matmul", _matmul_backward, setup_context=_matmul_setup)
+torch.library.register_autograd("bik::bmm", _bmm_backward, setup_context=_bmm_setup)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -18,7 +18,6 @@ from bik.ops._checks import (
     check_float_dtype,
     check_same_device,
     check_tensor,
-    register_no_backward,
 )
 
 __all__ = ["rms_norm"]
@@ -65,10 +64,6 @@ def _cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     cpu.rms_norm_f32(x32, weight.float().contiguous(), float(eps), out)
     return out.to(x.dtype)
-
-
-register_no_backward("bik::rms_norm", "bik.rms_norm")
-register_no_backward("bik::fused_add_rms_norm", "bik.rms_norm")
 
 
 def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
@@ -118,6 +113,72 @@ def _fused_add_rms_norm_fake(x, residual, weight, eps, backend):
     _check_norm("bik.rms_norm", x, weight, eps, residual)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+# ---- backward (docs/design.md#backward): fp32, built only from bik ops and correctly rounded
+# elementwise ops (+ - * / sqrt: the same bits in a SIMD body and a scalar tail), so a row's
+# grad_x depends only on that row, its upstream gradient and the weight. With xhat = x * rstd:
+#   grad_x = rstd * (g*w - xhat * mean(g*w*xhat)) = rstd * (g*w - x * rstd^2 * mean(g*w*x))
+#   grad_w = sum over rows of g * xhat   (ones[1, M] @ ...: fixed order, not batch-invariant)
+# rstd is recomputed with bik::mean (its last bit may differ from the forward kernel's).
+
+def _rms_norm_grads(x, weight, eps, backend, grad, need_x, need_w):
+    x32, g32, w32 = x.float(), grad.float(), weight.float()
+    mean = torch.ops.bik.mean
+    rstd = 1.0 / torch.sqrt(mean(x32 * x32, [1], True, torch.float32, backend) + eps)
+    xhat = x32 * rstd
+    grad_x = grad_w = None
+    if need_x:
+        gw = g32 * w32
+        dot = mean(gw * xhat, [1], True, torch.float32, backend)  # [M, 1]
+        grad_x = rstd * (gw - xhat * dot)
+    if need_w:
+        terms = (g32 * xhat).contiguous()
+        ones = terms.new_ones((1, terms.shape[0]))  # ones * t is exact: a fixed-order sum
+        grad_w = torch.ops.bik.matmul(ones, terms, None, weight.dtype, backend)
+        grad_w = grad_w.reshape(weight.shape)
+    return grad_x, grad_w
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps, backend = inputs
+    del output
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.backend = eps, backend
+
+
+def _rms_norm_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    grad_x, grad_w = _rms_norm_grads(x, weight, ctx.eps, ctx.backend, grad, need_x, need_w)
+    return None if grad_x is None else grad_x.to(x.dtype), grad_w, None, None
+
+
+def _fused_setup(ctx, inputs, output):
+    _, _, weight, eps, backend = inputs
+    ctx.save_for_backward(output[1], weight)  # h = x + residual as rounded and normalised
+    ctx.eps, ctx.backend = eps, backend
+
+
+def _fused_backward(ctx, grad_out, grad_h):
+    h, weight = ctx.saved_tensors
+    need_x, need_r, need_w = ctx.needs_input_grad[:3]
+    grad_hn, grad_w = _rms_norm_grads(h, weight, ctx.eps, ctx.backend, grad_out,
+                                      need_x or need_r, need_w)
+    grad_x = grad_r = None
+    if need_x or need_r:
+        # h's rounding is taken as the identity: d h / d x = d h / d residual = 1.
+        total = grad_hn if grad_h is None else grad_hn + grad_h.float()
+        total = total.to(h.dtype)
+        grad_x = total if need_x else None
+        grad_r = (total.clone() if need_x else total) if need_r else None
+    return grad_x, grad_r, grad_w, None, None
+
+
+torch.library.register_autograd("bik::rms_norm", _rms_norm_backward,
+                                setup_context=_rms_norm_setup)
+torch.library.register_autograd("bik::fused_add_rms_norm", _fused_backward,
+                                setup_context=_fused_setup)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
