@@ -124,7 +124,8 @@ def reduction_config(n: int, arch: str) -> ReductionConfig:
 def config_table() -> dict:
     """Plain-data view of the tables (for the fingerprint and `bik check`)."""
     return {
-        "matmul": {arch: {dt: vars(c) for dt, c in row.items()} for arch, row in _MATMUL_BASE.items()},
+        "matmul": {arch: {dt: vars(c) for dt, c in row.items()}
+                   for arch, row in _MATMUL_BASE.items()},
         "rms_norm_max_block": dict(_RMS_NORM_MAX_BLOCK),
         "reduction_max_block": dict(_REDUCTION_MAX_BLOCK),
         "attention": {arch: {dt: vars(c) for dt, c in row.items()}

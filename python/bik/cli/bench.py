@@ -1,4 +1,4 @@
-"""`bik bench matmul|rmsnorm|attention|sample|boundary`: bik against torch, with a bit-identity check.
+"""`bik bench matmul|rmsnorm|attention|sample|boundary`: bik vs torch, plus a bit-identity check.
 
 Attention's runner, table and plot live in bik.cli.bench_attention; the sampler's in
 bik.cli.bench_sample.
@@ -149,7 +149,10 @@ def _plot(records: list[dict], path: str) -> None:
 
         return plot_attention(records, plt, path)
     fig, ax = plt.subplots(figsize=(7, 4))
-    key = (lambda r: f"{r['N']}x{r['K']}") if records[0]["op"] == "matmul" else (lambda r: f"H={r['H']}")
+    if records[0]["op"] == "matmul":
+        key = lambda r: f"{r['N']}x{r['K']}"  # noqa: E731
+    else:
+        key = lambda r: f"H={r['H']}"  # noqa: E731
     for label in dict.fromkeys(key(r) for r in records):
         rows = [r for r in records if key(r) == label]
         ax.plot([r["M"] for r in rows], [r["speedup"] for r in rows], marker="o", label=label)

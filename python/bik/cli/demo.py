@@ -24,7 +24,8 @@ BATCHES = (1, 2, 3, 4, 8, 32, 128)
 
 
 def _digest(row: torch.Tensor) -> str:
-    return hashlib.sha256(row.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()[:12]
+    raw = row.detach().cpu().contiguous().view(torch.uint8).numpy()
+    return hashlib.sha256(raw).hexdigest()[:12]
 
 
 def embedded_block(device: torch.device, dtype: torch.dtype) -> dict:

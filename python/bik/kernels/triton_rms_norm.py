@@ -70,7 +70,8 @@ def rms_norm_kernel(
 
 
 def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
-                    residual: torch.Tensor | None = None, h_out: torch.Tensor | None = None) -> None:
+                    residual: torch.Tensor | None = None,
+                    h_out: torch.Tensor | None = None) -> None:
     """Normalise rows of x [M, H] (unit stride along H) into out; with residual, write h_out."""
     m, hidden = x.shape
     if m == 0 or hidden == 0:

@@ -159,9 +159,9 @@ def set_batch_invariant_mode(enabled: bool) -> None:
 def batch_invariant_mode() -> Iterator[None]:
     """Run stock PyTorch ops on bik's batch-invariant kernels inside the block (this thread).
 
-    Routed: aten mm, addmm (alpha/beta honoured), bmm (and their .out forms), mv, dot, matmul, linear,
-    _softmax/softmax, _log_softmax/log_softmax, mean (any dims), rms_norm/_fused_rms_norm, and
-    scaled_dot_product_attention / the CPU flash kernel when there is no mask, no dropout and
+    Routed: aten mm, addmm (alpha/beta honoured), bmm (and their .out forms), mv, dot, matmul,
+    linear, _softmax/softmax, _log_softmax/log_softmax, mean (any dims), rms_norm/_fused_rms_norm,
+    and scaled_dot_product_attention / the CPU flash kernel when there is no mask, no dropout and
     equal-length sequences (causal with Lq == Lk, or no mask). bf16/fp16/fp32 on CPU and CUDA.
     Other dtypes and cases run the original kernel (counted in :func:`mode_stats`; attention
     fallbacks warn once with :class:`BatchInvarianceWarning`). A routed op whose inputs require

@@ -26,7 +26,9 @@ torch.library.define(
     "bik::matmul",
     "(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype, str backend) -> Tensor",
 )
-torch.library.define("bik::bmm", "(Tensor a, Tensor b, ScalarType? out_dtype, str backend) -> Tensor")
+torch.library.define(
+    "bik::bmm", "(Tensor a, Tensor b, ScalarType? out_dtype, str backend) -> Tensor"
+)
 
 
 def _check_mm(op: str, a, b, bias, out_dtype, a_rank: int = 2) -> torch.dtype:

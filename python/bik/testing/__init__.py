@@ -1,8 +1,8 @@
 """The invariance harness, shared by tests/ and by `bik check`.
 
-Every comparison is exact: the bit patterns must be equal (NaN = same NaN, +0.0 != -0.0). The harness ships deliberately
-batch-dependent references (:mod:`bik.testing.references`) so that users and tests can see it
-reject a kernel that is not batch-invariant.
+Every comparison is exact: the bit patterns must be equal (NaN = same NaN, +0.0 != -0.0).
+The harness ships deliberately batch-dependent references (:mod:`bik.testing.references`) so
+that users and tests can see it reject a kernel that is not batch-invariant.
 """
 
 from bik.testing.harness import (

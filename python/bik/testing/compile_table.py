@@ -136,8 +136,8 @@ def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
                         bad_ptr=i32)
             yield sample_stats_kernel, args, dict(BLOCK=cfg.block), cfg.num_warps, 1
             args = dict(x_ptr=Ptr(dtype), stride_x=v, V=v, key_ptr=Ptr(torch.int64),
-                        temp_ptr=f32, vk_ptr=f32, ik_ptr=i32, vlo_ptr=f32, m_ptr=f32, part_val_ptr=f32,
-                        part_idx_ptr=i32, n_splits=-(-v // cfg.split))
+                        temp_ptr=f32, vk_ptr=f32, ik_ptr=i32, vlo_ptr=f32, m_ptr=f32,
+                        part_val_ptr=f32, part_idx_ptr=i32, n_splits=-(-v // cfg.split))
             yield (gumbel_pick_kernel, args, dict(SPLIT=cfg.split, BLOCK=cfg.block),
                    cfg.num_warps, 1, NO_FUSION)
 

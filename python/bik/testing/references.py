@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["length_adaptive_attention", "sdpa_attention", "split_by_m_matmul", "split_by_m_mean", "split_by_m_rms_norm", "split_by_m_softmax",
-           "row_keyed_sample", "splits_for_rows"]
+__all__ = [
+    "length_adaptive_attention",
+    "row_keyed_sample",
+    "sdpa_attention",
+    "split_by_m_matmul",
+    "split_by_m_mean",
+    "split_by_m_rms_norm",
+    "split_by_m_softmax",
+    "splits_for_rows",
+]
 
 
 def splits_for_rows(m: int) -> int:

@@ -23,7 +23,7 @@ def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device) -> tor
 def matmul_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Sequence[int],
                  shapes: Sequence[tuple[int, int]], seed: int = 0,
                  probe_batch: int = 0) -> list[InvarianceReport]:
-    """Rows alone vs batched for each (N, K), with B both contiguous and as a ``weight.t()`` view."""
+    """Rows alone vs batched for each (N, K), B contiguous and as a ``weight.t()`` view."""
     from bik import matmul
 
     gen = torch.Generator().manual_seed(seed)
