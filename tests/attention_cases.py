@@ -35,8 +35,8 @@ def reference(q, k, v, causal=True):
     vv = v.double().repeat_interleave(hq // hkv, 1)
     s = torch.einsum("thd,lhd->htl", q.double(), kk) / math.sqrt(d)
     if causal:
-        pos = torch.arange(length - t, length)
-        s = s.masked_fill(torch.arange(length)[None, None, :] > pos[None, :, None], float("-inf"))
+        pos = torch.arange(length, device=q.device)
+        s = s.masked_fill(pos[None, None, :] > pos[length - t:][None, :, None], float("-inf"))
     return torch.einsum("htl,lhd->thd", s.softmax(-1), vv), torch.logsumexp(s, -1).T
 
 
@@ -87,13 +87,16 @@ def check_layouts_agree(backend, dtype, lengths, hq=4, hkv=2, d=64):
     assert lse.dtype == torch.float32 and lse.shape == (q.shape[0], hq)
 
 
-def check_accuracy(backend, dtype, lengths, q_lens, hq=4, hkv=2, d=64, ratio=None):
-    """Max error vs fp64 within a multiple of an independent same-dtype implementation's."""
+def check_accuracy(backend, dtype, lengths, q_lens, hq=4, hkv=2, d=64, device="cpu"):
+    """Max error vs fp64 within a multiple of an independent same-dtype implementation's
+    (torch SDPA on the same device); LSE close."""
     gen = torch.Generator().manual_seed(4)
-    reqs = [make_request(gen, n, hq, hkv, d, dtype) for n in lengths]
+    reqs = [make_request(gen, n, hq, hkv, d, dtype, device) for n in lengths]
     q = torch.cat([r.q[n - ql:] for r, n, ql in zip(reqs, lengths, q_lens)])
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
+    cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
     out, lse = bik.attention_varlen(q, torch.cat([r.k for r in reqs]),
                                     torch.cat([r.v for r in reqs]), cu_seqlens_q=cu_q,
                                     cu_seqlens_k=cu_k, backend=backend)
@@ -118,7 +121,8 @@ def _sdpa(q, k, v):
     """torch's SDPA in q's dtype (math in fp32 for 16-bit on the CPU), bottom-right causal."""
     t, hq, _ = q.shape
     length, hkv = k.shape[0], k.shape[1]
-    mask = torch.arange(length)[None, :] <= torch.arange(length - t, length)[:, None]
+    pos = torch.arange(length, device=q.device)
+    mask = pos[None, :] <= pos[length - t:][:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.repeat_interleave(hq // hkv, 1).transpose(0, 1),
         v.repeat_interleave(hq // hkv, 1).transpose(0, 1), attn_mask=mask)

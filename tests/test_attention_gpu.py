@@ -17,14 +17,12 @@ backend at small sizes. Budget: under about 2 minutes on an H200, Triton compile
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import pytest
 import torch
 
 import attention_cases as ac
-import bik
 from bik.testing.attention import (
     Request,
     chunking_report,
@@ -152,51 +150,10 @@ def modes_outputs(attn, dtype, length, q_len, monkeypatch, *, device=DEVICE, hea
 
 # --- accuracy ------------------------------------------------------------------------------
 
-def reference(q, k, v):
-    """fp64 softmax(q k^T / sqrt(D)) v and LSE for one sequence, bottom-right causal, on q's
-    device (tests/attention_cases.reference builds its mask on the CPU)."""
-    t, hq, d = q.shape
-    length, hkv = k.shape[0], k.shape[1]
-    kk = k.double().repeat_interleave(hq // hkv, 1)
-    vv = v.double().repeat_interleave(hq // hkv, 1)
-    s = torch.einsum("thd,lhd->htl", q.double(), kk) / math.sqrt(d)
-    pos = torch.arange(length, device=q.device)
-    s = s.masked_fill(pos[None, None, :] > pos[length - t:][None, :, None], float("-inf"))
-    return torch.einsum("htl,lhd->thd", s.softmax(-1), vv), torch.logsumexp(s, -1).T
-
-
-def sdpa_bottom_right(q, k, v):
-    """torch SDPA in q's dtype on q's device with a bottom-right causal mask (any backend)."""
-    t, hq, _ = q.shape
-    length, hkv = k.shape[0], k.shape[1]
-    pos = torch.arange(length, device=q.device)
-    mask = pos[None, :] <= pos[length - t:][:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(hq // hkv, 1).transpose(0, 1),
-        v.repeat_interleave(hq // hkv, 1).transpose(0, 1), attn_mask=mask)
-    return out.transpose(0, 1)
-
-
 def check_accuracy(backend, dtype, lengths, q_lens, *, device=DEVICE, heads=LLAMA):
-    """Max error vs fp64 within ATTENTION_RATIO x torch SDPA's (same dtype) + 4 eps; LSE close."""
-    gen = torch.Generator().manual_seed(4)
-    reqs = [make_request(gen, n, *heads, dtype, device=device) for n in lengths]
-    q = torch.cat([r.q[n - ql:] for r, n, ql in zip(reqs, lengths, q_lens)])
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
-                        device=device)
-    cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                        device=device)
-    out, lse = bik.attention_varlen(q, torch.cat([r.k for r in reqs]),
-                                    torch.cat([r.v for r in reqs]), cu_seqlens_q=cu_q,
-                                    cu_seqlens_k=cu_k, backend=backend)
-    for b, (r, n, ql) in enumerate(zip(reqs, lengths, q_lens)):
-        ref, ref_lse = reference(r.q[n - ql:], r.k, r.v)
-        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-        err = (out[rows].double() - ref).abs().max().item()
-        err_indep = (sdpa_bottom_right(r.q[n - ql:], r.k, r.v).double() - ref).abs().max().item()
-        tol = ac.ATTENTION_RATIO[dtype] * err_indep + 4 * torch.finfo(dtype).eps
-        assert err <= tol, (b, n, err, err_indep)
-        assert (lse[rows].double() - ref_lse).abs().max().item() <= 1e-4 * max(1, n**0.5)
+    """tests/attention_cases.check_accuracy at Llama heads on the GPU."""
+    hq, hkv, d = heads
+    ac.check_accuracy(backend, dtype, lengths, q_lens, hq=hq, hkv=hkv, d=d, device=device)
 
 
 # --- the torch SDPA record -----------------------------------------------------------------
