@@ -41,8 +41,28 @@ def check_rows(device: torch.device, quick: bool) -> list[dict]:
         # softmax, log_softmax, mean: row lengths odd and a power of two
         reports += reduction_suite(dtype=dtype, lengths=plan["lengths"], **common)
         reports += _attention_reports(device, dtype, plan["attention_len"])
+    reports.append(_sample_report(device, plan["ms"]))
     return [{"check": r.name, "rows": r.comparisons, "ok": r.ok,
              "mismatches": len(r.mismatches)} for r in reports]
+
+
+def _sample_report(device, ms):
+    """bik.sample rows (token and logprob bits) alone vs batched, each row with its own
+    position, temperature and top-k carried in the row itself."""
+    gen = torch.Generator().manual_seed(13)
+    vocab = 1000
+    logits = torch.randn(max(ms), vocab, generator=gen) * 3
+    params = torch.stack([torch.arange(max(ms)).float(),  # position
+                          torch.rand(max(ms), generator=gen) * 1.5,  # temperature
+                          torch.randint(0, 50, (max(ms),), generator=gen).float()], dim=1)
+    pool = torch.cat([logits, params], dim=1).to(device)
+
+    def fn(rows):
+        out = bik.sample(rows[:, :vocab], seed=1234, position=rows[:, vocab].long(),
+                         temperature=rows[:, vocab + 1], top_k=rows[:, vocab + 2].long())
+        return torch.stack([out.tokens.float(), out.logprobs], dim=1)
+
+    return rows_alone_vs_batched(fn, pool, ms, name="sample fp32 V=1000")
 
 
 def _attention_reports(device, dtype, length):
