@@ -132,6 +132,20 @@ def _kept_k(z, offs, vk, ik):
 
 
 @triton.jit
+def _kept_mass(x_row, V, temp, vk, ik, threshold, m_safe, BLOCK: tl.constexpr):
+    """sum of exp(z - m) over the tokens kept by top-k with z >= threshold (fixed chunk order)."""
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for c0 in range(0, V, BLOCK):
+        offs = c0 + cols
+        mask = offs < V
+        z = _tempered(x_row, offs, mask, temp)
+        keep = mask & _kept_k(z, offs, vk, ik) & (z >= threshold)
+        acc += tl.where(keep, tl.exp(z - m_safe), 0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
 def sample_stats_kernel(x_ptr, stride_x, V, temp_ptr, vk_ptr, ik_ptr, top_p_ptr, log_min_p_ptr,
                         m_ptr, vlo_ptr, logs_ptr, bad_ptr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -171,31 +185,17 @@ def sample_stats_kernel(x_ptr, stride_x, V, temp_ptr, vk_ptr, ik_ptr, top_p_ptr,
         hi = _key(m_safe) + 1
         for _ in range(32):
             mid = (lo + hi) >> 1
-            v = _from_key(mid)
-            acc = tl.zeros((BLOCK,), tl.float32)
-            for c0 in range(0, V, BLOCK):
-                offs = c0 + cols
-                mask = offs < V
-                z = _tempered(x_row, offs, mask, temp)
-                keep = mask & _kept_k(z, offs, vk, ik) & (z >= v)
-                acc += tl.where(keep, tl.exp(z - m_safe), 0.0)
-            ok = tl.sum(acc, axis=0) >= target
+            ok = _kept_mass(x_row, V, temp, vk, ik, _from_key(mid), m_safe, BLOCK) >= target
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid)
         v_lo = _from_key(lo)
     v_lo = tl.maximum(v_lo, m_safe + log_min_p)
 
     # The logprob's normaliser over the finally kept tokens.
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for c0 in range(0, V, BLOCK):
-        offs = c0 + cols
-        mask = offs < V
-        z = _tempered(x_row, offs, mask, temp)
-        keep = mask & _kept_k(z, offs, vk, ik) & (z >= v_lo)
-        acc += tl.where(keep, tl.exp(z - m_safe), 0.0)
+    norm = _kept_mass(x_row, V, temp, vk, ik, v_lo, m_safe, BLOCK)
     tl.store(m_ptr + row, m_safe)
     tl.store(vlo_ptr + row, v_lo)
-    tl.store(logs_ptr + row, tl.log(tl.where(is_bad, 1.0, tl.sum(acc, axis=0))))
+    tl.store(logs_ptr + row, tl.log(tl.where(is_bad, 1.0, norm)))
     tl.store(bad_ptr + row, is_bad.to(tl.int32))
 
 
