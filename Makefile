@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*)
 
 demo: $(STAMP)
 	$(VENV)/bin/bik demo
+	$(VENV)/bin/bik dvr --requests 8 --max-new-tokens 16
 
 # Two processes: TRITON_INTERPRET is process-wide and must be set before triton kernels load.
 test: $(STAMP)

@@ -45,4 +45,6 @@ stage bench_matmul 60 $PY -m bik bench matmul --json "$OUT/bench_matmul.json" \
   --plot "$OUT/bench_matmul.png"
 stage bench_sample 60 $PY -m bik bench sample --json "$OUT/bench_sample.json"
 stage bench_boundary 10 $PY -m bik bench boundary --json "$OUT/bench_boundary.json"
+stage gpu_dvr_tests 60 $PY -m pytest -q -x tests/test_dvr_gpu.py --junitxml "$OUT/gpu_dvr_tests.xml"
+stage bench_dvr 120 $PY -m bik bench dvr --json "$OUT/bench_dvr.json"
 echo "device_check: done; results in $OUT"

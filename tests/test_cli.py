@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from bik.cli.demo import demo_rows
 from bik.cli.main import main
 from bik.kernels import cpu
@@ -24,7 +23,6 @@ def test_demo_shows_stock_bits_moving_and_bik_bits_fixed():
 
 def test_demo_attention_schedules():
     import torch
-
     from bik.cli.demo import attention_rows
 
     rows = attention_rows(torch.device("cpu"), torch.float32)
@@ -71,3 +69,31 @@ def test_bench_boundary():
 def test_python_dash_m_entry_point():
     res = subprocess.run([sys.executable, "-m", "bik", "--help"], capture_output=True, text=True)
     assert res.returncode == 0 and "bench" in res.stdout
+
+
+def test_dvr_runs_and_reports_deterministic(tmp_path, capsys):
+    out = tmp_path / "dvr.json"
+    assert main(["dvr", "--requests", "5", "--max-new-tokens", "8", "--arrival-spread", "3",
+                 "--mismatch-rate", "0.5", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["verdict"]["deterministic"] and data["verdict"]["deterministic_requests"] > 0
+    assert data["metrics"]["forced_mismatches"] > 0 and data["metrics"]["rollbacks"] > 0
+    assert "deterministic" in capsys.readouterr().out
+
+
+def test_dvr_loads_a_checkpoint_directory(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    assert main(["dvr", "--model", str(tmp_path / "ckpt"), "--requests", "3",
+                 "--max-new-tokens", "4", "--drafter", "2"]) == 0
+
+
+def test_bench_dvr_quick_records_every_run(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "dvr", "--device", "cpu", "--quick", "--json", str(out)]) == 0
+    runs = [r["run"] for r in json.loads(out.read_text())["records"]]
+    assert runs == ["fast path alone", "bik kernels only", "dvr, 100% deterministic",
+                    "dvr, 10% deterministic"]

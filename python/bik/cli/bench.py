@@ -171,6 +171,14 @@ def run_bench(args) -> int:
     device = pick_device(args.device)
     on_gpu = device.type == "cuda"
     dtype = DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
+    if args.op == "dvr":
+        from bik.cli.bench_dvr import bench_dvr, render_dvr
+
+        records = bench_dvr(device, dtype, args.quick)
+        render_dvr(records, console)
+        if args.json:
+            write_json(args.json, {"meta": run_metadata(device), "records": records})
+        return 0
     if args.op == "boundary":
         records = bench_boundary(device, dtype, args.backend)
     elif args.op == "attention":

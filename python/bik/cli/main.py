@@ -17,7 +17,7 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="time bik against torch and check rows stay identical")
     bench.add_argument("op", choices=("matmul", "rmsnorm", "attention", "sample",
-                                        "boundary"))
+                                        "boundary", "dvr"))
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     bench.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"))
     bench.add_argument("--backend", default=None, help="bik backend (default: by device)")
@@ -34,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--device", default=None)
     check.add_argument("--quick", action="store_true", help="fewer shapes and batch sizes")
     check.add_argument("--json", metavar="PATH", help="write the verdicts as JSON")
+
+    from bik.cli.dvr import add_dvr_arguments
+
+    add_dvr_arguments(sub.add_parser(
+        "dvr", help="decode-verify-rollback on a small Llama: metrics and a determinism verdict"))
     return p
 
 
@@ -47,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from bik.cli.demo import run_demo
 
         return run_demo(args)
+    if args.command == "dvr":
+        from bik.cli.dvr import run_dvr
+
+        return run_dvr(args)
     from bik.cli.check import run_check
 
     return run_check(args)

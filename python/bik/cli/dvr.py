@@ -1,0 +1,122 @@
+"""`bik dvr`: run a decode-verify-rollback workload and check it is deterministic.
+
+The run decodes a synthetic request stream with the fast path (ordinary torch kernels) and a
+verifier on bik kernels, prints the engine's metrics, then decodes every deterministic request
+alone on bik kernels and compares: the verdict is "deterministic" only when every output equals
+its solo reference token for token and logprob for logprob.
+"""
+
+from __future__ import annotations
+
+import torch
+from rich.progress import Progress
+from rich.table import Table
+
+from bik.cli.common import DTYPES, make_console, pick_device, run_metadata, write_json
+from bik.dvr import DVREngine, EngineConfig, NgramDrafter, reference_decode
+from bik.dvr.kernels import BikKernels, FastKernels
+from bik.dvr.workload import make_workload, run_workload
+
+__all__ = ["add_dvr_arguments", "load_model", "run_dvr"]
+
+
+def add_dvr_arguments(p) -> None:
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="a Hugging Face Llama checkpoint (default: the embedded tiny model)")
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--det-fraction", type=float, default=0.75)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("-K", "--window", type=int, default=4, help="unverified tokens per window")
+    p.add_argument("-N", "--group", type=int, default=4, help="requests per verifier pass")
+    p.add_argument("--verifier", choices=("exact", "fixed"), default="exact")
+    p.add_argument("--drafter", type=int, default=0, metavar="TOKENS",
+                   help="prompt-lookup drafter proposing up to TOKENS tokens (0: off)")
+    p.add_argument("--mismatch-rate", type=float, default=0.2,
+                   help="fraction of fast-path tokens replaced, to force rollbacks")
+    p.add_argument("--arrival-spread", type=int, default=8,
+                   help="requests arrive over the first this-many steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-verdict", action="store_true", help="skip the solo reference decode")
+    p.add_argument("--json", metavar="PATH")
+
+
+def load_model(path: str | None, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    from bik.dvr.model import embedded_model, load_checkpoint
+
+    if path is None:
+        return embedded_model(seed=seed, dtype=dtype, device=device)
+    return load_checkpoint(path, dtype=dtype, device=device)
+
+
+def _verdict(model, arrivals, outputs, device, dtype, progress) -> dict:
+    kernels = BikKernels()
+    det = [a.request for a in arrivals if a.request.deterministic]
+    mismatched = []
+    task = progress.add_task("solo references", total=len(det))
+    for req in det:
+        ref = reference_decode(model, req, kernels, device=device, dtype=dtype)
+        out = outputs[req.request_id]
+        if out.tokens != ref.tokens or out.logprobs != ref.logprobs:
+            mismatched.append(req.request_id)
+        progress.advance(task)
+    return {"deterministic_requests": len(det), "mismatched": mismatched,
+            "deterministic": not mismatched}
+
+
+def run_dvr(args) -> int:
+    device = pick_device(args.device)
+    dtype = DTYPES[args.dtype]
+    console = make_console()
+    model = load_model(args.model, device, dtype, args.seed)
+    cfg = model.config
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, tuple) else (
+        () if cfg.eos_token_id is None else (cfg.eos_token_id,))
+    arrivals = make_workload(
+        vocab_size=cfg.vocab_size, num_requests=args.requests, seed=args.seed,
+        det_fraction=args.det_fraction, max_new_tokens=(max(1, args.max_new_tokens // 2),
+                                                        args.max_new_tokens),
+        temperature=args.temperature, top_k=args.top_k, eos_token_ids=eos,
+        arrival_spread=args.arrival_spread, repetitive=args.drafter > 0)
+    config = EngineConfig(window=args.window, group=args.group, verifier=args.verifier,
+                          drafter=NgramDrafter(num_tokens=args.drafter) if args.drafter else None,
+                          mismatch_rate=args.mismatch_rate, mismatch_seed=args.seed)
+    engine = DVREngine(model, config, fast_kernels=FastKernels(), verify_kernels=BikKernels(),
+                       device=device, dtype=dtype)
+    budget = sum(a.request.max_new_tokens for a in arrivals)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("decode-verify-rollback", total=budget)
+
+        def on_step(events):
+            progress.advance(task, sum(len(e.tokens) for e in events))
+
+        outputs = run_workload(engine, arrivals, on_step)
+        verdict = None if args.no_verdict else _verdict(model, arrivals, outputs, device,
+                                                        dtype, progress)
+    summary = engine.metrics.summary()
+    console.print(f"[bold]bik dvr[/]: {len(arrivals)} requests "
+                  f"({sum(a.request.deterministic for a in arrivals)} deterministic), "
+                  f"K={args.window}, N={args.group}, {args.verifier} verifier, forced mismatch "
+                  f"rate {args.mismatch_rate}, {engine.fast.name} fast path, "
+                  f"{engine.verifier.name} verifier, {device} {args.dtype}")
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console.print(table)
+    if verdict is not None:
+        if verdict["deterministic"]:
+            console.print(f"[bold green]deterministic[/]: all {verdict['deterministic_requests']}"
+                          f" deterministic outputs equal their solo bik reference, token for "
+                          f"token and logprob for logprob")
+        else:
+            console.print(f"[bold red]NOT deterministic[/]: {verdict['mismatched']} differ from "
+                          f"their solo reference")
+    if args.json:
+        write_json(args.json, {"meta": run_metadata(device), "args": vars(args),
+                               "metrics": summary, "verdict": verdict})
+    return 0 if verdict is None or verdict["deterministic"] else 1

@@ -1,0 +1,68 @@
+"""What a client submits to the decode-verify-rollback engine and what it gets back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = ["Request", "RequestOutput", "SamplingParams", "Status"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, applied by bik.sample / bik.verify_draft.
+
+    temperature 0 is greedy. The noise is keyed by (seed, absolute position, token id), so a
+    rolled-back position is re-drawn with the same noise and needs no RNG state.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"SamplingParams: temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A generation request. ``deterministic`` requests are verified on bik kernels, so their
+    output equals the request decoded alone; the others take the fast path's tokens as is."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    deterministic: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if len(self.prompt) == 0:
+            raise ValueError(f"Request {self.request_id!r}: empty prompt")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"Request {self.request_id!r}: max_new_tokens must be >= 1, got "
+                             f"{self.max_new_tokens}")
+        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class RequestOutput:
+    """The committed (streamed) part of a request: tokens and their log-probabilities."""
+
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "eos", "length" or "cancelled"

@@ -1,0 +1,59 @@
+"""The engine's calls into bik's sampler: per-row parameters as tensors, windows padded to one
+shape for bik.verify_draft. Every row is drawn with the noise of its own (seed, position), so
+padding and grouping change no token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+import bik
+from bik.dvr.requests import SamplingParams
+
+__all__ = ["sample_rows", "verify_windows"]
+
+
+def _param_tensors(params: Sequence[SamplingParams], positions: Sequence[int], device):
+    return {
+        "seed": torch.tensor([p.seed for p in params], dtype=torch.int64, device=device),
+        "position": torch.tensor(list(positions), dtype=torch.int64, device=device),
+        "temperature": torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                                 device=device),
+        "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+        "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+    }
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                positions: Sequence[int]) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits`` [B, V]; row b is the token at absolute position
+    positions[b] of its sequence."""
+    out = bik.sample(logits, **_param_tensors(params, positions, logits.device))
+    return out.tokens.tolist(), out.logprobs.tolist()
+
+
+def verify_windows(windows: Sequence[torch.Tensor], drafts: Sequence[Sequence[int]],
+                   params: Sequence[SamplingParams], positions: Sequence[int]):
+    """Verify each request's proposed tokens against the verifier's logits.
+
+    windows[b]: [len(drafts[b]) + 1, V] logits for positions positions[b] ... onwards.
+    Returns per request (num_accepted, tokens, logprobs) where tokens are the accepted
+    proposals followed by the verifier's own token at the first mismatch (or the bonus token).
+    """
+    rows = len(windows)
+    k_max = max(len(d) for d in drafts)
+    vocab = windows[0].shape[-1]
+    device = windows[0].device
+    logits = torch.zeros((rows, k_max + 1, vocab), dtype=torch.float32, device=device)
+    draft_tokens = torch.zeros((rows, k_max), dtype=torch.int64, device=device)
+    for b, (w, d) in enumerate(zip(windows, drafts)):
+        logits[b, :w.shape[0]] = w
+        if d:
+            draft_tokens[b, :len(d)] = torch.tensor(list(d), dtype=torch.int64)
+    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device)
+    out = bik.verify_draft(draft_tokens, num_drafts, logits,
+                           **_param_tensors(params, positions, device))
+    accepted = out.num_accepted.tolist()
+    tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
+    return [(a, tokens[b][:a + 1], logprobs[b][:a + 1]) for b, a in enumerate(accepted)]
