@@ -54,9 +54,10 @@ def test_triton_head_dim_limits_are_reported(monkeypatch):
 
 
 def test_backward_raises():
+    # bik.attention (KV cache) has no backward; bik.attention_varlen's: test_attention_backward.
     q = torch.randn(3, 4, 16, requires_grad=True)
-    k = torch.randn(3, 2, 16)
+    k = torch.randn(1, 3, 2, 16)
     cu = torch.tensor([0, 3], dtype=torch.int32)
-    out = bik.attention_varlen(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu).out
-    with pytest.raises(NotImplementedError, match="bik.attention_varlen: backward"):
+    out = bik.attention(q, k, k, cache_seqlens=torch.tensor([3]), cu_seqlens_q=cu)
+    with pytest.raises(NotImplementedError, match="bik.attention: backward"):
         out.sum().backward()

@@ -84,11 +84,11 @@ def test_unavailable_cpu_extension_is_reported(monkeypatch):
 
 
 def test_backward_raises_instead_of_silently_dropping_gradients():
-    # matmul and rms_norm have a backward (tests/test_backward.py); attention does not yet.
+    # matmul, rms_norm and attention_varlen have a backward; the KV-cache attention does not.
     q = torch.randn(3, 4, 16, requires_grad=True)
-    k = torch.randn(3, 2, 16)
+    k = torch.randn(1, 3, 2, 16)
     cu = torch.tensor([0, 3], dtype=torch.int32)
-    out = bik.attention_varlen(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu).out
-    with pytest.raises(NotImplementedError, match="bik.attention_varlen: backward is not impl"):
+    out = bik.attention(q, k, k, cache_seqlens=torch.tensor([3]), cu_seqlens_q=cu)
+    with pytest.raises(NotImplementedError, match="bik.attention: backward is not impl"):
         out.sum().backward()
     assert q.grad is None

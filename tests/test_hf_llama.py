@@ -138,9 +138,4 @@ def test_left_padding_changes_the_bits():
     torch.testing.assert_close(plain, pad)
     assert not same_bits(plain, pad)
 
-
-def test_forward_with_grad_under_the_mode_is_reported():
-    model = make_model()
-    with bik.batch_invariant_mode():
-        with pytest.raises(NotImplementedError, match="require grad"):
-            model(prompts(2, 4, "cpu"))
+# Forward and backward under grad through the mode: tests/test_hf_llama_backward.py.

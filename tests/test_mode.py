@@ -178,18 +178,17 @@ def test_unsupported_dtypes_run_the_original_kernel(gen):
     assert stats.fallbacks["aten.mm.default: dtype int64"] == 1
 
 
-def test_requires_grad_is_reported_not_silent(gen):
+def test_inputs_that_require_grad_are_routed_forward_and_backward(gen):
+    """Under grad the forward is routed and autograd's stock MmBackward runs on bik when
+    .backward() is called inside the mode (tests/test_mode_backward.py covers each route)."""
     x = torch.randn(3, 16, generator=gen)
     w = torch.randn(8, 16, generator=gen, requires_grad=True)
     with bik.batch_invariant_mode():
-        with pytest.raises(NotImplementedError, match="require grad.*no_grad"):
-            F.linear(x, w)
-        with torch.no_grad():
-            assert same_bits(F.linear(x, w), bik.linear(x, w.detach()))
-        with torch.inference_mode():
-            assert same_bits(F.linear(x, w), bik.linear(x, w.detach()))
-        # bik's own ops under the mode keep their contract: their backward is bik's.
-        bik.linear(x, w).sum().backward()
+        y = F.linear(x, w)
+        assert same_bits(y.detach(), bik.linear(x, w.detach()))
+        assert y.requires_grad and _routed("aten.mm.default") == 1
+        y.sum().backward()
+        assert _routed("aten.mm.default") == 2  # grad_weight = grad^T @ x on bik
         grad_in_mode = w.grad
         w.grad = None
         # Ops the mode does not route keep stock autograd.

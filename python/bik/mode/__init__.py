@@ -2,9 +2,10 @@
 
 ``with bik.batch_invariant_mode():`` pushes a ``TorchDispatchMode`` onto this thread's mode
 stack. Every aten call below autograd reaches it; the ops in ``HANDLERS`` (matmuls, softmax,
-mean, RMSNorm, plain SDPA) run on ``torch.ops.bik.*`` when their dtypes and shapes are ones
-bik serves, everything else runs the original kernel, which a dispatch mode never replaces.
-Handlers: bik/mode/_routes.py; flags: bik/mode/_numerics.py. Design and limits:
+mean, sum, RMSNorm, plain SDPA, and the reductions of their backward formulas) run on
+``torch.ops.bik.*`` when their dtypes and shapes are ones bik serves, everything else runs the
+original kernel, which a dispatch mode never replaces. Handlers: bik/mode/_routes.py (forward)
+and bik/mode/_grad_routes.py (backward); flags: bik/mode/_numerics.py. Design and limits:
 docs/design.md (the batch-invariant mode), docs/integration.md.
 """
 
@@ -20,8 +21,10 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from bik.mode._grad_routes import GRAD_HANDLERS
 from bik.mode._numerics import acquire_flags, release_flags
-from bik.mode._routes import HANDLERS, Fallback
+from bik.mode._routes import HANDLERS as _FORWARD_HANDLERS
+from bik.mode._routes import Fallback
 
 __all__ = [
     "BatchInvarianceWarning",
@@ -63,6 +66,7 @@ def reset_mode_stats() -> None:
     _warned.clear()
 
 
+HANDLERS = {**_FORWARD_HANDLERS, **GRAD_HANDLERS}
 _composite: dict = {}
 
 
@@ -160,13 +164,19 @@ def batch_invariant_mode() -> Iterator[None]:
     """Run stock PyTorch ops on bik's batch-invariant kernels inside the block (this thread).
 
     Routed: aten mm, addmm (alpha/beta honoured), bmm (and their .out forms), mv, dot, matmul,
-    linear, _softmax/softmax, _log_softmax/log_softmax, mean (any dims), rms_norm/_fused_rms_norm,
-    and scaled_dot_product_attention / the CPU flash kernel when there is no mask, no dropout and
-    equal-length sequences (causal with Lq == Lk, or no mask). bf16/fp16/fp32 on CPU and CUDA.
-    Other dtypes and cases run the original kernel (counted in :func:`mode_stats`; attention
-    fallbacks warn once with :class:`BatchInvarianceWarning`). A routed op whose inputs require
-    grad under grad mode raises NotImplementedError: autograd has already recorded the stock
-    backward when the mode sees the op (call bik ops directly for training: they have backward).
+    linear, _softmax/softmax, _log_softmax/log_softmax, mean (any dims), sum (any dims),
+    rms_norm/_fused_rms_norm, and scaled_dot_product_attention / the CPU flash kernel when there
+    is no mask, no dropout and equal-length sequences (causal with Lq == Lk, or no mask).
+    bf16/fp16/fp32 on CPU and CUDA. Other dtypes and cases run the original kernel (counted in
+    :func:`mode_stats`; attention fallbacks warn once with :class:`BatchInvarianceWarning`).
+
+    Training: under grad, autograd records each op's stock backward formula above the mode;
+    call ``.backward()`` inside the mode and that formula's aten ops are routed too (the
+    matmuls, ``sum``, ``_softmax_backward_data``, ``_log_softmax_backward_data``,
+    ``_fused_rms_norm_backward`` and the CPU flash-attention backward, which runs
+    ``bik::attention_varlen_backward``). A row's input gradients are then batch-invariant and
+    weight gradients are fixed-order sums over the rows (docs/design.md#backward). A backward
+    run outside the mode uses stock kernels (correct, not invariant).
     Re-entrant and exception-safe; TF32 is off (process-wide) while any thread is in the mode.
     """
     set_batch_invariant_mode(True)

@@ -2,13 +2,14 @@
 
 A handler gets ``(func, *args, **kwargs)`` as aten passes them and returns what ``func`` would,
 computed by ``torch.ops.bik.*``; it raises :class:`Fallback` to hand the call to the original
-kernel (counted, and warned once where ``warn``), or NotImplementedError when the call would
-record autograd history.
+kernel (counted, and warned once where ``warn``). The handlers of the ops that backward
+formulas call are in _grad_routes.py.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -16,10 +17,9 @@ import bik.ops  # noqa: F401  (registers torch.ops.bik.*)
 from bik.ops._checks import SUPPORTED_DTYPES
 from bik.ops.attention import TRITON_HEAD_DIMS
 
-__all__ = ["HANDLERS", "Fallback"]
+__all__ = ["HANDLERS", "AttentionLayout", "Fallback", "attention_layout"]
 
 aten = torch.ops.aten
-_NAME = "bik.batch_invariant_mode"
 
 
 class Fallback(Exception):
@@ -40,8 +40,11 @@ def _backend(t: torch.Tensor) -> str:
 
 
 def _prepare(func, *tensors: torch.Tensor | None) -> str:
-    """Check that bik serves these operands; return the backend. Raises Fallback otherwise,
-    and NotImplementedError when the call would record autograd history."""
+    """Check that bik serves these operands; return the backend. Raises Fallback otherwise.
+
+    Inputs that require grad are fine: the mode runs below autograd, which has already
+    recorded the op's stock backward formula; that formula's own aten ops reach the mode when
+    ``.backward()`` runs inside it (the backward ops are routed in _grad_routes.py)."""
     ts = [t for t in tensors if t is not None]
     dtype, device = ts[0].dtype, ts[0].device
     for t in ts:
@@ -49,13 +52,7 @@ def _prepare(func, *tensors: torch.Tensor | None) -> str:
             raise Fallback(f"dtype {str(t.dtype).removeprefix('torch.')}")
         if t.dtype != dtype or t.device != device:
             raise Fallback("operands of different dtypes or devices")
-    backend = _backend(ts[0])
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
-        raise NotImplementedError(
-            f"{_NAME}: {func} got inputs that require grad; backward through the mode is not "
-            f"implemented yet (batch-invariant backward is planned). Run the forward under "
-            f"torch.no_grad() or torch.inference_mode(), or leave the mode for training.")
-    return backend
+    return _backend(ts[0])
 
 
 def _matmul_rows(a: torch.Tensor, b: torch.Tensor, bias, backend: str, out_dtype=None):
@@ -202,8 +199,28 @@ def _fused_rms_norm(func, x, normalized_shape, weight=None, eps=None):
     return out, torch.rsqrt(ms + eps).reshape(*x.shape[:-1], 1)
 
 
-def _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale):
-    """SDPA on [B, H, L, D] through bik::attention_varlen; (out, lse) or Fallback."""
+class AttentionLayout(NamedTuple):
+    """SDPA's [B, H, L, D] operands as bik::attention_varlen sees them (packed by sequence)."""
+
+    backend: str
+    shape: tuple[int, int, int, int, int, int]  # (B, Hq, Hkv, Lq, Lk, D)
+    causal: bool
+    scale: float
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, H, L, ...] -> [B * L, H, ...] (each sequence's tokens contiguous)."""
+        return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1], *t.shape[3:])
+
+    def unpack(self, t: torch.Tensor, length: int) -> torch.Tensor:
+        """[B * L, H, ...] -> [B, H, L, ...] (a view)."""
+        return t.view(self.shape[0], length, *t.shape[1:]).transpose(1, 2)
+
+
+def attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale) -> AttentionLayout:
+    """The checks both the SDPA forward and its backward routes make (so a forward that fell
+    back pairs with a backward that falls back); raises Fallback for what bik does not serve."""
     if attn_mask is not None:
         raise Fallback("attn_mask given (padding or a custom mask)", warn=True)
     if dropout_p != 0:
@@ -224,11 +241,17 @@ def _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale):
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     cu_q = torch.arange(nb + 1, dtype=torch.int32, device=q.device) * lq
     cu_k = torch.arange(nb + 1, dtype=torch.int32, device=q.device) * lk
+    return AttentionLayout(backend, (nb, hq, hkv, lq, lk, d), causal, scale, cu_q, cu_k)
+
+
+def _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale):
+    """SDPA on [B, H, L, D] through bik::attention_varlen; (out, lse) or Fallback."""
+    lay = attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale)
     out, lse = torch.ops.bik.attention_varlen(
-        q.transpose(1, 2).reshape(nb * lq, hq, d), k.transpose(1, 2).reshape(nb * lk, hkv, d),
-        v.transpose(1, 2).reshape(nb * lk, hkv, d), cu_q, cu_k, scale, causal, backend)
-    out = out.view(nb, lq, hq, d).transpose(1, 2).contiguous()
-    return out, lse.view(nb, lq, hq).transpose(1, 2)
+        lay.pack(q), lay.pack(k), lay.pack(v), lay.cu_q, lay.cu_k, lay.scale, lay.causal,
+        lay.backend)
+    lq = q.shape[2]
+    return lay.unpack(out, lq).contiguous(), lay.unpack(lse, lq)
 
 
 def _sdpa(func, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,

@@ -260,7 +260,7 @@ def _write_kv_cache_impl(k_cache, v_cache, k, v, slot_mapping):
 
 
 register_no_backward("bik::attention", "bik.attention")
-register_no_backward("bik::attention_varlen", "bik.attention_varlen")
+# bik::attention_varlen's backward: ops/attention_backward.py (built from bik::bmm).
 
 
 def _check_kv_write(op, k_cache, v_cache, k, v, slot_mapping):

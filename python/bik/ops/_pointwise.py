@@ -1,0 +1,39 @@
+"""exp for backward formulas: each output a pure function of its input value.
+
+On CPU tensors torch's vectorised kernels may round a SIMD body and a scalar tail differently,
+which would let an element's bits depend on its position in the tensor (so on the batch). The
+CPU extension's exp2f (``kernels/cpu.unary_f32``) has no such split. On CUDA every element runs
+the same instruction sequence, so torch's kernels are used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["exp2_f32", "exp_f32"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _cpu_ext():
+    from bik.kernels import cpu
+
+    return cpu if cpu.available() else None
+
+
+def exp2_f32(x: torch.Tensor) -> torch.Tensor:
+    """2**x for an fp32 tensor."""
+    ext = _cpu_ext() if x.device.type == "cpu" else None
+    return torch.exp2(x) if ext is None else ext.unary_f32("exp2", x)
+
+
+def exp_f32(x: torch.Tensor) -> torch.Tensor:
+    """e**x for an fp32 tensor, within about 1.5 ulp: x * log2(e) is formed in fp64 and split
+    into hi (fp32) + lo, and e**x = 2**hi * (1 + lo * ln 2) (|lo| <= 2**-24 |hi|)."""
+    if x.device.type != "cpu" or _cpu_ext() is None:
+        return torch.exp(x)
+    t = x.double() * LOG2E
+    hi = t.float()
+    lo = (t - hi.double()).float()
+    return exp2_f32(hi) * (1.0 + lo * LN2)
