@@ -6,10 +6,14 @@ Triton backend still runs, and backend="cpu" raises a clear error (see bik.kerne
 """
 
 import hashlib
+import importlib.util
+import os
+import shutil
 from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 CPU_SOURCES = sorted(Path("csrc/cpu").glob("*.[ch]*"))
 
@@ -50,4 +54,37 @@ cpu_ext = Pybind11Extension(
     extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"],
 )
 
-setup(ext_modules=[cpu_ext], cmdclass={"build_ext": OptionalBuildExt})
+
+def _cuda_aot():
+    """python/bik/kernels/cuda_aot.py loaded by path: the build environment has no torch."""
+    spec = importlib.util.spec_from_file_location("_bik_cuda_aot",
+                                                  "python/bik/kernels/cuda_aot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildPyWithCuda(build_py):
+    """Ship csrc/cuda as bik/_cuda_src (the JIT compiles it at first use); with
+    BIK_BUILD_CUDA=1 also build fatbins for sm_80 and sm_90a into bik/_cuda_bin (nvcc, via
+    ninja when present). An editable install reads csrc/cuda in place and gets its fatbins in
+    python/bik/_cuda_bin. Without the variable nothing CUDA is built, and no nvcc is needed."""
+
+    def run(self):
+        super().run()
+        editable = getattr(self, "editable_mode", False)
+        root = Path("python/bik") if editable else Path(self.build_lib) / "bik"
+        if not editable:  # a reused build/ dir must not ship stale sources or fatbins
+            dst = root / "_cuda_src"
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.rmtree(root / "_cuda_bin", ignore_errors=True)
+            dst.mkdir(parents=True)
+            for src in _cuda_aot().source_files(Path("csrc/cuda")):
+                shutil.copy2(src, dst / src.name)
+        if os.environ.get("BIK_BUILD_CUDA", "0") not in ("", "0"):
+            manifest = _cuda_aot().build_fatbins(Path("csrc/cuda"), root / "_cuda_bin")
+            print(f"bik: built CUDA fatbins {sorted(manifest['files'])} for {manifest['archs']}")
+
+
+setup(ext_modules=[cpu_ext],
+      cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithCuda})

@@ -87,11 +87,19 @@ def require_backend(op: str, backend: str, device: torch.device) -> None:
             )
         if device.type not in ("cpu", "cuda"):
             raise BackendUnavailableError(f"{op}: backend='triton' cannot run on {device}")
-    else:  # "cuda"
-        raise BackendUnavailableError(
-            f"{op}: backend='cuda' (the CUDA C++ kernels in csrc/) is not built in this version; "
-            f"use backend='triton' on GPUs"
-        )
+    else:  # "cuda": the CUDA C++ kernels of csrc/cuda, built by NVRTC at first use
+        if device.type != "cuda":
+            raise BackendUnavailableError(
+                f"{op}: backend='cuda' (the CUDA C++ kernels) got tensors on {device}; it runs "
+                f"on CUDA tensors only (use backend='cpu' on the CPU)"
+            )
+        from bik.kernels import cuda_jit
+
+        if not cuda_jit.available():
+            raise BackendUnavailableError(
+                f"{op}: backend='cuda' is unavailable on {device}: "
+                f"{cuda_jit.unavailable_reason()}"
+            )
 
 
 @functools.cache

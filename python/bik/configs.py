@@ -8,13 +8,16 @@ produces, and therefore changes :func:`bik.fingerprint` (it hashes this file).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["AttentionConfig", "MatmulConfig", "RMSNormConfig", "arch_family", "attention_config",
-           "matmul_config", "reduction_config", "ReductionConfig", "rms_norm_config",
-           "SamplingConfig", "sampling_config"]
+__all__ = ["AttentionConfig", "CudaAttentionConfig", "CudaMatmulConfig", "MatmulConfig",
+           "RMSNormConfig", "ReductionConfig", "SamplingConfig", "arch_family",
+           "attention_config", "cuda_attention_config", "cuda_matmul_config", "cuda_sm90a_matmul_enabled",
+           "matmul_config",
+           "reduction_config", "rms_norm_config", "sampling_config"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ def config_table() -> dict:
                       for arch, row in _ATTENTION_BASE.items()},
         "cpu_attention_split": CPU_ATTENTION_SPLIT,
         "sampling": {arch: vars(c) for arch, c in _SAMPLING.items()},
+        "cuda": cuda_config_table(),
     }
 
 
@@ -188,3 +192,96 @@ _SAMPLING = {
 def sampling_config(arch: str) -> SamplingConfig:
     """The one sampler configuration on this arch (every batch size, every vocabulary)."""
     return _SAMPLING[arch_family(arch)]
+
+
+# ---- CUDA C++ backend (csrc/cuda) ------------------------------------------------------------
+# The tiles are compiled into the kernels (csrc/cuda/matmul.cu, attention.cu); these entries
+# name the kernel and carry the knobs that decide a reduction order. Keyed like the Triton
+# tables: never by M, never by a sequence length or the batch.
+
+@dataclass(frozen=True)
+class CudaMatmulConfig:
+    kernel: str  # extern "C" symbol in csrc/cuda/matmul.cu
+    block_m: int  # compiled into the kernel; listed for the launcher's grid
+    block_n: int
+    block_k: int
+    threads: int
+    split_k: int  # K elements per split (a multiple of block_k): ceil(K / split_k) splits
+    source: str = "matmul"  # csrc/cuda/<source>.cu holds ``kernel``
+
+
+@dataclass(frozen=True)
+class CudaAttentionConfig:
+    kernel: str  # symbol prefix in csrc/cuda/attention.cu (+ "_d64" / "_d128")
+    block_n: int  # keys per block (compiled in: one per lane of a warp)
+    split: int  # the fixed KV split size, aligned to absolute KV positions
+    rows: int  # query rows per program (compiled in); speed only, never bits
+    threads: int
+
+
+_CUDA_MATMUL_TILE = {  # (kernel, block_m, block_n, block_k, threads) per dtype
+    "bf16": ("bik_matmul_bf16", 64, 128, 32, 128),
+    "fp16": ("bik_matmul_f16", 64, 128, 32, 128),
+    "fp32": ("bik_matmul_f32", 64, 64, 16, 256),
+}
+# K-split: problems with K above SPLIT_MIN_K are cut into splits of SPLIT_K; smaller ones are
+# one split. Both numbers are constants per arch family, so the splits follow K alone.
+_CUDA_SPLIT_K = {"sm90": 1024, "sm80": 1024}
+_CUDA_SPLIT_MIN_K = {"sm90": 2048, "sm80": 2048}
+_CUDA_ATTENTION_SPLIT = {"sm90": 256, "sm80": 256}
+# The opt-in sm_90a path (csrc/cuda/matmul_sm90.cu: wgmma, one warpgroup per 64 x 128 tile),
+# for 16-bit inputs on compute capability 9.0 only, and only with BIK_CUDA_SM90A=1. Untested
+# on a GPU so far: it stays off by default until tests/test_cuda_matmul_gpu.py has passed with
+# the switch on on an H200. Its bits are its own (not the mma.sync kernel's); the switch is
+# part of cuda_config_table(), hence of bik.fingerprint().
+SM90A_MATMUL_ENV = "BIK_CUDA_SM90A"
+_CUDA_MATMUL_TILE_SM90A = {
+    "bf16": ("bik_matmul_sm90_bf16", 64, 128, 32, 128),
+    "fp16": ("bik_matmul_sm90_f16", 64, 128, 32, 128),
+}
+
+
+def cuda_sm90a_matmul_enabled() -> bool:
+    """True when the environment asks for the sm_90a matmul (``BIK_CUDA_SM90A=1``)."""
+    return os.environ.get(SM90A_MATMUL_ENV, "") == "1"
+CUDA_ATTENTION_HEAD_DIMS = (64, 128)
+
+
+def cuda_matmul_config(dtype: torch.dtype, n: int, k: int, arch: str) -> CudaMatmulConfig:
+    """The CUDA kernel and K-split for this (dtype, N, K, arch). M is deliberately absent."""
+    del n  # one tile per dtype; N is part of the key for future per-shape tiles
+    family = arch_family(arch)
+    key = _DTYPE_KEY[dtype]
+    source = "matmul"
+    kernel, bm, bn, bk, threads = _CUDA_MATMUL_TILE[key]
+    if arch == "sm90" and key in _CUDA_MATMUL_TILE_SM90A and cuda_sm90a_matmul_enabled():
+        source = "matmul_sm90"
+        kernel, bm, bn, bk, threads = _CUDA_MATMUL_TILE_SM90A[key]
+    if k > _CUDA_SPLIT_MIN_K[family]:
+        split = _CUDA_SPLIT_K[family]
+    else:
+        split = max(bk, -(-k // bk) * bk)  # one split covering all of K
+    return CudaMatmulConfig(kernel, bm, bn, bk, threads, split, source)
+
+
+def cuda_attention_config(dtype: torch.dtype, head_dim: int, gqa: int,
+                          arch: str) -> CudaAttentionConfig:
+    """The CUDA attention configuration for (dtype, head_dim, GQA ratio, arch), every q_len."""
+    del gqa, head_dim  # rows pack G heads x 16 // G tokens; the kernel handles any G
+    family = arch_family(arch)
+    return CudaAttentionConfig(f"bik_attention_{_CUDA_KERNEL_DTYPE[_DTYPE_KEY[dtype]]}",
+                               block_n=32, split=_CUDA_ATTENTION_SPLIT[family], rows=16,
+                               threads=128)
+
+
+_CUDA_KERNEL_DTYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}
+
+
+def cuda_config_table() -> dict:
+    """Plain-data view of the CUDA tables (part of :func:`config_table`)."""
+    return {"matmul_tile": {dt: list(t) for dt, t in _CUDA_MATMUL_TILE.items()},
+            "split_k": dict(_CUDA_SPLIT_K), "split_min_k": dict(_CUDA_SPLIT_MIN_K),
+            "attention_split": dict(_CUDA_ATTENTION_SPLIT),
+            "attention_head_dims": list(CUDA_ATTENTION_HEAD_DIMS),
+            "sm90a_matmul": {"enabled": cuda_sm90a_matmul_enabled(),
+                             "tile": {dt: list(t) for dt, t in _CUDA_MATMUL_TILE_SM90A.items()}}}

@@ -27,7 +27,8 @@ OPS = ("matmul", "bmm", "rms_norm", "fused_add_rms_norm", "softmax", "log_softma
 _PKG = Path(__file__).resolve().parent
 # Everything whose content can decide numerics: configs, backend choice, the ops layer (upcasts,
 # bias and residual rounding) and every kernel launcher. The C++ sources are covered by the
-# hash the extension was compiled with (setup.py), so installed wheels are covered too.
+# hash the extension was compiled with (setup.py), so installed wheels are covered too; the CUDA
+# C++ sources (csrc/cuda, shipped as bik/_cuda_src) by their own hash.
 _NUMERIC_GLOBS = ("configs.py", "_backend.py", "ops/*.py", "kernels/*.py")
 
 
@@ -62,6 +63,9 @@ def _source_hash() -> str:
         h.update(path.relative_to(_PKG).as_posix().encode())
         h.update(path.read_bytes())
     h.update(str(cpu.source_hash()).encode())
+    from bik.kernels import cuda_jit  # the CUDA C++ sources (csrc/cuda), as the JIT sees them
+
+    h.update(cuda_jit.sources_hash().encode())
     return h.hexdigest()[:16]
 
 

@@ -123,13 +123,17 @@ def _render(records: list[dict], console: Console) -> None:
         return
     is_mm = records[0]["op"] == "matmul"
     table = Table(title=f"{records[0]['op']} ({records[0]['dtype']})")
+    with_backend = "backend" in records[0]
+    if with_backend:
+        table.add_column("backend")
     for col in (["N x K"] if is_mm else ["H"]) + ["M", "bik ms", "torch ms",
                                                    "bik TFLOP/s" if is_mm else "bik GB/s",
                                                    "speedup", "bik rows same", "torch rows same"]:
         table.add_column(col, justify="right")
     for r in records:
         rate = f"{r['bik_tflops']:.2f}" if is_mm else f"{r['bik_gbps']:.1f}"
-        table.add_row(f"{r['N']}x{r['K']}" if is_mm else str(r["H"]), str(r["M"]),
+        table.add_row(*([r["backend"]] if with_backend else []),
+                      f"{r['N']}x{r['K']}" if is_mm else str(r["H"]), str(r["M"]),
                       f"{r['bik_ms']['p50']:.3f}", f"{r['torch_ms']['p50']:.3f}", rate,
                       f"{r['speedup']:.2f}", "yes" if r["bik_rows_identical"] else "[red]NO",
                       "yes" if r["torch_rows_identical"] else "no")
@@ -150,9 +154,9 @@ def _plot(records: list[dict], path: str) -> None:
         return plot_attention(records, plt, path)
     fig, ax = plt.subplots(figsize=(7, 4))
     if records[0]["op"] == "matmul":
-        key = lambda r: f"{r['N']}x{r['K']}"  # noqa: E731
+        key = lambda r: f"{r.get('backend', 'bik')} {r['N']}x{r['K']}"  # noqa: E731
     else:
-        key = lambda r: f"H={r['H']}"  # noqa: E731
+        key = lambda r: f"{r.get('backend', 'bik')} H={r['H']}"  # noqa: E731
     for label in dict.fromkeys(key(r) for r in records):
         rows = [r for r in records if key(r) == label]
         ax.plot([r["M"] for r in rows], [r["speedup"] for r in rows], marker="o", label=label)
@@ -164,6 +168,18 @@ def _plot(records: list[dict], path: str) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _backends(backend: str | None, device) -> list[str]:
+    """The backends a matmul/attention bench compares: the one asked for, else by device; on a
+    GPU "triton" and, when it can run here, "cuda" side by side."""
+    if backend is not None:
+        return [backend]
+    if device.type != "cuda":
+        return [bik._backend.resolve_backend("bik.matmul", None, device)]
+    from bik.kernels import cuda_jit
+
+    return ["triton", "cuda"] if cuda_jit.available() else ["triton"]
 
 
 def run_bench(args) -> int:
@@ -184,19 +200,23 @@ def run_bench(args) -> int:
     elif args.op == "attention":
         from bik.cli.bench_attention import bench_attention
 
-        records = bench_attention(device, dtype, args.backend, args.quick, args.ms)
+        records = [r | {"backend": be} for be in _backends(args.backend, device)
+                   for r in bench_attention(device, dtype, be, args.quick, args.ms)]
     elif args.op == "sample":
         from bik.cli.bench_sample import bench_sample
 
-        records = bench_sample(device, dtype, args.backend, args.quick, args.ms)
+        records = [r | {"backend": be} for be in _backends(args.backend, device)
+                   for r in bench_sample(device, dtype, be, args.quick, args.ms)]
     elif args.op == "matmul":
         shapes = ((256, 128), (96, 33)) if args.quick else (LLAMA_MATMUL if on_gpu else CPU_MATMUL)
         ms = args.ms or ((1, 3, 16) if args.quick else GPU_MS if on_gpu else CPU_MS)
-        records = bench_matmul(device, dtype, args.backend, ms, shapes)
+        records = [r | {"backend": be} for be in _backends(args.backend, device)
+                   for r in bench_matmul(device, dtype, be, ms, shapes)]
     else:
         hiddens = (111, 256) if args.quick else LLAMA_HIDDEN
         ms = args.ms or ((1, 3, 16) if args.quick else GPU_MS if on_gpu else CPU_MS)
-        records = bench_rms_norm(device, dtype, args.backend, ms, hiddens)
+        records = [r | {"backend": be} for be in _backends(args.backend, device)
+                   for r in bench_rms_norm(device, dtype, be, ms, hiddens)]
     _render(records, console)
     if args.json:
         write_json(args.json, {"meta": run_metadata(device), "records": records})

@@ -18,8 +18,8 @@ measured copy bandwidth (``copy_gbps``: one large tensor copied, read + write by
 Rows identical: the probe sequence (row B // 2) inside the batch against the probe computed
 alone (a batch of one), and, when q_len > 1, its last token against a decode step (q_len 1) of
 that token. ``torch_rows_identical`` is the same comparison for SDPA: a record, not a claim.
-``bik_kernel_ms`` (Triton only) times the kernel launcher without the op's input checks and
-host reads, to show what the op boundary costs.
+``bik_kernel_ms`` (Triton and CUDA backends) times the kernel launcher without the op's input
+checks and host reads, to show what the op boundary costs.
 """
 
 from __future__ import annotations
@@ -212,8 +212,11 @@ def _one(w: Workload, heads, dtype, device, backend: str, seed: int) -> dict:
            "page_size": PAGE, "bik_rows_identical": _bik_probe_ok(run, w, x, out)}
     rec["bik_ms"] = time_ms(lambda: run(x.q, x.seqlens, x.cu_q, x.table), device)
     rec["bik_kernel_ms"] = None
-    if backend == "triton":
-        from bik.kernels.triton_attention import launch_attention
+    if backend in ("triton", "cuda"):
+        import importlib
+
+        launch_attention = importlib.import_module(
+            f"bik.kernels.{backend}_attention").launch_attention
 
         o, lse = torch.empty_like(x.q), x.q.new_empty(x.q.shape[:2], dtype=torch.float32)
         kernel = lambda: launch_attention(  # noqa: E731
@@ -265,13 +268,17 @@ def render_attention(records: list[dict], console: Console) -> None:
     r0 = records[0]
     table = Table(title=f"attention (Hq {r0['Hq']} / Hkv {r0['Hkv']}, D {r0['D']}, {r0['dtype']}, "
                         f"page {r0['page_size']}, copy {r0['copy_gbps']:.0f} GB/s)")
+    with_backend = "backend" in r0
+    if with_backend:
+        table.add_column("backend")
     for col in ("workload", "B", "context", "q_len", "bik ms", "kernel ms", "torch ms", "speedup",
                 "bik GB/s", "% copy", "bik TFLOP/s", "bik rows same", "torch rows same",
                 "torch backend"):
         table.add_column(col, justify="left" if col in ("workload", "torch backend") else "right")
     for r in records:
         same_t = {True: "yes", False: "no", None: "-"}[r["torch_rows_identical"]]
-        table.add_row(r["workload"], str(r["B"]), str(r["context"]), str(r["q_len"]),
+        table.add_row(*([r["backend"]] if with_backend else []),
+                      r["workload"], str(r["B"]), str(r["context"]), str(r["q_len"]),
                       _fmt(r["bik_ms"]), _fmt(r["bik_kernel_ms"]), _fmt(r["torch_ms"]),
                       "-" if r["speedup"] is None else f"{r['speedup']:.2f}",
                       f"{r['bik_gbps']:.3g}", f"{100 * r['bik_bw_fraction']:.3g}",
@@ -285,17 +292,21 @@ def plot_attention(records: list[dict], plt, path: str) -> None:
     prefill per shape."""
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     dec = [r for r in records if r["workload"] == "decode" and r["speedup"]]
-    for ctx in dict.fromkeys(r["context"] for r in dec):
-        rows = [r for r in dec if r["context"] == ctx]
+    for be, ctx in dict.fromkeys((r.get("backend", ""), r["context"]) for r in dec):
+        rows = [r for r in dec if r["context"] == ctx and r.get("backend", "") == be]
         axes[0].plot([r["B"] for r in rows], [r["speedup"] for r in rows], marker="o",
-                     label=f"context {ctx}")
+                     label=f"{be} context {ctx}".strip())
     axes[0].set_xscale("log", base=2)
     axes[0].set_xlabel("B (decode)")
     ver = [r for r in records if r["workload"] == "verify" and r["speedup"]]
-    axes[1].plot([r["q_len"] for r in ver], [r["speedup"] for r in ver], marker="o")
+    for be in dict.fromkeys(r.get("backend", "") for r in ver):
+        rows = [r for r in ver if r.get("backend", "") == be]
+        axes[1].plot([r["q_len"] for r in rows], [r["speedup"] for r in rows], marker="o",
+                     label=be or None)
     axes[1].set_xlabel("T (verify window)")
     pre = [r for r in records if r["workload"] == "prefill" and r["speedup"]]
-    axes[2].bar([f"{r['B']}x{r['context']}" for r in pre], [r["speedup"] for r in pre])
+    axes[2].bar([f"{r.get('backend', '')} {r['B']}x{r['context']}".strip() for r in pre],
+                [r["speedup"] for r in pre])
     axes[2].set_xlabel("B x tokens (prefill)")
     for ax in axes:
         ax.axhline(1.0, color="grey", lw=0.8)

@@ -63,11 +63,14 @@ def bench_sample(device, dtype, backend, quick: bool, bs=None) -> list[dict]:
 
 def render_sample(records: list[dict], console: Console) -> None:
     table = Table(title=f"sample ({records[0]['dtype']} logits, temperature 1)")
+    with_backend = "backend" in records[0]
+    if with_backend:
+        table.add_column("backend")
     for col in ("V", "B", "bik ms", "softmax+multinomial ms", "argmax ms", "bik GB/s",
                 "of copy", "row 0 same"):
         table.add_column(col, justify="right")
     for r in records:
-        table.add_row(str(r["V"]), str(r["B"]), f"{r['bik_ms']['p50']:.3f}",
+        table.add_row(*([r["backend"]] if with_backend else []), str(r["V"]), str(r["B"]), f"{r['bik_ms']['p50']:.3f}",
                       f"{r['multinomial_ms']['p50']:.3f}", f"{r['argmax_ms']['p50']:.3f}",
                       f"{r['bik_gbps']:.1f}", f"{r['frac_of_copy']:.2f}",
                       "yes" if r["bik_rows_identical"] else "[red]NO")

@@ -126,9 +126,17 @@ def _run(op, backend, q, k, v, layout: _Layout, cu, lens, cu_q, seqlens_k, scale
 
         return attention_cpu(q, keys_of, cu_q=cu, seqlens_k=lens, num_kv_heads=hkv, scale=scale,
                              causal=causal)
-    if d not in TRITON_HEAD_DIMS:
+    if backend == "cuda":
+        from bik.configs import CUDA_ATTENTION_HEAD_DIMS
+        from bik.kernels.cuda_attention import launch_attention
+
+        if d not in CUDA_ATTENTION_HEAD_DIMS:
+            raise ValueError(f"{op}: backend='cuda' supports head_dim in "
+                             f"{CUDA_ATTENTION_HEAD_DIMS}, got {d}")
+    elif d not in TRITON_HEAD_DIMS:
         raise ValueError(f"{op}: backend='triton' supports head_dim in {TRITON_HEAD_DIMS}, got {d}")
-    from bik.kernels.triton_attention import launch_attention
+    else:
+        from bik.kernels.triton_attention import launch_attention
 
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)

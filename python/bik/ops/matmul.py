@@ -72,7 +72,10 @@ def _matmul_impl(a, b, bias, out_dtype, backend):
         out = torch.empty((m, n), dtype=torch.float32, device=a.device)
         _cpu_mm_into(a, b, bias, out)
         return out.to(out_dtype)
-    from bik.kernels.triton_matmul import launch_matmul
+    if backend == "cuda":
+        from bik.kernels.cuda_matmul import launch_matmul
+    else:
+        from bik.kernels.triton_matmul import launch_matmul
 
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     launch_matmul(a.unsqueeze(0), b.unsqueeze(0), bias, out.unsqueeze(0))
@@ -96,7 +99,10 @@ def _bmm_impl(a, b, out_dtype, backend):
         for i in range(nb):
             _cpu_mm_into(a[i], b[i], None, out[i])
         return out.to(out_dtype)
-    from bik.kernels.triton_matmul import launch_matmul
+    if backend == "cuda":  # one launch: the batch is folded into the grid
+        from bik.kernels.cuda_matmul import launch_matmul
+    else:
+        from bik.kernels.triton_matmul import launch_matmul
 
     out = torch.empty((nb, m, n), dtype=out_dtype, device=a.device)
     launch_matmul(a, b, None, out)

@@ -70,6 +70,16 @@ def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
 
 
+def _gpu_launcher(backend: str):
+    """The launcher of backend "triton" or "cuda" (the CUDA C++ kernel, whose bits equal the
+    CPU backend's); both take (x, weight, eps, out, residual=None, h_out=None)."""
+    if backend == "cuda":
+        from bik.kernels.cuda_rms_norm import launch_rms_norm
+    else:
+        from bik.kernels.triton_rms_norm import launch_rms_norm
+    return launch_rms_norm
+
+
 @torch.library.impl("bik::rms_norm", ("cpu", "cuda"))
 def _rms_norm_impl(x, weight, eps, backend):
     op = "bik.rms_norm"
@@ -77,8 +87,7 @@ def _rms_norm_impl(x, weight, eps, backend):
     require_backend(op, backend, x.device)
     if backend == "cpu":
         return _cpu_rms_norm(x, weight, eps)
-    from bik.kernels.triton_rms_norm import launch_rms_norm
-
+    launch_rms_norm = _gpu_launcher(backend)
     x = _unit_stride_rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     launch_rms_norm(x, weight.contiguous(), float(eps), out)
@@ -99,8 +108,7 @@ def _fused_add_rms_norm_impl(x, residual, weight, eps, backend):
     if backend == "cpu":
         h = _add_residual(x, residual)
         return _cpu_rms_norm(h, weight, eps), h
-    from bik.kernels.triton_rms_norm import launch_rms_norm
-
+    launch_rms_norm = _gpu_launcher(backend)
     x, residual = _unit_stride_rows(x), _unit_stride_rows(residual)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -190,7 +198,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         weight: [H], any supported dtype (used in fp32).
         eps: finite, >= 0.
         residual: optional, same shape and dtype as x.
-        backend: "triton", "cpu" or None (by device).
+        backend: "triton", "cpu", "cuda" (CUDA C++, bit-identical to "cpu") or None (by
+            device).
 
     Returns:
         ``out`` (x's shape and dtype) without a residual; ``(out, h)`` with one, where

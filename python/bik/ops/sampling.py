@@ -162,7 +162,10 @@ def _sample_rows(backend, logits, seed, position, temperature, top_k, top_p, min
         return sample_cpu(x.float(), seed.contiguous(), position.contiguous(),
                           temperature.contiguous(), top_k.contiguous(), top_p.contiguous(),
                           log_min_p.contiguous(), stream=STREAM_SAMPLE)
-    from bik.kernels.triton_sampling import launch_sample
+    if backend == "cuda":  # the CUDA C++ kernels: same interface and outputs as Triton's
+        from bik.kernels.cuda_sampling import launch_sample
+    else:
+        from bik.kernels.triton_sampling import launch_sample
 
     rows = x.shape[0]
     greedy = temperature == 0
@@ -305,7 +308,7 @@ def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None
             default 1.
         top_k: int or int64 [B] (<= 0 or >= V: off). top_p: (0, 1] (1: off). min_p: [0, 1]
             (0: off). Applied per row in the order top-k, top-p, min-p.
-        backend: "triton", "cpu" or None (by device).
+        backend: "triton", "cpu", "cuda" (CUDA C++) or None (by device).
 
     Returns:
         SampleOutput(tokens int64 [B], logprobs fp32 [B]): the log-probability of each token

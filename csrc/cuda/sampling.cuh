@@ -1,0 +1,141 @@
+// The sampler's element math (docs/design.md#sampler), __host__ __device__: Philox4x32-10, the
+// unit value u, bik_log, the Gumbel noise and the fp32 order key. The same sequence of exactly
+// rounded operations as csrc/cpu/sampling.h, so the noise is bit-identical to the CPU path (the
+// CPU tests compile this header with g++ next to sampling.h and compare them).
+#pragma once
+
+#include "common.cuh"
+
+namespace bik {
+namespace sampling {
+
+constexpr u32 kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u;
+constexpr u32 kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
+// The noise's exact extremes over all 2^23 u (same constants as the CPU path and Triton).
+constexpr float kGumbelMin = -2.8115408420562744f;
+constexpr float kGumbelMax = 16.63553237915039f;
+
+BIK_HD u32 mulhi32(u32 a, u32 b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return u32((u64(a) * u64(b)) >> 32);
+#endif
+}
+
+// Word 0 of Philox4x32-10 (Random123's round); the sampler uses only word 0.
+BIK_HD u32 philox_word0(u32 c0, u32 c1, u32 c2, u32 c3, u32 k0, u32 k1) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int round = 0; round < 10; ++round) {
+    const u32 hi0 = mulhi32(kPhiloxM0, c0), lo0 = kPhiloxM0 * c0;
+    const u32 hi1 = mulhi32(kPhiloxM1, c2), lo1 = kPhiloxM1 * c2;
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
+  }
+  return c0;
+}
+
+// u = (2 * (bits >> 9) + 1) * 2^-24: exact (a 24-bit odd integer times a power of two).
+BIK_HD float bits_to_unit(u32 bits) {
+  return mul_rn(float(((bits >> 9) << 1) | 1u), 5.9604644775390625e-08f);
+}
+
+// Natural log of a positive normal fp32 from exactly rounded operations (see sampling.h).
+BIK_HD float bik_log(float x) {
+  const u32 b = bits_of(x);
+  i32 e = i32(b >> 23) - 127;
+  u32 mb = (b & 0x007FFFFFu) | 0x3F800000u;
+  if (mb > 0x3FB504F3u) {
+    mb -= 0x00800000u;
+    e += 1;
+  }
+  const float f = sub_rn(f32_from_bits(mb), 1.0f);
+  float q = -0.07866687327623367f;
+  q = add_rn(mul_rn(q, f), 0.12821781635284424f);
+  q = add_rn(mul_rn(q, f), -0.13101640343666077f);
+  q = add_rn(mul_rn(q, f), 0.14188995957374573f);
+  q = add_rn(mul_rn(q, f), -0.1662759929895401f);
+  q = add_rn(mul_rn(q, f), 0.2000196874141693f);
+  q = add_rn(mul_rn(q, f), -0.2500077188014984f);
+  q = add_rn(mul_rn(q, f), 0.33333322405815125f);
+  q = add_rn(mul_rn(q, f), -0.4999999701976776f);
+  const float p = add_rn(mul_rn(q, f), 1.0f);
+  const float l = mul_rn(f, p);
+  const float ef = float(e);
+  return add_rn(mul_rn(ef, 0.693145751953125f), add_rn(mul_rn(ef, 1.428606765330187e-06f), l));
+}
+
+// 0 - bik_log(0 - bik_log(u)): negation as a subtraction from +0, as on the other backends.
+BIK_HD float gumbel_from_unit(float u) { return sub_rn(0.0f, bik_log(sub_rn(0.0f, bik_log(u)))); }
+
+// The noise of token `token` at absolute position `position` for `seed` (counter = (token,
+// pos lo, pos hi, stream), key = (seed lo, seed hi)).
+BIK_HD float gumbel(u64 seed, u64 position, u32 token, u32 stream) {
+  const u32 bits = philox_word0(token, u32(position), u32(position >> 32), stream, u32(seed),
+                                u32(seed >> 32));
+  return gumbel_from_unit(bits_to_unit(bits));
+}
+
+// fp32 total order key (non-NaN): key(a) < key(b) iff a < b, with -0 < +0.
+BIK_HD i64 order_key(float v) {
+  const i32 b = i32(bits_of(v));
+  return b >= 0 ? i64(b) : i64(b ^ 0x7FFFFFFF);
+}
+
+BIK_HD float from_order_key(i64 k) {
+  const i32 b = i32(k);
+  return f32_from_bits(u32(b >= 0 ? b : (b ^ 0x7FFFFFFF)));
+}
+
+// z = x / T (correctly rounded), or x itself for greedy rows (T == 0).
+BIK_HD float tempered(float x, float temperature) {
+  return temperature > 0.0f ? div_rn(x, temperature) : x;
+}
+
+// top-k keep rule for the k-th token (vk, ik) in the order (z desc, index asc).
+BIK_HD bool kept_k(float z, i64 j, float vk, i64 ik) { return z > vk || (z == vk && j <= ik); }
+
+// (value desc, index asc): true when candidate (v, j) beats (bv, bj). A total order for
+// non-NaN values, so any split of the vocabulary and any merge order pick the same token.
+BIK_HD bool better(float v, i64 j, float bv, i64 bj) { return v > bv || (v == bv && j < bj); }
+
+// Pass 1 of the stats kernel for one token: the invalid flag (NaN or +inf in z) and the max over
+// the top-k-kept tokens (exact; NaN never compares greater).
+BIK_HD void stats_consider(float z, i64 j, float vk, i64 ik, float& mx, bool& bad) {
+  if (is_nan(z) || z == inf_f32()) bad = true;
+  if (kept_k(z, j, vk, ik) && z > mx) mx = z;
+}
+
+// A row's inputs to the pick: temperature, the top-k threshold (vk, ik), the final lower bound
+// v_lo (top-p and min-p), floor = fl(m + G_MIN) and the noise key.
+struct PickRow {
+  float temperature, vk, v_lo, floor;
+  i64 ik;
+  u64 seed, position;
+  u32 stream;
+};
+
+// The pick kernel's loop body for token j with logit x: skip filtered tokens and (exactly) those
+// whose best possible score fl(z + G_MAX) is below the max token's worst fl(m + G_MIN); else
+// score z + g (z when greedy) and keep the better of it and (best_v, best_i) under (value desc,
+// index asc). Only exactly rounded operations.
+BIK_HD void pick_consider(const PickRow& p, float x, i64 j, float& best_v, i32& best_i) {
+  const float z = tempered(x, p.temperature);
+  if (!kept_k(z, j, p.vk, p.ik) || !(z >= p.v_lo) || z == -inf_f32()) return;
+  const bool noisy = p.temperature > 0.0f;
+  if (noisy && add_rn(z, kGumbelMax) < p.floor) return;
+  const float s = noisy ? add_rn(z, gumbel(p.seed, p.position, u32(j), p.stream)) : z;
+  if (better(s, j, best_v, best_i)) {
+    best_v = s;
+    best_i = i32(j);
+  }
+}
+
+}  // namespace sampling
+}  // namespace bik

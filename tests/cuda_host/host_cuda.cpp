@@ -1,0 +1,123 @@
+// Host build of the CUDA kernels' __host__ __device__ element math (csrc/cuda/*.cuh) for
+// tests/test_cuda_host.py. A separate translation unit from host_check.cpp (which holds the CPU
+// path's math), so the compiler cannot fold the two sides of a comparison into one.
+#include <cstdint>
+
+#include "rms_norm.cuh"
+#include "sampling.cuh"
+
+namespace {
+
+template <class T, class W>
+void rows(const typename T::storage* x, const typename T::storage* r, std::int64_t n_rows,
+          std::int64_t hidden, const typename W::storage* w, float eps, typename T::storage* y,
+          typename T::storage* h) {
+  for (std::int64_t i = 0; i < n_rows; ++i) {
+    const typename T::storage* src = x + i * hidden;
+    if (r != nullptr) {
+      for (std::int64_t j = 0; j < hidden; ++j)
+        h[i * hidden + j] = bik::rms::residual_sum<T>(x[i * hidden + j], r[i * hidden + j]);
+      src = h + i * hidden;
+    }
+    bik::rms::rms_norm_row_host<T, W>(src, w, hidden, eps, y + i * hidden);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+float bik_cuda_gumbel(std::uint64_t seed, std::uint64_t pos, std::uint32_t token,
+                      std::uint32_t stream) {
+  return bik::sampling::gumbel(seed, pos, token, stream);
+}
+float bik_cuda_bits_to_unit(std::uint32_t bits) { return bik::sampling::bits_to_unit(bits); }
+float bik_cuda_gumbel_from_unit(float u) { return bik::sampling::gumbel_from_unit(u); }
+float bik_cuda_log(float x) { return bik::sampling::bik_log(x); }
+
+std::uint32_t bik_host_philox_word0(std::uint32_t c0, std::uint32_t c1, std::uint32_t c2,
+                                    std::uint32_t c3, std::uint32_t k0, std::uint32_t k1) {
+  return bik::sampling::philox_word0(c0, c1, c2, c3, k0, k1);
+}
+
+void bik_host_f32_to_bf16(const float* x, std::int64_t n, std::uint16_t* y) {
+  for (std::int64_t i = 0; i < n; ++i) y[i] = bik::f32_to_bf16(x[i]);
+}
+void bik_host_f32_to_f16(const float* x, std::int64_t n, std::uint16_t* y) {
+  for (std::int64_t i = 0; i < n; ++i) y[i] = bik::f32_to_f16(x[i]);
+}
+void bik_host_f16_to_f32(const std::uint16_t* x, std::int64_t n, float* y) {
+  for (std::int64_t i = 0; i < n; ++i) y[i] = bik::f16_to_f32(x[i]);
+}
+
+// RMSNorm rows [n_rows, hidden] (contiguous) in the CUDA kernel's order. dtype: 0 fp32,
+// 1 bf16, 2 fp16 (x, r, y, h share it; w is fp32). r may be null (then h is unused).
+void bik_host_rms_norm(int dtype, const void* x, const void* r, std::int64_t n_rows,
+                       std::int64_t hidden, const float* w, float eps, void* y, void* h) {
+  using bik::u16;
+  if (dtype == 0)
+    rows<bik::F32, bik::F32>(static_cast<const float*>(x), static_cast<const float*>(r),
+                             n_rows, hidden, w, eps, static_cast<float*>(y),
+                             static_cast<float*>(h));
+  else if (dtype == 1)
+    rows<bik::BF16, bik::F32>(static_cast<const u16*>(x), static_cast<const u16*>(r), n_rows,
+                              hidden, w, eps, static_cast<u16*>(y), static_cast<u16*>(h));
+  else
+    rows<bik::F16, bik::F32>(static_cast<const u16*>(x), static_cast<const u16*>(r), n_rows,
+                             hidden, w, eps, static_cast<u16*>(y), static_cast<u16*>(h));
+}
+
+// The CUDA sampler's token for rows of fp32 logits [B, V] with top-p off, computed on the host
+// with the kernels' own helpers in the kernels' work split: the stats kernel's pass 1
+// (stats_consider per thread, then an exact max), v_lo = m + log_min_p, and the pick kernel's
+// loop body (pick_consider) per split of `split` tokens and per thread of `threads`, the
+// winners combined under (value desc, index asc). vk/ik: the top-k threshold the ops layer
+// computes. key: int64 [B, 5] as the ops layer builds it.
+void bik_cuda_emulate_sample(const float* x, std::int64_t B, std::int64_t V,
+                             const std::int64_t* key, const float* temperature,
+                             const float* vk, const std::int32_t* ik, const float* log_min_p,
+                             std::int64_t split, std::int64_t threads, std::int64_t* tokens) {
+  namespace s = bik::sampling;
+  for (std::int64_t r = 0; r < B; ++r) {
+    const float* xr = x + r * V;
+    float m = -bik::inf_f32();
+    bool bad = false;
+    for (std::int64_t t = 0; t < threads; ++t) {
+      float mx = -bik::inf_f32();
+      for (std::int64_t j = t; j < V; j += threads)
+        s::stats_consider(s::tempered(xr[j], temperature[r]), j, vk[r], ik[r], mx, bad);
+      m = mx > m ? mx : m;
+    }
+    const bool is_bad = bad || m == -bik::inf_f32();
+    const float m_safe = is_bad ? 0.0f : m;
+    const float v_m = bik::add_rn(m_safe, log_min_p[r]);
+    s::PickRow p;
+    p.temperature = temperature[r];
+    p.vk = vk[r];
+    p.ik = ik[r];
+    p.v_lo = v_m > -bik::inf_f32() ? v_m : -bik::inf_f32();
+    p.floor = bik::add_rn(m_safe, s::kGumbelMin);
+    const std::int64_t* k = key + r * 5;
+    p.seed = std::uint64_t(k[0]) | (std::uint64_t(k[1]) << 32);
+    p.position = std::uint64_t(k[2]) | (std::uint64_t(k[3]) << 32);
+    p.stream = std::uint32_t(k[4]);
+    float best_v = -bik::inf_f32();
+    std::int32_t best_i = 0x7FFFFFFF;
+    for (std::int64_t begin = 0; begin < V; begin += split) {
+      const std::int64_t end = begin + split < V ? begin + split : V;
+      for (std::int64_t t = 0; t < threads; ++t) {
+        float tv = -bik::inf_f32();
+        std::int32_t ti = 0x7FFFFFFF;
+        for (std::int64_t j = begin + t; j < end; j += threads)
+          s::pick_consider(p, xr[j], j, tv, ti);
+        if (s::better(tv, ti, best_v, best_i)) {
+          best_v = tv;
+          best_i = ti;
+        }
+      }
+    }
+    tokens[r] = is_bad || best_v == -bik::inf_f32() ? -1 : best_i;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,190 @@
+"""Every CUDA C++ kernel file (csrc/cuda/*.cu, by glob) compiles for sm_80 and sm_90a with NVRTC
+(what the JIT runs) and with nvcc (what the AOT build runs), warnings as errors, no FMA
+contraction; registers, shared memory and spills are measured and held to budgets. No GPU needed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from bik.kernels import cuda_aot, cuda_jit
+from bik.testing import cuda_compile as cc
+
+if not cuda_jit.compiler_available():
+    pytest.skip(f"NVRTC unavailable: {cuda_jit.compiler_unavailable_reason()}",
+                allow_module_level=True)
+
+NVCC = shutil.which("nvcc")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+needs_cuobjdump = pytest.mark.skipif(cc.cuobjdump() is None, reason="no cuobjdump")
+
+# Spill budget in bytes (nvcc's spill stores + stack frame + cuobjdump's local memory) per
+# kernel; every kernel not listed gets 0. A change that spills must raise its entry
+# deliberately and say why in its commit.
+SPILL_BUDGET: dict[str, int] = {}
+REGISTER_LIMIT = 255
+SHARED_LIMIT = {"sm_80": 166_912, "sm_90a": 232_448}  # per block, opt-in (static here)
+
+SOURCES = cc.cuda_sources()
+CASES = [(s, a) for s in SOURCES for a in cc.ARCHS]
+IDS = [f"{s}-{a}" for s, a in CASES]
+
+
+def test_sources_are_found():
+    assert {"rms_norm", "sampling"} <= set(SOURCES)
+    assert cuda_jit.source_dir().joinpath("common.cuh").exists()
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every (source, arch) through NVRTC and nvcc at once, on all cores (NVRTC runs without
+    the GIL, nvcc in subprocesses): {(compiler, source, arch): records or the exception}."""
+    jobs = [("nvrtc", s, a) for s, a in CASES]
+    if NVCC is not None:
+        jobs += [("nvcc", s, a) for s, a in CASES]
+
+    def run(job):
+        compiler, source, arch = job
+        try:
+            if compiler == "nvrtc":
+                return cc.nvrtc_records(source, arch)[1]
+            return cc.nvcc_records(source, arch, NVCC)
+        except RuntimeError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        return dict(zip(jobs, pool.map(run, jobs)))
+
+
+def _records(compiled, key):
+    records = compiled[key]
+    if isinstance(records, Exception):
+        pytest.fail(str(records))
+    assert records, f"{key}: no kernel reported"
+    return records
+
+
+@needs_cuobjdump
+@pytest.mark.parametrize(("source", "arch"), CASES, ids=IDS)
+def test_nvrtc_compiles_within_budgets(compiled, source, arch):
+    for r in _records(compiled, ("nvrtc", source, arch)):
+        assert 0 < r.registers <= REGISTER_LIMIT, r
+        assert r.shared <= SHARED_LIMIT[arch], r
+        assert r.stack + r.local <= SPILL_BUDGET.get(r.kernel, 0), r
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("source", "arch"), CASES, ids=IDS)
+def test_nvcc_compiles_without_spills(compiled, source, arch):
+    for r in _records(compiled, ("nvcc", source, arch)):
+        assert 0 < r.registers <= REGISTER_LIMIT, r
+        assert r.shared <= SHARED_LIMIT[arch], r
+        assert max(r.spill_stores, r.stack) <= SPILL_BUDGET.get(r.kernel, 0), r
+
+
+def test_nvrtc_warnings_are_errors(tmp_path, monkeypatch):
+    """A warning NVRTC only prints (an unused variable) fails the build."""
+    (tmp_path / "common.cuh").write_text("")
+    (tmp_path / "warn.cu").write_text(
+        'extern "C" __global__ void k(float* y) { int unused; y[0] = 1.0f; }\n')
+    monkeypatch.setattr(cuda_jit, "source_dir", lambda: tmp_path)
+    with pytest.raises(RuntimeError, match="warnings .treated as errors"):
+        cuda_jit.compile_source("warn", "sm_80")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source", ["rms_norm", "sampling"])
+def test_exact_kernels_have_no_fma_or_approximations(source):
+    """PTX of RMSNorm and the Gumbel pick: only exactly rounded ops (div.rn, sqrt.rn), no
+    contracted fma and no approximate instruction. The stats kernel (expf/logf for top-p and the
+    logprob) is exact within the backend only and is excluded, as in Triton."""
+    entries = cc.ptx_entries(source, "sm_90a", NVCC)
+    checked = {k: v for k, v in entries.items() if "stats" not in k}
+    assert checked
+    for name, ptx in checked.items():
+        for bad in ("fma.", ".approx", "ex2.", "lg2.", "rcp.", "div.full"):
+            assert bad not in ptx, (name, bad)
+
+
+@needs_nvcc
+def test_aot_build_produces_fatbins(tmp_path):
+    """The function setup.py runs for BIK_BUILD_CUDA=1 (here on a copy of two sources)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("common.cuh", "rms_norm.cuh", "rms_norm.cu"):
+        shutil.copy(cuda_jit.source_dir() / name, src / name)
+    manifest = cuda_aot.build_fatbins(src, tmp_path / "out", nvcc=NVCC)
+    fatbin = tmp_path / "out" / "rms_norm.fatbin"
+    assert fatbin.stat().st_size > 10_000
+    assert manifest["archs"] == ["sm_80", "sm_90a"]
+    assert manifest["source_hash"] == cuda_aot.source_hash(src)
+    assert (tmp_path / "out" / "manifest.json").exists()
+    assert {"sm_80", "sm_90"} <= cc.list_fatbin_archs(fatbin)  # cuobjdump names sm_90a "sm_90"
+
+
+def test_cache_key_follows_sources_arch_and_options(monkeypatch):
+    k = cuda_jit._cache_key("rms_norm", "sm_90a", ())
+    assert k == cuda_jit._cache_key("rms_norm", "sm_90a", ())
+    assert k != cuda_jit._cache_key("rms_norm", "sm_80", ())
+    assert k != cuda_jit._cache_key("rms_norm", "sm_90a", ("BIK_X=1",))
+    monkeypatch.setattr(cuda_jit, "_sources_hash", lambda: "changed")
+    assert k != cuda_jit._cache_key("rms_norm", "sm_90a", ())
+
+
+def test_disk_cache_roundtrip(tmp_path, monkeypatch):
+    """The first call compiles and stores atomically; the second reads the file back."""
+    monkeypatch.setenv("BIK_CUDA_CACHE", str(tmp_path))
+    first = cuda_jit.cached_cubin("rms_norm", "sm_80")
+    files = list(tmp_path.glob("rms_norm-sm_80-*.cubin"))
+    assert len(files) == 1 and files[0].read_bytes() == first
+    assert not list(tmp_path.glob(".*"))  # no temp file left behind
+    files[0].write_bytes(b"sentinel")  # proves the second call reads the cache
+    assert cuda_jit.cached_cubin("rms_norm", "sm_80") == b"sentinel"
+
+
+def test_launch_rejects_bare_python_scalars():
+    with pytest.raises(TypeError, match="i32 / i64 / f32"):
+        cuda_jit._arg(3, 0)
+    assert cuda_jit.i32(3).nbytes == 4 and cuda_jit.i64(3).nbytes == 8
+    assert cuda_jit.f32(0.1).dtype.itemsize == 4
+    with pytest.raises(OverflowError):
+        cuda_jit.i32(2**31)
+
+
+def test_device_target():
+    assert cuda_jit.device_target((9, 0)) == "sm_90a"
+    assert cuda_jit.device_target((8, 0)) == "sm_80"
+    assert cuda_jit.device_target((8, 9)) == "sm_89"
+
+
+def test_cuda_source_change_changes_fingerprint(monkeypatch):
+    import bik
+
+    before = bik.fingerprint("cpu")
+    monkeypatch.setattr(cuda_jit, "sources_hash", lambda: "edited csrc/cuda")
+    assert bik.fingerprint("cpu").source_hash != before.source_hash
+
+
+def test_source_dir_prefers_shipped_sources(tmp_path, monkeypatch):
+    """A wheel carries csrc/cuda as bik/_cuda_src; a checkout reads csrc/cuda in place."""
+    assert cuda_jit.source_dir().name == "cuda"  # this checkout
+    shipped = tmp_path / "_cuda_src"
+    shipped.mkdir()
+    (shipped / "x.cu").write_text("")
+    monkeypatch.setattr(cuda_jit, "_PKG", tmp_path)
+    assert cuda_jit.source_dir() == shipped
+
+
+def test_backend_cuda_raises_clearly_without_a_gpu():
+    import bik
+    import torch
+
+    if cuda_jit.available():
+        pytest.skip("a usable GPU is present")
+    with pytest.raises(bik.BackendUnavailableError, match=r"bik.rms_norm: backend='cuda'"):
+        bik.rms_norm(torch.ones(2, 4), torch.ones(4), backend="cuda")
+    with pytest.raises(bik.BackendUnavailableError, match="backend='cuda'"):
+        bik.sample(torch.ones(2, 4), seed=0, position=0, backend="cuda")
