@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import shutil
-import subprocess
-from pathlib import Path
 
 import attention_cases as ac
 import bik
@@ -33,10 +30,10 @@ from bik.kernels import cuda_attention, cuda_jit, cuda_matmul
 from bik.testing.harness import rows_alone_vs_batched, same_bits
 from bik.testing.suites import bmm_suite, matmul_suite
 from cases import assert_invariant
+from cuda_host_build import build_shim
 from test_attention_gpu import check_neighbours, check_page_sizes, check_schedules
 from test_cuda_mm_attention_launchers import _kind, _signature
 
-HERE = Path(__file__).resolve().parent
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64,
            "f32": ctypes.c_float}
 HEADS = (4, 2, 64)
@@ -44,15 +41,8 @@ HEADS = (4, 2, 64)
 
 @pytest.fixture(scope="module")
 def host_lib(tmp_path_factory):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("needs g++")
-    so = tmp_path_factory.mktemp("cuda_host") / "kernels_host.so"
-    subprocess.run([gxx, "-O2", "-std=c++20", "-ffp-contract=off", "-Wall", "-Wextra",
-                    "-Wno-unknown-pragmas", "-fno-strict-aliasing", "-Werror", "-shared", "-fPIC",
-                    "-o", str(so),
-                    str(HERE / "cuda_host" / "kernels_host.cpp")], check=True)
-    lib = ctypes.CDLL(str(so))
+    lib = build_shim(tmp_path_factory, "kernels_host.cpp", std="c++20",
+                     flags=("-Wno-unknown-pragmas", "-fno-strict-aliasing"))
     lib.run_kernel.restype = ctypes.c_int
     lib.run_kernel.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 4 + [ctypes.c_void_p]
     return lib

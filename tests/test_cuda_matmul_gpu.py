@@ -74,6 +74,16 @@ def test_accuracy_vs_fp64(backend, dtype):
     assert err_bik <= cases.ACCURACY_RATIO[dtype] * err_torch + 1e-6
 
 
+def _k_split_problem(rows: int, k: int, dtype):
+    """x [rows, k], weight [512, k] (scaled by 1/sqrt(k)) and an fp32 bias [512] on the GPU,
+    seeded by k: a linear layer whose K crosses the split boundaries."""
+    gen = torch.Generator().manual_seed(k)
+    pool = torch.randn(rows, k, generator=gen).to("cuda", dtype)
+    w = torch.randn(512, k, generator=gen).to("cuda", dtype) / k**0.5
+    bias = torch.randn(512, generator=gen).to("cuda")
+    return pool, w, bias
+
+
 @pytest.mark.parametrize("dtype", cases.DTYPES)
 @pytest.mark.parametrize("k", [4096, 4097, 14336])
 def test_cuda_k_split_same_bits_in_both_modes_and_every_m(dtype, k, monkeypatch):
@@ -83,11 +93,7 @@ def test_cuda_k_split_same_bits_in_both_modes_and_every_m(dtype, k, monkeypatch)
 
     if not cuda_jit.available():
         pytest.skip(cuda_jit.unavailable_reason())
-    gen = torch.Generator().manual_seed(k)
-    n = 512
-    pool = torch.randn(1024, k, generator=gen).to("cuda", dtype)
-    w = torch.randn(n, k, generator=gen).to("cuda", dtype) / k**0.5
-    bias = torch.randn(n, generator=gen).to("cuda")
+    pool, w, bias = _k_split_problem(1024, k, dtype)
     results = {}
     for mode in (True, False, None):
         _spread(monkeypatch, mode)
@@ -234,11 +240,7 @@ def test_sm90a_accuracy_vs_fp64(sm90a, dtype):
 def test_sm90a_spread_equals_serial_at_every_m(sm90a, dtype, k):
     """SPREAD (splits over programs) and FOLD (splits one after another) give the same bits at
     every M from 1 to 130 (and 255, 256, 1000), and each equals those rows of the full batch."""
-    gen = torch.Generator().manual_seed(k)
-    n = 512
-    pool = torch.randn(1000, k, generator=gen).to("cuda", dtype)
-    w = torch.randn(n, k, generator=gen).to("cuda", dtype) / k**0.5
-    bias = torch.randn(n, generator=gen).to("cuda")
+    pool, w, bias = _k_split_problem(1000, k, dtype)
     full = {}
     for mode in (True, False):
         _spread(sm90a, mode)

@@ -22,30 +22,20 @@ from __future__ import annotations
 import ctypes
 import inspect
 import math
-import shutil
-import subprocess
-from pathlib import Path
 
 import bik
 import pytest
 import torch
 from bik import configs
 from bik.testing.harness import rows_alone_vs_batched, same_bits
+from cuda_host_build import build_shim
 
-HERE = Path(__file__).resolve().parent
-SHIM = HERE / "cuda_host" / "plan_shim.cpp"
 I64, I32, F32P = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p
 
 
 @pytest.fixture(scope="module")
 def shim(tmp_path_factory):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("needs g++ to build the host shim")
-    so = tmp_path_factory.mktemp("cuda_host") / "plan_shim.so"
-    subprocess.run([gxx, "-O2", "-std=c++17", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror",
-                    "-shared", "-fPIC", "-o", str(so), str(SHIM)], check=True)
-    lib = ctypes.CDLL(str(so))
+    lib = build_shim(tmp_path_factory, "plan_shim.cpp")
     lib.mm_num_splits.restype = I32
     lib.mm_num_splits.argtypes = [I64, I64]
     lib.mm_split_range.argtypes = [I64, I64, I32, ctypes.POINTER(I64), ctypes.POINTER(I64)]

@@ -36,9 +36,9 @@ from bik.kernels import cuda_jit, cuda_matmul
 from bik.testing.harness import same_bits
 from bik.testing.suites import matmul_suite
 from cases import assert_invariant
+from cuda_host_build import build_shim
 from test_cuda_kernels_host import _force, host, host_lib  # noqa: F401 - fixtures
 
-HERE = Path(__file__).resolve().parent
 U64, I64, I32, U32 = ctypes.c_ulonglong, ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
 ROWS = (64, 128)  # A tile rows (BM), B tile rows (BN)
 BK = 32
@@ -46,14 +46,7 @@ BK = 32
 
 @pytest.fixture(scope="module")
 def shim(tmp_path_factory):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("needs g++ to build the host shim")
-    so = tmp_path_factory.mktemp("cuda_host") / "sm90_shim.so"
-    subprocess.run([gxx, "-O2", "-std=c++17", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror",
-                    "-shared", "-fPIC", "-o", str(so), str(HERE / "cuda_host" / "sm90_shim.cpp")],
-                   check=True)
-    lib = ctypes.CDLL(str(so))
+    lib = build_shim(tmp_path_factory, "sm90_shim.cpp")
     lib.mm90_encode_desc.restype = U64
     lib.mm90_encode_desc.argtypes = [U32] * 4
     lib.mm90_decode_desc.argtypes = [U64, ctypes.POINTER(U32)]

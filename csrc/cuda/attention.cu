@@ -34,7 +34,7 @@ __device__ __forceinline__ float warp_max(float v) {
 // same bits, and the tree is the same for every row.
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = bik_attn::f_add(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = 16; o > 0; o >>= 1) v = bik_attn::add_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
@@ -136,8 +136,8 @@ __device__ __forceinline__ void attention_body(
           float dot = 0.0f;
 #pragma unroll 8
           for (int d = 0; d < D; ++d)
-            dot = bik_attn::f_add(dot, bik_attn::f_mul(qs[r][d], ks[lane][d]));
-          s = bik_attn::f_mul(dot, scale_log2e);
+            dot = bik_attn::add_rn(dot, bik_attn::mul_rn(qs[r][d], ks[lane][d]));
+          s = bik_attn::mul_rn(dot, scale_log2e);
         }
         const float m_old = m_cur[r];
         const bik_attn::Scales sc = bik_attn::merge_scales(m_old, warp_max(s));
@@ -161,7 +161,8 @@ __device__ __forceinline__ void attention_body(
         const int nk = bik_attn::keys_in_block(n0, lim_s[r], kBlockN);
         if (nk == 0) continue;
         float pv = 0.0f;
-        for (int n = 0; n < nk; ++n) pv = bik_attn::f_add(pv, bik_attn::f_mul(ps[r][n], vs[n][d]));
+        for (int n = 0; n < nk; ++n)
+          pv = bik_attn::add_rn(pv, bik_attn::mul_rn(ps[r][n], vs[n][d]));
         acc[i] = bik_attn::rescale_add(acc[i], alpha_s[r], pv);
       }
     }

@@ -15,49 +15,19 @@
 // prefill, decode and verify give the same bits by construction.
 #pragma once
 
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-#define BIK_HD __host__ __device__ __forceinline__
-#else
-#define BIK_HD inline
-#endif
+#include "common.cuh"  // BIK_HD, i64, cdiv, min64, the rounded ops add_rn / mul_rn / div_rn
 
 namespace bik_attn {
 
-typedef long long i64;
+using bik::add_rn;
+using bik::cdiv;
+using bik::div_rn;
+using bik::i64;
+using bik::min64;
+using bik::mul_rn;
 
-BIK_HD i64 cdiv(i64 a, i64 b) { return (a + b - 1) / b; }
-BIK_HD i64 min64(i64 a, i64 b) { return a < b ? a : b; }
+BIK_HD float neg_inf() { return -bik::inf_f32(); }
 
-BIK_HD float neg_inf() {
-#if defined(__CUDA_ARCH__)
-  return __int_as_float(0xff800000u);
-#else
-  return -__builtin_huge_valf();
-#endif
-}
-
-// Correctly rounded single operations: never contracted into an FMA on either side.
-BIK_HD float f_add(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-BIK_HD float f_mul(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-BIK_HD float f_div(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
 BIK_HD float f_max(float a, float b) { return a > b ? a : b; }
 BIK_HD float f_exp2(float x) { return exp2f(x); }
 BIK_HD float f_log2(float x) { return log2f(x); }
@@ -127,14 +97,16 @@ BIK_HD Scales merge_scales(float m1, float m2) {
 }
 
 // x*a + y*b, each op rounded: the one fold used by both launch modes.
-BIK_HD float fold2(float x, float a, float y, float b) { return f_add(f_mul(x, a), f_mul(y, b)); }
+BIK_HD float fold2(float x, float a, float y, float b) {
+  return add_rn(mul_rn(x, a), mul_rn(y, b));
+}
 
 // acc = acc*alpha + pv and l = l*alpha + sum: the in-split block update.
-BIK_HD float rescale_add(float x, float alpha, float y) { return f_add(f_mul(x, alpha), y); }
+BIK_HD float rescale_add(float x, float alpha, float y) { return add_rn(mul_rn(x, alpha), y); }
 
-BIK_HD float finalize_out(float acc, float l) { return f_div(acc, l); }
+BIK_HD float finalize_out(float acc, float l) { return div_rn(acc, l); }
 BIK_HD float finalize_lse(float m, float l) {
-  return f_mul(f_add(m, f_log2(l)), 0.6931471805599453f);
+  return mul_rn(add_rn(m, f_log2(l)), 0.6931471805599453f);
 }
 
 }  // namespace bik_attn

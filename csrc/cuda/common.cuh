@@ -12,7 +12,7 @@
 //  * no NVRTC host headers: the types below are the compiler's own.
 #pragma once
 
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define BIK_HD __host__ __device__ __forceinline__
 #define BIK_DEVICE __device__ __forceinline__
 #else
@@ -27,6 +27,9 @@ typedef int i32;
 typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned long long u64;
+
+BIK_HD i64 cdiv(i64 a, i64 b) { return (a + b - 1) / b; }
+BIK_HD i64 min64(i64 a, i64 b) { return a < b ? a : b; }
 
 // ---- bit casts and correctly rounded fp32 arithmetic ----------------------------------------
 

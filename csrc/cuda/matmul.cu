@@ -10,11 +10,23 @@
 // host found them aligned, else guarded element loads (any strides). Torch-free: raw pointers,
 // element strides, an output-kind code.
 #include "bik_convert.cuh"
+#include "matmul_tile.cuh"
 #include "matmul_plan.cuh"
 
 using bik_mm::i64;
 
 namespace {
+
+using bik_mm::cp_async_commit;
+using bik_mm::cp_async_wait;
+using bik_mm::issue_rows_async;
+using bik_mm::kVecA;
+using bik_mm::kVecBk;
+using bik_mm::kVecBn;
+using bik_mm::ldg8;
+using bik_mm::load_rows_elem;
+using bik_mm::load_rows_vec8;
+using bik_mm::Vec8;
 
 // ---- bf16 / fp16: 64 x 128 x 32 tiles, 4 warps (2 x 2), each warp 32 x 64 = 2 x 8 mma tiles.
 constexpr int kTcBM = 64;
@@ -54,44 +66,21 @@ __device__ __forceinline__ unsigned lds32(const unsigned short* p) {
   return *reinterpret_cast<const unsigned*>(p);
 }
 
-// 16-byte global loads (8 halves) where the host found the operand aligned for them (flags
-// below). They move the same values into shared memory as the element loads: speed only.
-struct alignas(16) Vec8 {
-  unsigned w[4];
+// Slot of element (row, k) of a padded [rows][kTcLds] tile (matmul_tile.cuh's `at`).
+struct PaddedTile {
+  unsigned short (*t)[kTcLds];
+  __device__ __forceinline__ unsigned short* operator()(int r, int k) const { return &t[r][k]; }
 };
-constexpr int kVecA = 1;   // A: k unit-stride, rows and base 16-byte aligned, K % 8 == 0
-constexpr int kVecBk = 2;  // B: k unit-stride (weight.t()), columns aligned, K % 8 == 0
-constexpr int kVecBn = 4;  // B: n unit-stride (row-major [K, N]), rows aligned, N % 8 == 0
-
-__device__ __forceinline__ Vec8 ldg8(const unsigned short* p) {
-  return *reinterpret_cast<const Vec8*>(p);
-}
 
 // A tile [BM rows][BK k] into As (k contiguous), zeros outside [M) x [k0, khi).
 __device__ __forceinline__ void tc_load_a(unsigned short (*as)[kTcLds], const unsigned short* a,
                                           i64 base, i64 sam, i64 sak, i64 m0, i64 m, i64 k0,
                                           i64 khi, int vec) {
-  if (vec & kVecA) {  // khi is K or a multiple of 32, and K % 8 == 0: a chunk is all in or out
-#pragma unroll 1
-    for (int i = threadIdx.x; i < kTcBM * kTcBK / 8; i += kTcThreads) {
-      const int r = i / (kTcBK / 8);
-      const int c = (i % (kTcBK / 8)) * 8;
-      const i64 gm = m0 + r;
-      const i64 gk = k0 + c;
-      Vec8 v = {{0u, 0u, 0u, 0u}};
-      if (gm < m && gk < khi) v = ldg8(a + base + gm * sam + gk);
-      *reinterpret_cast<Vec8*>(&as[r][c]) = v;
-    }
-    return;
-  }
-  const bool m_fast = sak != 1 && sam == 1;  // walk the unit-stride dim across threads
-#pragma unroll 1
-  for (int i = threadIdx.x; i < kTcBM * kTcBK; i += kTcThreads) {
-    const int r = m_fast ? i % kTcBM : i / kTcBK;
-    const int c = m_fast ? i / kTcBM : i % kTcBK;
-    const i64 gm = m0 + r;
-    const i64 gk = k0 + c;
-    as[r][c] = (gm < m && gk < khi) ? a[base + gm * sam + gk * sak] : (unsigned short)0;
+  if (vec & kVecA) {
+    load_rows_vec8<kTcBM, kTcBK, kTcThreads>(PaddedTile{as}, a, base, sam, m0, m, k0, khi);
+  } else {  // walk the unit-stride dim across threads
+    load_rows_elem<kTcBM, kTcBK, kTcThreads>(PaddedTile{as}, a, base, sam, sak, m0, m, k0, khi,
+                                             sak != 1 && sam == 1);
   }
 }
 
@@ -100,16 +89,7 @@ __device__ __forceinline__ void tc_load_b(unsigned short (*bs)[kTcLds], const un
                                           i64 base, i64 sbk, i64 sbn, i64 n0, i64 n, i64 k0,
                                           i64 khi, int vec) {
   if (vec & kVecBk) {
-#pragma unroll 1
-    for (int i = threadIdx.x; i < kTcBN * kTcBK / 8; i += kTcThreads) {
-      const int c = i / (kTcBK / 8);
-      const int kk = (i % (kTcBK / 8)) * 8;
-      const i64 gn = n0 + c;
-      const i64 gk = k0 + kk;
-      Vec8 v = {{0u, 0u, 0u, 0u}};
-      if (gn < n && gk < khi) v = ldg8(b + base + gk + gn * sbn);
-      *reinterpret_cast<Vec8*>(&bs[c][kk]) = v;
-    }
+    load_rows_vec8<kTcBN, kTcBK, kTcThreads>(PaddedTile{bs}, b, base, sbn, n0, n, k0, khi);
     return;
   }
   if (vec & kVecBn) {  // 8 columns per load, scattered into the k-contiguous smem layout
@@ -129,37 +109,10 @@ __device__ __forceinline__ void tc_load_b(unsigned short (*bs)[kTcLds], const un
     }
     return;
   }
-  const bool k_fast = sbk == 1;  // B = weight.t(): k is the unit-stride dim
-#pragma unroll 1
-  for (int i = threadIdx.x; i < kTcBN * kTcBK; i += kTcThreads) {
-    const int c = k_fast ? i / kTcBK : i % kTcBN;
-    const int kk = k_fast ? i % kTcBK : i / kTcBN;
-    const i64 gn = n0 + c;
-    const i64 gk = k0 + kk;
-    bs[c][kk] = (gn < n && gk < khi) ? b[base + gk * sbk + gn * sbn] : (unsigned short)0;
-  }
+  // B = weight.t() (k unit-stride): threads walk k; else they walk the columns.
+  load_rows_elem<kTcBN, kTcBK, kTcThreads>(PaddedTile{bs}, b, base, sbn, sbk, n0, n, k0, khi,
+                                           sbk != 1);
 }
-
-// ---- cp.async (sm_80+): 16-byte global -> shared copies; src-size 0 writes zeros.
-#if defined(__CUDA_ARCH__)
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(pred ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-#else  // host builds for CPU tests: a synchronous copy (or zero fill), as the async one ends
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  if (pred) __builtin_memcpy(smem, gmem, 16); else __builtin_memset(smem, 0, 16);
-}
-__device__ __forceinline__ void cp_async_commit() {}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {}
-#endif
 
 // Both operands k-contiguous and aligned (x @ weight.t()): one stage of A and B by cp.async.
 __device__ __forceinline__ void tc_issue_async(unsigned short (*as)[kTcLds],
@@ -168,20 +121,8 @@ __device__ __forceinline__ void tc_issue_async(unsigned short (*as)[kTcLds],
                                                i64 m0, i64 m, const unsigned short* b,
                                                i64 b_base, i64 sbn, i64 n0, i64 n, i64 k0,
                                                i64 khi) {
-#pragma unroll
-  for (int i = threadIdx.x; i < kTcBM * kTcBK / 8; i += kTcThreads) {
-    const int r = i / (kTcBK / 8);
-    const int c = (i % (kTcBK / 8)) * 8;
-    const bool ok = m0 + r < m && k0 + c < khi;
-    cp_async16(&as[r][c], ok ? a + a_base + (m0 + r) * sam + k0 + c : a, ok);
-  }
-#pragma unroll
-  for (int i = threadIdx.x; i < kTcBN * kTcBK / 8; i += kTcThreads) {
-    const int cn = i / (kTcBK / 8);
-    const int kk = (i % (kTcBK / 8)) * 8;
-    const bool ok = n0 + cn < n && k0 + kk < khi;
-    cp_async16(&bs[cn][kk], ok ? b + b_base + k0 + kk + (n0 + cn) * sbn : b, ok);
-  }
+  issue_rows_async<kTcBM, kTcBK, kTcThreads>(PaddedTile{as}, a, a_base, sam, m0, m, k0, khi);
+  issue_rows_async<kTcBN, kTcBK, kTcThreads>(PaddedTile{bs}, b, b_base, sbn, n0, n, k0, khi);
   cp_async_commit();
 }
 
@@ -228,12 +169,9 @@ __device__ __forceinline__ void matmul_tc(const unsigned short* a, const unsigne
   // element-load path uses stage 0 only. The order of the mma steps is the same in both.
   __shared__ __align__(16) unsigned short as[2][kTcBM][kTcLds];
   __shared__ __align__(16) unsigned short bs[2][kTcBN][kTcLds];
-  const i64 tiles_m = bik_mm::cdiv(m, kTcBM);
-  const i64 tiles_n = bik_mm::cdiv(n, kTcBN);
-  const bik_mm::Tile t = bik_mm::tile_of(blockIdx.x, tiles_m, tiles_n, kTcBM, kTcBN);
-  const int n_splits = bik_mm::num_splits(k, split_len);
-  const int s_first = spread ? static_cast<int>(blockIdx.y) : 0;
-  const int s_end = spread ? s_first + 1 : n_splits;
+  const bik_mm::Program p = bik_mm::program_of(blockIdx.x, static_cast<int>(blockIdx.y), m, n, k,
+                                               split_len, spread, kTcBM, kTcBN);
+  const bik_mm::Tile t = p.t;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int wm = (warp / 2) * kWarpM;
@@ -243,7 +181,7 @@ __device__ __forceinline__ void matmul_tc(const unsigned short* a, const unsigne
   const i64 b_base = t.batch * sbb;
 
   float total[kFragM][kFragN][4] = {};  // fold_split ignores it at s == 0
-  for (int s = s_first; s < s_end; ++s) {
+  for (int s = p.s_first; s < p.s_end; ++s) {
     float acc[kFragM][kFragN][4];
 #pragma unroll
     for (int i = 0; i < kFragM; ++i)
@@ -280,25 +218,16 @@ __device__ __forceinline__ void matmul_tc(const unsigned short* a, const unsigne
         tc_step<KIND>(as[0], bs[0], acc, wm, wn, lane);
       }
     }
+    // SPREAD runs one split per program: s - s_first == 0 keeps p_s itself (no 0 + p_s).
 #pragma unroll
     for (int i = 0; i < kFragM; ++i)
 #pragma unroll
       for (int j = 0; j < kFragN; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (spread) {
-            int cr, cc;
-            bik_mm::mma_c_coord(lane, e, &cr, &cc);
-            const i64 row = t.m0 + wm + i * 16 + cr;
-            const i64 col = t.n0 + wn + j * 8 + cc;
-            if (row < m && col < n)
-              ws[bik_mm::partial_index(t.batch, s, n_splits, m, row, n, col)] = acc[i][j][e];
-          } else {
-            total[i][j][e] = bik_mm::fold_split(total[i][j][e], acc[i][j][e], s);
-          }
-        }
+        for (int e = 0; e < 4; ++e)
+          total[i][j][e] = bik_mm::fold_split(total[i][j][e], acc[i][j][e], s - p.s_first);
   }
-  if (spread) return;
+  const bik_mm::Epilogue out = {c, bias, ws, scb, scm, scn, m, n, out_kind, spread};
 #pragma unroll
   for (int i = 0; i < kFragM; ++i)
 #pragma unroll
@@ -307,11 +236,7 @@ __device__ __forceinline__ void matmul_tc(const unsigned short* a, const unsigne
       for (int e = 0; e < 4; ++e) {
         int cr, cc;
         bik_mm::mma_c_coord(lane, e, &cr, &cc);
-        const i64 row = t.m0 + wm + i * 16 + cr;
-        const i64 col = t.n0 + wn + j * 8 + cc;
-        if (row < m && col < n)
-          bik_cvt::store_as(c, t.batch * scb + row * scm + col * scn,
-                            bik_mm::add_bias(total[i][j][e], bias, col), out_kind);
+        out.put(p, t.m0 + wm + i * 16 + cr, t.n0 + wn + j * 8 + cc, total[i][j][e]);
       }
 }
 
@@ -330,12 +255,9 @@ __device__ __forceinline__ void matmul_f32_body(const float* a, const float* b, 
                                                 int spread, int out_kind) {
   __shared__ float as[kFBK][kFBM + 4];
   __shared__ float bs[kFBK][kFBN + 4];
-  const i64 tiles_m = bik_mm::cdiv(m, kFBM);
-  const i64 tiles_n = bik_mm::cdiv(n, kFBN);
-  const bik_mm::Tile t = bik_mm::tile_of(blockIdx.x, tiles_m, tiles_n, kFBM, kFBN);
-  const int n_splits = bik_mm::num_splits(k, split_len);
-  const int s_first = spread ? static_cast<int>(blockIdx.y) : 0;
-  const int s_end = spread ? s_first + 1 : n_splits;
+  const bik_mm::Program p = bik_mm::program_of(blockIdx.x, static_cast<int>(blockIdx.y), m, n, k,
+                                               split_len, spread, kFBM, kFBN);
+  const bik_mm::Tile t = p.t;
   const int tx = threadIdx.x % 16;  // columns tx + 16 j
   const int ty = threadIdx.x / 16;  // rows ty + 16 i
   const bool a_m_fast = sak != 1 && sam == 1;
@@ -344,7 +266,7 @@ __device__ __forceinline__ void matmul_f32_body(const float* a, const float* b, 
   const i64 b_base = t.batch * sbb;
 
   float total[4][4] = {};  // fold_split ignores it at s == 0
-  for (int s = s_first; s < s_end; ++s) {
+  for (int s = p.s_first; s < p.s_end; ++s) {
     float acc[4][4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -386,31 +308,18 @@ __device__ __forceinline__ void matmul_f32_body(const float* a, const float* b, 
           for (int j = 0; j < 4; ++j) acc[i][j] = bik_mm::mac(acc[i][j], ar[i], br[j]);
       }
     }
+    // SPREAD runs one split per program: s - s_first == 0 keeps p_s itself (no 0 + p_s).
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (spread) {
-          const i64 row = t.m0 + ty + 16 * i;
-          const i64 col = t.n0 + tx + 16 * j;
-          if (row < m && col < n)
-            ws[bik_mm::partial_index(t.batch, s, n_splits, m, row, n, col)] = acc[i][j];
-        } else {
-          total[i][j] = bik_mm::fold_split(total[i][j], acc[i][j], s);
-        }
-      }
+      for (int j = 0; j < 4; ++j)
+        total[i][j] = bik_mm::fold_split(total[i][j], acc[i][j], s - p.s_first);
   }
-  if (spread) return;
+  const bik_mm::Epilogue out = {c, bias, ws, scb, scm, scn, m, n, out_kind, spread};
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const i64 row = t.m0 + ty + 16 * i;
-      const i64 col = t.n0 + tx + 16 * j;
-      if (row < m && col < n)
-        bik_cvt::store_as(c, t.batch * scb + row * scm + col * scn,
-                          bik_mm::add_bias(total[i][j], bias, col), out_kind);
-    }
+    for (int j = 0; j < 4; ++j) out.put(p, t.m0 + ty + 16 * i, t.n0 + tx + 16 * j, total[i][j]);
 }
 
 }  // namespace
@@ -450,6 +359,7 @@ bik_matmul_f32(const float* a, const float* b, const float* bias, void* c, float
 extern "C" __global__ void __launch_bounds__(256)
 bik_matmul_reduce(const float* ws, const float* bias, void* c, int batch, int m, int n,
                   int n_splits, i64 scb, i64 scm, i64 scn, int out_kind) {
+  const bik_mm::Epilogue out = {c, bias, nullptr, scb, scm, scn, m, n, out_kind, 0};
   const i64 count = static_cast<i64>(batch) * m * n;
   for (i64 idx = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; idx < count;
        idx += static_cast<i64>(gridDim.x) * blockDim.x) {
@@ -460,7 +370,6 @@ bik_matmul_reduce(const float* ws, const float* bias, void* c, int batch, int m,
     for (int s = 0; s < n_splits; ++s)
       total = bik_mm::fold_split(total, ws[bik_mm::partial_index(bt, s, n_splits, m, row, n, col)],
                                  s);
-    bik_cvt::store_as(c, bt * scb + row * scm + col * scn, bik_mm::add_bias(total, bias, col),
-                      out_kind);
+    out.store(bt, row, col, total);
   }
 }

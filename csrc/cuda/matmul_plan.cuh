@@ -1,6 +1,7 @@
 // bik CUDA matmul: the index math and the per-element arithmetic that decide the bits, as
 // __host__ __device__ helpers so CPU tests compile this header with g++ and check them
-// (tests/cuda_host/plan_shim.cpp). No CUDA or C++ standard headers: NVRTC has none.
+// (tests/cuda_host/plan_shim.cpp). No CUDA or C++ standard headers on the device: NVRTC has
+// none. The rounded float ops are common.cuh's (its numerics policy: no FMA on either side).
 //
 // Contract for output element (m, n) of C[M, N] = A[M, K] @ B[K, N] (+ bias[N]):
 //   S = split_len(dtype, N, K, arch) from the config table, a multiple of BLOCK_K, never M.
@@ -16,18 +17,15 @@
 // work (M), the bits do not.
 #pragma once
 
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-#define BIK_HD __host__ __device__ __forceinline__
-#else
-#define BIK_HD inline
-#endif
+#include "common.cuh"  // BIK_HD, i64, cdiv, min64, add_rn / mul_rn
 
 namespace bik_mm {
 
-typedef long long i64;
-
-BIK_HD i64 cdiv(i64 a, i64 b) { return (a + b - 1) / b; }
-BIK_HD i64 min64(i64 a, i64 b) { return a < b ? a : b; }
+using bik::add_rn;
+using bik::cdiv;
+using bik::i64;
+using bik::min64;
+using bik::mul_rn;
 
 // Number of K splits: a function of K and the split length (itself a function of K) only.
 BIK_HD int num_splits(i64 k, i64 split_len) {
@@ -56,37 +54,43 @@ BIK_HD Tile tile_of(i64 pid, i64 tiles_m, i64 tiles_n, int block_m, int block_n)
   return t;
 }
 
+// What program (pid, pid_split) of a launch computes: its output tile, and the splits
+// [s_first, s_end) it sums in ascending order -- SPREAD: the one split of grid axis 1; FOLD:
+// all of them. Pure indexing, like tile_of.
+struct Program {
+  Tile t;
+  int n_splits;
+  int s_first;
+  int s_end;
+};
+
+BIK_HD Program program_of(i64 pid, int pid_split, i64 m, i64 n, i64 k, i64 split_len, int spread,
+                          int block_m, int block_n) {
+  Program p;
+  p.t = tile_of(pid, cdiv(m, block_m), cdiv(n, block_n), block_m, block_n);
+  p.n_splits = num_splits(k, split_len);
+  p.s_first = spread ? pid_split : 0;
+  p.s_end = spread ? p.s_first + 1 : p.n_splits;
+  return p;
+}
+
 // Workspace of SPREAD mode: fp32 [batch, n_splits, M, N], contiguous.
 BIK_HD i64 partial_index(i64 batch, int s, int n_splits, i64 m, i64 row, i64 n, i64 col) {
   return ((batch * n_splits + s) * m + row) * n + col;
 }
 
 // One step of the fp32 inner product: the multiply and the add each rounded (no FMA).
-BIK_HD float mac(float acc, float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(acc, __fmul_rn(a, b));
-#else
-  return acc + a * b;  // the host build uses -ffp-contract=off
-#endif
-}
+BIK_HD float mac(float acc, float a, float b) { return add_rn(acc, mul_rn(a, b)); }
 
 // The fold over splits: s == 0 starts the total with p_0 itself (no 0 + p_0, which would turn
 // a -0.0 into +0.0); later splits are added in ascending s. Both launch modes call this.
 BIK_HD float fold_split(float total, float partial, int s) {
-#if defined(__CUDA_ARCH__)
-  return s == 0 ? partial : __fadd_rn(total, partial);
-#else
-  return s == 0 ? partial : total + partial;
-#endif
+  return s == 0 ? partial : add_rn(total, partial);
 }
 
 // The epilogue before the single rounding to the output dtype.
 BIK_HD float add_bias(float total, const float* bias, i64 col) {
-#if defined(__CUDA_ARCH__)
-  return bias ? __fadd_rn(total, bias[col]) : total;
-#else
-  return bias ? total + bias[col] : total;
-#endif
+  return bias ? add_rn(total, bias[col]) : total;
 }
 
 // ---- mma.sync.m16n8k16 fragments (PTX ISA "Matrix Fragments for mma.m16n8k16"): which

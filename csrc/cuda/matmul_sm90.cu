@@ -15,6 +15,7 @@
 // Only sm_90a has wgmma: other device builds (the sm_80 CI build of every .cu) compile these
 // kernels to a trap. The SPREAD mode's partials are folded by matmul.cu's bik_matmul_reduce.
 #include "bik_convert.cuh"
+#include "matmul_tile.cuh"
 #include "matmul_sm90_plan.cuh"
 
 using bik_mm::i64;
@@ -124,16 +125,20 @@ __device__ __forceinline__ void fence_operands(float (&d)[64]) {
 #endif
 }
 
-// ---- loads: global -> the K-major no-swizzle tile (speed only; the same values either way)
-struct alignas(16) Vec8 {
-  unsigned w[4];
-};
-constexpr int kVecA = 1;   // matmul.cu's flags (cuda_matmul.load_flags)
-constexpr int kVecBk = 2;
+// ---- loads (matmul_tile.cuh, matmul.cu's): global -> the K-major no-swizzle tile
+using bik_mm::cp_async_commit;
+using bik_mm::cp_async_wait;
+using bik_mm::kVecA;
+using bik_mm::kVecBk;
 
-__device__ __forceinline__ unsigned short* at(unsigned short* tile, int rows, int r, int k) {
-  return tile + bik_mm90::tile_offset(rows, r, k) / 2;
-}
+// Slot of element (r, k) of a ROWS x kBK no-swizzle tile (matmul_tile.cuh's `at`).
+template <int ROWS>
+struct CoreTile {
+  unsigned short* t;
+  __device__ __forceinline__ unsigned short* operator()(int r, int k) const {
+    return t + bik_mm90::tile_offset(ROWS, r, k) / 2;
+  }
+};
 
 // Rows [r0, r0 + ROWS) x k [k0, k0 + kBK) of an operand with element strides (s_row, s_k),
 // zeros outside [0, r_lim) x [k0, khi). vec16: k unit-stride, 16-byte aligned, K % 8 == 0.
@@ -141,61 +146,22 @@ template <int ROWS>
 __device__ __forceinline__ void load_tile(unsigned short* tile, const unsigned short* src,
                                           i64 base, i64 s_row, i64 s_k, i64 r0, i64 r_lim,
                                           i64 k0, i64 khi, bool vec16) {
-  if (vec16) {  // khi is K or a multiple of 32, and K % 8 == 0: a chunk is all in or out
-#pragma unroll 1
-    for (int i = threadIdx.x; i < ROWS * kBK / 8; i += kThreads) {
-      const int r = i / (kBK / 8);
-      const int c = (i % (kBK / 8)) * 8;
-      Vec8 v = {{0u, 0u, 0u, 0u}};
-      if (r0 + r < r_lim && k0 + c < khi)
-        v = *reinterpret_cast<const Vec8*>(src + base + (r0 + r) * s_row + k0 + c);
-      *reinterpret_cast<Vec8*>(at(tile, ROWS, r, c)) = v;
-    }
-    return;
-  }
-  const bool r_fast = s_k != 1 && s_row == 1;  // walk the unit-stride dim across threads
-#pragma unroll 1
-  for (int i = threadIdx.x; i < ROWS * kBK; i += kThreads) {
-    const int r = r_fast ? i % ROWS : i / kBK;
-    const int c = r_fast ? i / ROWS : i % kBK;
-    const bool ok = r0 + r < r_lim && k0 + c < khi;
-    *at(tile, ROWS, r, c) = ok ? src[base + (r0 + r) * s_row + (k0 + c) * s_k]
-                               : static_cast<unsigned short>(0);
+  if (vec16) {
+    bik_mm::load_rows_vec8<ROWS, kBK, kThreads>(CoreTile<ROWS>{tile}, src, base, s_row, r0,
+                                                r_lim, k0, khi);
+  } else {  // walk the unit-stride dim across threads
+    bik_mm::load_rows_elem<ROWS, kBK, kThreads>(CoreTile<ROWS>{tile}, src, base, s_row, s_k, r0,
+                                                r_lim, k0, khi, s_k != 1 && s_row == 1);
   }
 }
 
-#if defined(__CUDA_ARCH__)
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(pred ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-#else  // host builds: a synchronous copy (or zero fill), as the async one ends
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  if (pred) __builtin_memcpy(smem, gmem, 16); else __builtin_memset(smem, 0, 16);
-}
-__device__ __forceinline__ void cp_async_commit() {}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {}
-#endif
-
-// One stage of both operands by cp.async (both k-contiguous and aligned).
+// One stage of one operand by cp.async (both k-contiguous and aligned).
 template <int ROWS>
 __device__ __forceinline__ void issue_tile(unsigned short* tile, const unsigned short* src,
                                            i64 base, i64 s_row, i64 r0, i64 r_lim, i64 k0,
                                            i64 khi) {
-#pragma unroll
-  for (int i = threadIdx.x; i < ROWS * kBK / 8; i += kThreads) {
-    const int r = i / (kBK / 8);
-    const int c = (i % (kBK / 8)) * 8;
-    const bool ok = r0 + r < r_lim && k0 + c < khi;
-    cp_async16(at(tile, ROWS, r, c), ok ? src + base + (r0 + r) * s_row + k0 + c : src, ok);
-  }
+  bik_mm::issue_rows_async<ROWS, kBK, kThreads>(CoreTile<ROWS>{tile}, src, base, s_row, r0,
+                                                r_lim, k0, khi);
 }
 
 // One BLOCK_K step: two k16 instructions on the same accumulators, k ascending.
@@ -220,19 +186,16 @@ __device__ __forceinline__ void matmul_wgmma(const unsigned short* a, const unsi
                                              i64 sbk, i64 sbn, i64 scb, i64 scm, i64 scn,
                                              int split_len, int spread, int out_kind, int vec) {
   __shared__ __align__(128) Smem sm;
-  const i64 tiles_m = bik_mm::cdiv(m, kBM);
-  const i64 tiles_n = bik_mm::cdiv(n, kBN);
-  const bik_mm::Tile t = bik_mm::tile_of(blockIdx.x, tiles_m, tiles_n, kBM, kBN);
-  const int n_splits = bik_mm::num_splits(k, split_len);
-  const int s_first = spread ? static_cast<int>(blockIdx.y) : 0;
-  const int s_end = spread ? s_first + 1 : n_splits;
+  const bik_mm::Program p = bik_mm::program_of(blockIdx.x, static_cast<int>(blockIdx.y), m, n, k,
+                                               split_len, spread, kBM, kBN);
+  const bik_mm::Tile t = p.t;
   const bool async = (vec & (kVecA | kVecBk)) == (kVecA | kVecBk);
   const i64 a_base = t.batch * sab;
   const i64 b_base = t.batch * sbb;
   const int tid = static_cast<int>(threadIdx.x);
 
   float total[64] = {};  // fold_split ignores it at s == 0
-  for (int s = s_first; s < s_end; ++s) {
+  for (int s = p.s_first; s < p.s_end; ++s) {
     float acc[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
@@ -273,21 +236,14 @@ __device__ __forceinline__ void matmul_wgmma(const unsigned short* a, const unsi
     }
     // SPREAD runs one split per program: s - s_first == 0 keeps p_s itself (no 0 + p_s).
 #pragma unroll
-    for (int i = 0; i < 64; ++i) total[i] = bik_mm::fold_split(total[i], acc[i], s - s_first);
+    for (int i = 0; i < 64; ++i) total[i] = bik_mm::fold_split(total[i], acc[i], s - p.s_first);
   }
+  const bik_mm::Epilogue out = {c, bias, ws, scb, scm, scn, m, n, out_kind, spread};
 #pragma unroll
   for (int i = 0; i < 64; ++i) {
     int cr, cc;
     bik_mm90::acc_coord(tid, i, &cr, &cc);
-    const i64 row = t.m0 + cr;
-    const i64 col = t.n0 + cc;
-    if (row < m && col < n) {
-      if (spread)
-        ws[bik_mm::partial_index(t.batch, s_first, n_splits, m, row, n, col)] = total[i];
-      else
-        bik_cvt::store_as(c, t.batch * scb + row * scm + col * scn,
-                          bik_mm::add_bias(total[i], bias, col), out_kind);
-    }
+    out.put(p, t.m0 + cr, t.n0 + cc, total[i]);
   }
 }
 

@@ -16,17 +16,21 @@
 namespace bik {
 namespace sampling {
 
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+// Lane 0 ends with the warp's max (max is exact: any tree gives the same value).
+__device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int w = 16; w >= 1; w >>= 1) v = fmaxf(v, __shfl_down_sync(kFullMask, v, w));
+  return v;
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_max(v);
   __syncthreads();
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    float t = lane < warps ? scratch[lane] : -inf_f32();
-#pragma unroll
-    for (int w = 16; w >= 1; w >>= 1) t = fmaxf(t, __shfl_down_sync(kFullMask, t, w));
+    const float t = warp_max(lane < warps ? scratch[lane] : -inf_f32());
     if (lane == 0) scratch[0] = t;
   }
   __syncthreads();
@@ -96,6 +100,20 @@ __device__ void sample_stats(const typename T::storage* x, i64 sx, i64 V,
 
 constexpr i32 kNoIndex = 0x7FFFFFFF;
 
+// Lane 0 ends with the warp's best (value desc, index asc): a total order, so the tree shape is
+// free.
+__device__ __forceinline__ void warp_best(float& best_v, i32& best_i) {
+#pragma unroll
+  for (int w = 16; w >= 1; w >>= 1) {
+    const float ov = __shfl_down_sync(kFullMask, best_v, w);
+    const i32 oi = __shfl_down_sync(kFullMask, best_i, w);
+    if (better(ov, oi, best_v, best_i)) {
+      best_v = ov;
+      best_i = oi;
+    }
+  }
+}
+
 template <class T>
 __device__ void gumbel_pick(const typename T::storage* x, i64 sx, i64 V, const i64* key,
                             const float* temperature, const float* vk_in, const i32* ik_in,
@@ -123,17 +141,9 @@ __device__ void gumbel_pick(const typename T::storage* x, i64 sx, i64 V, const i
   for (i64 j = begin + threadIdx.x; j < end; j += blockDim.x) {
     pick_consider(p, T::load(xr[j]), j, best_v, best_i);
   }
-  // Block argmax under (value desc, index asc): a total order, so the tree shape is free.
+  // Block argmax under (value desc, index asc): warps, then warp 0 over the warps' winners.
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-#pragma unroll
-  for (int w = 16; w >= 1; w >>= 1) {
-    const float ov = __shfl_down_sync(kFullMask, best_v, w);
-    const i32 oi = __shfl_down_sync(kFullMask, best_i, w);
-    if (better(ov, oi, best_v, best_i)) {
-      best_v = ov;
-      best_i = oi;
-    }
-  }
+  warp_best(best_v, best_i);
   if (lane == 0) {
     s_val[warp] = best_v;
     s_idx[warp] = best_i;
@@ -142,15 +152,7 @@ __device__ void gumbel_pick(const typename T::storage* x, i64 sx, i64 V, const i
   if (warp == 0) {
     best_v = lane < warps ? s_val[lane] : -inf_f32();
     best_i = lane < warps ? s_idx[lane] : kNoIndex;
-#pragma unroll
-    for (int w = 16; w >= 1; w >>= 1) {
-      const float ov = __shfl_down_sync(kFullMask, best_v, w);
-      const i32 oi = __shfl_down_sync(kFullMask, best_i, w);
-      if (better(ov, oi, best_v, best_i)) {
-        best_v = ov;
-        best_i = oi;
-      }
-    }
+    warp_best(best_v, best_i);
     if (lane == 0) {
       part_val[row * n_splits + split] = best_v;
       part_idx[row * n_splits + split] = best_i;

@@ -48,11 +48,11 @@ int mm_k_schedule(int m, int n, int k, int split_len, int spread, int bm, int bn
   const int n_splits = bik_mm::num_splits(k, split_len);
   int count = 0;
   for (i64 pid = 0; pid < tiles_m * tiles_n; ++pid) {
-    const bik_mm::Tile t = bik_mm::tile_of(pid, tiles_m, tiles_n, bm, bn);
-    if (row < t.m0 || row >= t.m0 + bm || col < t.n0 || col >= t.n0 + bn) continue;
     for (int y = 0; y < (spread ? n_splits : 1); ++y) {
-      const int s_first = spread ? y : 0, s_end = spread ? y + 1 : n_splits;
-      for (int s = s_first; s < s_end; ++s) {
+      const bik_mm::Program p = bik_mm::program_of(pid, y, m, n, k, split_len, spread, bm, bn);
+      const bik_mm::Tile t = p.t;
+      if (row < t.m0 || row >= t.m0 + bm || col < t.n0 || col >= t.n0 + bn) continue;
+      for (int s = p.s_first; s < p.s_end; ++s) {
         const i64 lo = bik_mm::split_lo(k, split_len, s), hi = bik_mm::split_hi(k, split_len, s);
         for (i64 k0 = lo; k0 < hi; k0 += bk) {
           const i64 kmax = bik_mm::min64(bk, hi - k0);
@@ -80,8 +80,8 @@ void mm_emulate_f32(const float* a, const float* b, const float* bias, float* c,
   for (i64 pid = 0; pid < tiles_m * tiles_n; ++pid) {
     const bik_mm::Tile t = bik_mm::tile_of(pid, tiles_m, tiles_n, bm, bn);
     for (int y = 0; y < (spread ? n_splits : 1); ++y) {
-      const int s_first = spread ? y : 0, s_end = spread ? y + 1 : n_splits;
-      for (int s = s_first; s < s_end; ++s) {
+      const bik_mm::Program p = bik_mm::program_of(pid, y, m, n, k, split_len, spread, bm, bn);
+      for (int s = p.s_first; s < p.s_end; ++s) {
         std::fill(acc.begin(), acc.end(), 0.0f);
         const i64 lo = bik_mm::split_lo(k, split_len, s), hi = bik_mm::split_hi(k, split_len, s);
         for (i64 k0 = lo; k0 < hi; k0 += bk) {
@@ -151,7 +151,7 @@ static float tree32(const float* x, bool is_max) {  // the warp butterfly, lane 
   std::memcpy(v, x, sizeof(v));
   for (int o = 16; o > 0; o >>= 1) {
     for (int i = 0; i < 32; ++i)
-      w[i] = is_max ? bik_attn::f_max(v[i], v[i ^ o]) : bik_attn::f_add(v[i], v[i ^ o]);
+      w[i] = is_max ? bik_attn::f_max(v[i], v[i ^ o]) : bik_attn::add_rn(v[i], v[i ^ o]);
     std::memcpy(v, w, sizeof(v));
   }
   return v[0];
@@ -204,8 +204,8 @@ void attn_emulate_f32(const float* q, const float* k, const float* v, float* out
                     const float* qr = q + (static_cast<i64>(tok[r]) * hq + head[r]) * d;
                     const float* kr = k + ((n0 + lane) * hkv + hk) * d;
                     for (int x = 0; x < d; ++x)
-                      dot = bik_attn::f_add(dot, bik_attn::f_mul(qr[x], kr[x]));
-                    s[lane] = bik_attn::f_mul(dot, scale_log2e);
+                      dot = bik_attn::add_rn(dot, bik_attn::mul_rn(qr[x], kr[x]));
+                    s[lane] = bik_attn::mul_rn(dot, scale_log2e);
                   }
                 }
                 const bik_attn::Scales sc = bik_attn::merge_scales(m_cur[r], tree32(s, true));
@@ -217,8 +217,8 @@ void attn_emulate_f32(const float* q, const float* k, const float* v, float* out
                 for (int x = 0; x < d; ++x) {
                   float pv = 0.0f;
                   for (int nn = 0; nn < nk; ++nn)
-                    pv = bik_attn::f_add(
-                        pv, bik_attn::f_mul(p[nn], v[((n0 + nn) * hkv + hk) * d + x]));
+                    pv = bik_attn::add_rn(
+                        pv, bik_attn::mul_rn(p[nn], v[((n0 + nn) * hkv + hk) * d + x]));
                   float& e = acc[static_cast<size_t>(r) * d + x];
                   e = bik_attn::rescale_add(e, sc.a, pv);
                 }

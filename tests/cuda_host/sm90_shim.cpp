@@ -43,15 +43,16 @@ int mm90_k_schedule(int m, int n, int k, int split_len, int spread, int row, int
   const int n_splits = bik_mm::num_splits(k, split_len);
   int count = 0;
   for (i64 pid = 0; pid < tiles_m * tiles_n; ++pid) {
-    const bik_mm::Tile t = bik_mm::tile_of(pid, tiles_m, tiles_n, bik_mm90::kBM, bik_mm90::kBN);
     for (int y = 0; y < (spread ? n_splits : 1); ++y) {
-      const int s_first = spread ? y : 0, s_end = spread ? y + 1 : n_splits;
+      const bik_mm::Program p = bik_mm::program_of(pid, y, m, n, k, split_len, spread,
+                                                   bik_mm90::kBM, bik_mm90::kBN);
+      const bik_mm::Tile t = p.t;
       for (int thread = 0; thread < bik_mm90::kThreads; ++thread)
         for (int i = 0; i < bik_mm90::kAccRegs; ++i) {
           int r, c;
           bik_mm90::acc_coord(thread, i, &r, &c);
           if (t.m0 + r != row || t.n0 + c != col) continue;
-          for (int s = s_first; s < s_end; ++s) {
+          for (int s = p.s_first; s < p.s_end; ++s) {
             const i64 lo = bik_mm::split_lo(k, split_len, s), hi = bik_mm::split_hi(k, split_len, s);
             for (i64 k0 = lo; k0 < hi; k0 += bik_mm90::kBK)
               for (int kk = 0; kk < bik_mm90::kBK / bik_mm90::kK16; ++kk) {

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from bik.mode._routes import Fallback, _prepare, attention_layout
+from bik.mode._routes import Fallback, _cast_first, _prepare, attention_layout
 from bik.ops._checks import SUPPORTED_DTYPES
 from bik.ops._pointwise import exp_f32
 
@@ -49,10 +49,7 @@ def ones_sum(x: torch.Tensor, dims: list[int], backend: str, out_dtype=None) -> 
 
 
 def _sum(func, x, dim=None, keepdim=False, *, dtype=None):
-    if dtype is not None:  # torch casts x to dtype first
-        if dtype not in SUPPORTED_DTYPES:
-            raise Fallback(f"dtype {dtype}")
-        x = x.to(dtype)
+    x = _cast_first(x, dtype)
     backend = _prepare(func, x)
     nd = x.dim()
     if nd == 0:

@@ -55,6 +55,16 @@ def _prepare(func, *tensors: torch.Tensor | None) -> str:
     return _backend(ts[0])
 
 
+def _cast_first(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """x for a reduction called with ``dtype=``: torch casts x to it first. A dtype bik does
+    not serve raises Fallback."""
+    if dtype is None:
+        return x
+    if dtype not in SUPPORTED_DTYPES:
+        raise Fallback(f"dtype {dtype}")
+    return x.to(dtype)
+
+
 def _matmul_rows(a: torch.Tensor, b: torch.Tensor, bias, backend: str, out_dtype=None):
     """a [..., K] @ b [K, N] (+ bias [N]) on bik::matmul, every leading dim of a a row."""
     rows = math.prod(a.shape[:-1])
@@ -155,20 +165,14 @@ def _softmax_like(log: bool):
         return op(x, dim, torch.float32 if half_to_float else None, backend)
 
     def public(func, x, dim, dtype=None):  # aten::softmax.int / log_softmax.int
-        if dtype is not None:  # torch casts x to dtype first
-            if dtype not in SUPPORTED_DTYPES:
-                raise Fallback(f"dtype {dtype}")
-            x = x.to(dtype)
+        x = _cast_first(x, dtype)
         return op(x, dim, None, _prepare(func, x))
 
     return internal, public
 
 
 def _mean(func, x, dim=None, keepdim=False, *, dtype=None):
-    if dtype is not None:  # torch casts x to dtype first
-        if dtype not in SUPPORTED_DTYPES:
-            raise Fallback(f"dtype {dtype}")
-        x = x.to(dtype)
+    x = _cast_first(x, dtype)
     backend = _prepare(func, x)
     return torch.ops.bik.mean(x, [] if dim is None else list(dim), bool(keepdim), None, backend)
 
