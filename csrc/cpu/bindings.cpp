@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "attention.h"
 #include "contract.h"
 #include "reductions.h"
 #include "sampling.h"
@@ -233,6 +234,34 @@ void unary_f32(std::uintptr_t x, std::uintptr_t y, idx_t n, const std::string& f
   }
 }
 
+// Fixed-split attention (attention.h) over fp32 q/k/v: q by strides, keys by per-key offsets.
+void attention_f32(std::uintptr_t q, idx_t sq_tok, idx_t sq_head, std::uintptr_t k,
+                   std::uintptr_t v, std::uintptr_t koff, idx_t s_head, std::uintptr_t cu_q,
+                   std::uintptr_t cu_k, idx_t B, idx_t hq, idx_t hkv, idx_t d, idx_t split,
+                   double scale_log2e, bool causal, std::uintptr_t out, std::uintptr_t lse,
+                   int num_threads, const std::string& isa_name) {
+  if (B < 0 || d < 0 || hkv <= 0 || hq % hkv != 0 || split <= 0)
+    throw std::invalid_argument("bik: attention needs B >= 0, D >= 0, Hq % Hkv == 0, split > 0");
+  const Isa isa = select_isa(isa_name);
+  using I64 = const std::int64_t*;
+  const attn::Problem p{fptr(q), sq_tok, sq_head, fptr(k), fptr(v), reinterpret_cast<I64>(koff),
+                        s_head, reinterpret_cast<I64>(cu_q), reinterpret_cast<I64>(cu_k), B, hq,
+                        hkv, d, split, static_cast<float>(scale_log2e), causal,
+                        reinterpret_cast<float*>(out), reinterpret_cast<float*>(lse)};
+  double macs = 0;
+  const std::vector<attn::Item> items = attn::make_items(p, &macs);
+  if (items.empty()) return;
+  // One K block and one N block per tile call (speed only): K is D or a split's keys.
+  const idx_t kc = std::max(d, split);
+  const idx_t nc = (std::max(d, split) + isa.nrw - 1) / isa.nrw * isa.nrw;
+  const size_t per_worker = (attn::own_floats(p) + isa.scratch_per_thread(kc, nc) + 15) / 16 * 16;
+  const idx_t nt = std::max<idx_t>(1, std::min<idx_t>(
+      {idx_t(num_threads), idx_t(items.size()), idx_t(macs / double(kMatmulMinMacsPerThread))}));
+  float* ws = scratch_floats(per_worker * size_t(nt));
+  pybind11::gil_scoped_release nogil;
+  attn::run_items(p, isa.tile, kc, nc, items, int(nt), ws, per_worker);
+}
+
 // Gumbel-max sampler (sampling.h): rows of fp32 logits, per-row parameters, threads split rows.
 void sample_f32(std::uintptr_t x, idx_t sx, idx_t B, idx_t V, std::uintptr_t seed,
                 std::uintptr_t position, std::uintptr_t temperature, std::uintptr_t top_k,
@@ -294,7 +323,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
 #define BIK_CPU_SOURCE_HASH "unknown"
 #endif
   m.attr("SOURCE_HASH") = BIK_CPU_SOURCE_HASH;  // of csrc/cpu, computed by setup.py
-  m.attr("CONTRACT_VERSION") = 3;  // 2: + softmax, log_softmax, mean; 3: + sampler
+  m.attr("CONTRACT_VERSION") = 4;  // 2: + softmax, log_softmax, mean; 3: + sampler; 4: + attention
   m.def("matmul_f32", &bik_cpu::matmul_f32, py::arg("a"), py::arg("sam"), py::arg("sak"),
         py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),
         py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("num_threads"),
@@ -313,6 +342,14 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "y[M] = mean of each row of x[M,N] (N > 0); unit stride along N.");
   m.def("unary_f32", &bik_cpu::unary_f32, py::arg("x"), py::arg("y"), py::arg("n"),
         py::arg("fn"), "y[i] = exp2f(x[i]) or log2f(x[i]) (fn) for contiguous fp32 buffers.");
+  m.def("attention_f32", &bik_cpu::attention_f32, py::arg("q"), py::arg("sq_tok"),
+        py::arg("sq_head"), py::arg("k"), py::arg("v"), py::arg("koff"), py::arg("s_head"),
+        py::arg("cu_q"), py::arg("cu_k"), py::arg("B"), py::arg("hq"),
+        py::arg("hkv"), py::arg("d"), py::arg("split"), py::arg("scale_log2e"),
+        py::arg("causal"), py::arg("out"), py::arg("lse"), py::arg("num_threads"),
+        py::arg("isa") = "auto",
+        "Fixed-split attention (attention.h): fp32 q/k/v, int64 koff/cu_q/cu_k; writes fp32\n"
+        "out [total_q, hq, d] and lse [total_q, hq] (natural log).");
   m.def("sample_f32", &bik_cpu::sample_f32, py::arg("x"), py::arg("sx"), py::arg("B"),
         py::arg("V"), py::arg("seed"), py::arg("position"), py::arg("temperature"),
         py::arg("top_k"), py::arg("top_p"), py::arg("log_min_p"), py::arg("stream"),

@@ -43,6 +43,10 @@
 //   (no padding adds in the tail: only lane j % 16 of each element is touched).
 //   Rows are independent; threads split rows only, as for rms_norm.
 //
+// attention (attention.h): the sequence written there, the bits of the Python reference
+//   (bik.kernels.cpu_attention.attention_cpu_reference); its dots are matmul tiles, so they
+//   run the matmul sequence above. Threads split (sequence, KV head, row block) work items.
+//
 // FP environment: each compute thread (the caller included, restored afterwards) runs with the
 // default environment (round to nearest, no flush-to-zero / denormals-are-zero), so a caller's
 // torch.set_flush_denormal(True) cannot make a threaded call differ from a single-thread one.

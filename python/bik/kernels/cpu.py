@@ -20,8 +20,8 @@ except Exception as exc:  # noqa: BLE001 - missing .so, ABI mismatch, anything
     _ext = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "contract_version", "isa", "matmul_f32", "mean_f32", "rms_norm_f32",
-           "softmax_f32", "unavailable_reason"]
+__all__ = ["attention_f32", "available", "contract_version", "isa", "matmul_f32", "mean_f32",
+           "rms_norm_f32", "softmax_f32", "unavailable_reason"]
 
 
 def available() -> bool:
@@ -154,6 +154,53 @@ def mean_f32(x: torch.Tensor, out: torch.Tensor, *, num_threads: int | None = No
     assert x.stride(1) == 1 or N == 1
     ext.mean_f32(x.data_ptr(), x.stride(0), out.data_ptr(), M, N,
                  torch.get_num_threads() if num_threads is None else num_threads)
+
+
+def attention_f32(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_offsets: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    split: int,
+    scale_log2e: float,
+    causal: bool,
+    num_threads: int | None = None,
+    isa: str = "auto",
+) -> None:
+    """Fixed-split attention (csrc/cpu/attention.h), the bits of ``attention_cpu_reference``.
+
+    q: fp32 [total_q, Hq, D], unit stride along D. k, v: fp32, unit stride along D, the same
+    strides; key t of sequence b, KV head h starts at element
+    ``key_offsets[cu_k[b] + t] + h * k.stride(-2)`` of each (so pages may lie anywhere).
+    key_offsets [cu_k[B]], cu_q [B + 1], cu_k [B + 1]: int64 contiguous, already checked
+    (cu_k[b+1] - cu_k[b] >= the q_len of b, every offset inside k). out: fp32 [total_q, Hq, D]
+    and lse: fp32 [total_q, Hq], contiguous. ``scale_log2e`` is rounded to fp32. num_threads
+    (default torch.get_num_threads()) and ``isa`` change speed only.
+    """
+    ext = _require()
+    if not hasattr(ext, "attention_f32"):
+        raise RuntimeError("bik's CPU extension predates attention_f32; rebuild it (`python "
+                           "setup.py build_ext --inplace` in a checkout, or reinstall bik)")
+    total_q, hq, d = q.shape
+    hkv = k.shape[-2]
+    assert q.dtype == k.dtype == v.dtype == out.dtype == lse.dtype == torch.float32
+    assert k.stride() == v.stride() and (d <= 1 or (q.stride(2) == 1 and k.stride(-1) == 1))
+    assert out.shape == q.shape and out.is_contiguous() and lse.shape == (total_q, hq)
+    assert lse.is_contiguous() and hq % hkv == 0 and cu_q.shape == cu_k.shape
+    for t in (key_offsets, cu_q, cu_k):
+        assert t.dtype == torch.int64 and t.is_contiguous()
+    ext.attention_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
+        key_offsets.data_ptr(), k.stride(-2), cu_q.data_ptr(), cu_k.data_ptr(),
+        cu_k.shape[0] - 1, hq, hkv, d, split, float(scale_log2e), bool(causal),
+        out.data_ptr(), lse.data_ptr(),
+        torch.get_num_threads() if num_threads is None else num_threads, isa,
+    )  # fmt: skip
 
 
 def contract_version() -> int | None:

@@ -1,16 +1,20 @@
-"""CPU attention with the fixed KV split size, built from bik's fixed-order CPU kernels.
+"""CPU attention with the fixed KV split size.
 
-For a sequence, each split [j*SPLIT, (j+1)*SPLIT) of its keys is reduced from a fresh state:
-scores = q @ k^T (fixed-order matmul kernel, fp32), times scale*log2(e), masked to -inf where a
-row cannot see a key; m_j = row max (exact); p = exp2(s - m_j) (exp2f, a pure function of each
-value); l_j = p @ 1 and acc_j = p @ v (fixed-order matmul kernels). Splits are folded in
-ascending j by :func:`merge_partial` and finally divided. A masked key contributes an exact 0
-to every sum and an empty split folds as an exact identity, so a token's bits do not depend on
-how its prompt was chunked, on the batch, or on the page size.
+:func:`attention_cpu` runs the C++ kernel (csrc/cpu/attention.h). Its spec is
+:func:`attention_cpu_reference`, built from bik's fixed-order CPU kernels, whose bits it gives
+(tests/test_cpu_attention_kernel.py). For a sequence, each split [j*SPLIT, (j+1)*SPLIT) of its
+keys is reduced from a fresh state: scores = q @ k^T (fixed-order matmul kernel, fp32), times
+scale*log2(e), masked to -inf where a row cannot see a key; m_j = row max (exact);
+p = exp2(s - m_j) (exp2f, a pure function of each value); l_j = p @ 1 and acc_j = p @ v
+(fixed-order matmul kernels). Splits are folded in ascending j by :func:`merge_partial` and
+finally divided. A masked key contributes an exact 0 to every sum and an empty split folds as
+an exact identity, so a token's bits do not depend on how its prompt was chunked, on the
+batch, or on the page size.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -18,7 +22,8 @@ import torch
 from bik.configs import CPU_ATTENTION_SPLIT
 from bik.kernels import cpu
 
-__all__ = ["attention_cpu", "merge_partial"]
+__all__ = ["attention_cpu", "attention_cpu_reference", "cpu_keys", "merge_partial",
+           "reference_keys"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -56,9 +61,10 @@ def _split_partial(q_rows, k, v, pos_rows, lo, causal, scale_log2e):
     return m_j, l_j, _mm(p, v)
 
 
-def attention_cpu(q: torch.Tensor, keys_of, *, cu_q: list[int], seqlens_k: list[int],
-                  num_kv_heads: int, scale: float, causal: bool):
-    """q [total_q, Hq, D]; ``keys_of(b, L)`` -> fp32 (K [L, Hkv, D], V [L, Hkv, D]) of sequence b.
+def attention_cpu_reference(q: torch.Tensor, keys_of, *, cu_q: list[int], seqlens_k: list[int],
+                            num_kv_heads: int, scale: float, causal: bool):
+    """The spec: q [total_q, Hq, D]; ``keys_of(b, L)`` -> fp32 (K [L, Hkv, D], V [L, Hkv, D]) of
+    sequence b (e.g. :func:`reference_keys`). One split at a time, in Python.
 
     Returns (out [total_q, Hq, D] in q.dtype, lse [total_q, Hq] fp32, natural log).
     """
@@ -90,3 +96,82 @@ def attention_cpu(q: torch.Tensor, keys_of, *, cu_q: list[int], seqlens_k: list[
             out[q0:q1, heads] = (acc / l[:, None]).reshape(t, g, d).to(q.dtype)
             lse[q0:q1, heads] = ((m + cpu.unary_f32("log2", l)) * LN2).reshape(t, g)
     return out, lse
+
+
+def reference_keys(k: torch.Tensor, v: torch.Tensor, *, table: torch.Tensor | None,
+                   base: torch.Tensor | None):
+    """``keys_of`` for :func:`attention_cpu_reference` over the op's inputs: a paged cache
+    (``table`` [B, pages]), a contiguous cache [B, max_len, Hkv, D] or varlen k/v
+    [total_k, Hkv, D] with ``base`` [B] the element offset of each sequence's key 0."""
+    hkv, d = k.shape[-2], k.shape[-1]
+    flat_k, flat_v = k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
+
+    def keys_of(b, length):
+        if table is not None:  # paged: gather the sequence's slots
+            pos = torch.arange(length)
+            block = k.shape[1]
+            idx = table[b, pos // block].long() * block + pos % block
+            return flat_k[idx].float(), flat_v[idx].float()
+        if k.dim() == 4:  # contiguous cache [B, max_len, Hkv, D]
+            return k[b, :length].float(), v[b, :length].float()
+        start = int(base[b]) // k.stride(0)  # varlen [total_k, Hkv, D]
+        return k[start:start + length].float(), v[start:start + length].float()
+
+    return keys_of
+
+
+def cpu_keys(k: torch.Tensor, v: torch.Tensor, seqlens_k: list[int], *,
+             table: torch.Tensor | None, base: torch.Tensor | None):
+    """(k32, v32, key_offsets) for :func:`attention_cpu`, from the inputs of
+    :func:`reference_keys`: key t of sequence b at element ``key_offsets[cu_k[b] + t]`` of
+    k32/v32 (cu_k the prefix sums of seqlens_k), computed for all sequences at once. fp32
+    inputs are read in place (the kernel follows the offsets page by page); 16-bit ones are
+    gathered in one index op into fp32 [sum(seqlens_k), Hkv, D] (exact copies)."""
+    wide = k.dtype == torch.float32
+    n_seq, max_len = len(seqlens_k), max(seqlens_k, default=0)
+    pos = torch.arange(max_len)
+    if table is not None:  # [B, max_len]: each sequence's keys, as offsets (fp32) or rows
+        block, pages = k.shape[1], -(-max_len // k.shape[1])
+        page = table[:, :pages].long() * (k.stride(0) if wide else block)
+        within = torch.arange(block) * (k.stride(1) if wide else 1)
+        at = (page[:, :, None] + within).view(n_seq, pages * block)[:, :max_len]
+    elif wide:
+        at = base.long()[:, None] + pos * k.stride(-3)
+    elif k.dim() == 4:
+        at = (torch.arange(n_seq) * k.shape[1])[:, None] + pos
+    else:
+        at = (base.long() // k.stride(0))[:, None] + pos
+    if min(seqlens_k, default=0) == max_len:
+        at = at.reshape(-1)
+    else:
+        at = at[pos < torch.tensor(seqlens_k)[:, None]]
+    if wide:
+        return k, v, at
+    hkv, d = k.shape[-2], k.shape[-1]
+    k32 = k.reshape(-1, hkv, d).index_select(0, at).float()
+    v32 = v.reshape(-1, hkv, d).index_select(0, at).float()
+    return k32, v32, torch.arange(at.shape[0]) * (hkv * d)
+
+
+def attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                  key_offsets: torch.Tensor, cu_q: list[int], seqlens_k: list[int],
+                  scale: float, causal: bool, num_threads: int | None = None):
+    """The C++ kernel, with the bits of :func:`attention_cpu_reference`.
+
+    q [total_q, Hq, D] (fp32/bf16/fp16); k, v and key_offsets from :func:`cpu_keys`. Lengths
+    are checked by the op. Returns (out [total_q, Hq, D] in q.dtype, lse [total_q, Hq] fp32,
+    natural log). num_threads (default torch.get_num_threads()) changes speed only.
+    """
+    total_q, hq, d = q.shape
+    q32 = q.float()
+    if q32.stride(-1) != 1:
+        q32 = q32.contiguous()
+    out = torch.empty((total_q, hq, d), dtype=torch.float32)
+    lse = torch.empty((total_q, hq), dtype=torch.float32)
+    if total_q:
+        cu_k = [0, *itertools.accumulate(seqlens_k)]
+        cpu.attention_f32(
+            q32, k, v, key_offsets, torch.tensor(cu_q, dtype=torch.int64),
+            torch.tensor(cu_k, dtype=torch.int64), out, lse, split=CPU_ATTENTION_SPLIT,
+            scale_log2e=scale * LOG2E, causal=causal, num_threads=num_threads)
+    return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse

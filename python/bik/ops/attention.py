@@ -106,26 +106,12 @@ def _host_lengths(op: str, cu_q, seqlens_k, total_q: int, capacity) -> tuple[lis
 def _run(op, backend, q, k, v, layout: _Layout, cu, lens, cu_q, seqlens_k, scale, causal,
          split_mode=None):
     total_q, hq, d = q.shape
-    hkv = k.shape[-2]
     if backend == "cpu":
-        from bik.kernels.cpu_attention import attention_cpu
+        from bik.kernels.cpu_attention import attention_cpu, cpu_keys
 
-        if layout.table is not None:
-            flat_k, flat_v = k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)  # views when contiguous
-
-        def keys_of(b, length):
-            if layout.table is not None:  # paged: gather the sequence's slots
-                pos = torch.arange(length)
-                idx = layout.table[b, pos // layout.block_size].long() * layout.block_size \
-                    + pos % layout.block_size
-                return flat_k[idx].float(), flat_v[idx].float()
-            if k.dim() == 4:  # contiguous cache [B, max_len, Hkv, D]
-                return k[b, :length].float(), v[b, :length].float()
-            start = int(layout.base[b]) // k.stride(0)  # varlen [total_k, Hkv, D]
-            return k[start:start + length].float(), v[start:start + length].float()
-
-        return attention_cpu(q, keys_of, cu_q=cu, seqlens_k=lens, num_kv_heads=hkv, scale=scale,
-                             causal=causal)
+        k32, v32, offsets = cpu_keys(k, v, lens, table=layout.table, base=layout.base)
+        return attention_cpu(q, k32, v32, key_offsets=offsets, cu_q=cu, seqlens_k=lens,
+                             scale=scale, causal=causal)
     if backend == "cuda":
         from bik.configs import CUDA_ATTENTION_HEAD_DIMS
         from bik.kernels.cuda_attention import launch_attention
