@@ -42,7 +42,29 @@ def check_rows(device: torch.device, quick: bool) -> list[dict]:
         reports += reduction_suite(dtype=dtype, lengths=plan["lengths"], **common)
         reports += _attention_reports(device, dtype, plan["attention_len"])
     reports.append(_sample_report(device, plan["ms"]))
-    return [{"check": r.name, "rows": r.comparisons, "ok": r.ok,
+    rows = [{"check": r.name, "rows": r.comparisons, "ok": r.ok,
+             "mismatches": len(r.mismatches)} for r in reports]
+    return rows + _cuda_backend_rows(device, plan)
+
+
+def _cuda_backend_rows(device: torch.device, plan: dict) -> list[dict]:
+    """The CUDA C++ backend's matmul, bmm and RMSNorm suites, when it can run here (it is
+    not the default backend, so the suites above do not reach it)."""
+    if device.type != "cuda":
+        return []
+    from bik.kernels import cuda_jit
+
+    if not cuda_jit.available():
+        return []
+    common = {"device": device, "backend": "cuda", "ms": plan["ms"]}
+    reports = []
+    for dtype in DTYPES:
+        reports += matmul_suite(dtype=dtype, shapes=plan["shapes"], probe_batch=plan["probe"],
+                                **common)
+        reports += bmm_suite(dtype=dtype, n=96, k=64, **common)
+        reports += rms_norm_suite(dtype=dtype, hiddens=plan["hiddens"],
+                                  probe_batch=plan["probe"], **common)
+    return [{"check": f"backend=cuda {r.name}", "rows": r.comparisons, "ok": r.ok,
              "mismatches": len(r.mismatches)} for r in reports]
 
 
