@@ -7,9 +7,8 @@ import datetime
 import json
 import sys
 
-import triton
-
 import bik
+import triton
 from bik.testing.compile_table import ARCHS, compile_all
 
 

@@ -12,9 +12,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import torch
-
 import bik
+import torch
 from bik.testing import InvarianceReport, same_bits
 from bik.testing.references import splits_for_rows
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import math
 
-import torch
-from torch.library import opcheck
-
 import bik
+import torch
 from bik.testing.attention import (
     chunking_report,
     make_request,
@@ -17,6 +15,7 @@ from bik.testing.attention import (
 )
 from bik.testing.references import sdpa_attention
 from cases import assert_invariant
+from torch.library import opcheck
 
 
 def bik_attn(backend):

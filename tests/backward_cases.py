@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import torch
-
 import bik
+import torch
 from bik.testing import InvarianceReport, rows_alone_vs_batched
 
 

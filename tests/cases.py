@@ -6,11 +6,10 @@ backend at the sizes that backend can afford (the interpreter costs ~1 ms per pr
 
 from __future__ import annotations
 
-import torch
-from torch.library import opcheck
-
 import bik
+import torch
 from bik.testing.suites import bmm_suite, matmul_suite, rms_norm_suite
+from torch.library import opcheck
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

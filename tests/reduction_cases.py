@@ -4,13 +4,12 @@ so every backend runs the same assertions at the sizes it can afford."""
 
 from __future__ import annotations
 
-import torch
-from torch.library import opcheck
-
 import bik
+import torch
 from bik.testing import rows_alone_vs_batched
 from bik.testing.suites import reduction_suite
 from cases import DTYPES, assert_invariant, randn
+from torch.library import opcheck
 
 __all__ = ["DTYPES"]
 

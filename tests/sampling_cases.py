@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import math
 
-import torch
-from torch.library import opcheck
-
 import bik
+import torch
 from bik.testing import probe_every_position, rows_alone_vs_batched
+from torch.library import opcheck
 
 PARAM_NAMES = ("seed", "position", "temperature", "top_k", "top_p", "min_p")
 G_MIN, G_MAX = -2.8115408420562744, 16.63553237915039  # noise range over all 2^23 u values
@@ -168,10 +167,10 @@ def check_drafter_invariance(backend: str, v: int, k: int, rows: int, gen,
                              nds=None) -> None:
     """Several drafters, num_drafts 0..K: emitted tokens/logprobs equal sequential sampling."""
     logits = torch.randn(rows, k + 1, v, generator=gen) * 2
-    params = dict(seed=torch.randint(0, 2**62, (rows,), generator=gen),
-                  position=torch.randint(0, 10**6, (rows,), generator=gen),
-                  temperature=torch.tensor([0.0, 1.0, 0.6, 1.5])[torch.arange(rows) % 4],
-                  top_k=torch.tensor([0, 5, 0, 20])[torch.arange(rows) % 4])
+    params = {"seed": torch.randint(0, 2**62, (rows,), generator=gen),
+                  "position": torch.randint(0, 10**6, (rows,), generator=gen),
+                  "temperature": torch.tensor([0.0, 1.0, 0.6, 1.5])[torch.arange(rows) % 4],
+                  "top_k": torch.tensor([0, 5, 0, 20])[torch.arange(rows) % 4]}
     seq = [bik.sample(logits[:, j], backend=backend,
                       **(params | {"position": params["position"] + j})) for j in range(k + 1)]
     target = torch.stack([s.tokens for s in seq], 1)

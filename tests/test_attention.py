@@ -4,11 +4,10 @@ The CPU backend's split size is 256 (bik.configs.CPU_ATTENTION_SPLIT), so length
 split boundaries. The same checks reject a reference whose split count follows the length.
 """
 
-import pytest
-import torch
-
 import attention_cases as ac
 import bik
+import pytest
+import torch
 from bik.kernels import cpu
 from bik.testing.references import length_adaptive_attention
 

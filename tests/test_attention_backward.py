@@ -6,13 +6,12 @@ alone and at every position among other sequences (and a batch-dependent backwar
 check), and missing upstream gradients (out or lse unused) are handled.
 """
 
-import pytest
-import torch
-from torch.library import opcheck
-
 import attention_backward_cases as abc_
 import bik
+import pytest
+import torch
 from bik.kernels import cpu
+from torch.library import opcheck
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
 

@@ -6,10 +6,9 @@ attention kernel's (out, lse): a sequence's dq/dk/dv keep their bits alone and a
 among other sequences, and agree with the CPU backend closely.
 """
 
+import attention_backward_cases as abc_
 import pytest
 import torch
-
-import attention_backward_cases as abc_
 from conftest import INTERPRETER
 
 pytestmark = [

@@ -1,9 +1,8 @@
 """bik.attention / attention_varlen / write_kv_cache reject bad input with the op's name."""
 
+import bik
 import pytest
 import torch
-
-import bik
 from bik.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")

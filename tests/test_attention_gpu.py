@@ -19,10 +19,9 @@ from __future__ import annotations
 import json
 import os
 
+import attention_cases as ac
 import pytest
 import torch
-
-import attention_cases as ac
 from bik.testing.attention import (
     Request,
     chunking_report,

@@ -3,13 +3,12 @@ tests/test_triton_interpreter.py for what the interpreter can and cannot prove).
 table uses a split of 32 keys and blocks of 16, so lengths of a few dozen cross several splits
 and several blocks per split."""
 
+import attention_cases as ac
 import pytest
 import torch
+from conftest import INTERPRETER
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import attention_cases as ac
-from conftest import INTERPRETER
 
 pytestmark = [
     pytest.mark.interpreter,

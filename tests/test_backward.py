@@ -6,14 +6,13 @@ gradients (grad_a, grad_x) of a row are bit-identical alone and inside any batch
 path's are not, and the weight gradients are the fixed-order row reductions the docs state.
 """
 
+import backward_cases as bc
+import bik
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.library import opcheck
-
-import backward_cases as bc
-import bik
 from bik.testing import rows_alone_vs_batched, split_by_m_rms_norm
+from torch.library import opcheck
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MS = (1, 2, 3, 4, 7, 8, 16, 31, 64)

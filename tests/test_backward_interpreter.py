@@ -6,11 +6,10 @@ The backward is built from bik's forward kernels, so this proves that the input 
 same limits as the forward interpreter tests (a dot that treats every row of a tile alike).
 """
 
-import pytest
-import torch
-
 import backward_cases as bc
 import bik
+import pytest
+import torch
 from conftest import INTERPRETER
 
 pytestmark = [

@@ -4,15 +4,14 @@ Invariance is exact (torch.equal) and the same harness provably fails on stock t
 a batch-dependent reference (tests/test_harness.py).
 """
 
-import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 import bik
 import cases
+import pytest
+import torch
 from bik.kernels import cpu
 from bik.testing.harness import M_SWEEP
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from bik.dvr import DVREngine, EngineConfig, NgramDrafter, reference_decode
 from bik.dvr.kernels import BikKernels, FastKernels
 from bik.dvr.model import embedded_model

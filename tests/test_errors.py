@@ -1,10 +1,9 @@
 """Bad input raises ValueError/TypeError naming the op and the offending shape/dtype/device;
 an explicit backend that cannot run raises BackendUnavailableError. Nothing falls back."""
 
+import bik
 import pytest
 import torch
-
-import bik
 from bik.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")

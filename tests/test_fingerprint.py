@@ -3,9 +3,8 @@
 import dataclasses
 import importlib
 
-import torch
-
 import bik
+import torch
 from bik import configs
 
 

@@ -6,7 +6,6 @@ proof that a green invariance test means something.
 
 import pytest
 import torch
-
 from bik.testing import (
     InvarianceReport,
     probe_every_position,
@@ -77,5 +76,5 @@ def test_signed_zeros_and_nans_compare_by_bits():
     assert not same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
     assert same_bits(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
     pool = torch.randn(8, 4)
-    flips_zero_sign = lambda x: torch.zeros_like(x) * (1 if x.shape[0] == 1 else -1)  # noqa: E731
+    flips_zero_sign = lambda x: torch.zeros_like(x) * (1 if x.shape[0] == 1 else -1)
     assert not rows_alone_vs_batched(flips_zero_sign, pool, (1, 8)).ok

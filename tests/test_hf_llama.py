@@ -5,10 +5,9 @@ padding: left padding shifts a prompt's absolute positions and lengthens its att
 a padded prompt does not give its unpadded bits (test_left_padding_changes_the_bits).
 """
 
+import bik
 import pytest
 import torch
-
-import bik
 from bik.kernels import cpu
 from bik.testing import probe_every_position, rows_alone_vs_batched, same_bits
 

@@ -8,11 +8,10 @@ length 1; weight gradients are fixed-order sums over the batch (reproducible, eq
 explicit bik reduction); and the gradients are correct against an fp64 model.
 """
 
+import bik
 import pytest
 import torch
 import torch.nn.functional as F
-
-import bik
 from bik.testing import probe_every_position, rows_alone_vs_batched, same_bits
 from test_hf_llama import VOCAB, make_model
 

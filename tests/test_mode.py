@@ -3,14 +3,13 @@
 import threading
 import warnings
 
+import bik
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
-
-import bik
 from bik.kernels import cpu
 from bik.testing import probe_every_position, rows_alone_vs_batched, same_bits
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
 
@@ -30,7 +29,7 @@ def _clean_stats():
 
 def _cases(gen):
     """(name, stock call, the bik call it must equal bit for bit)."""
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=gen)
     x3, a, w, bias = r(3, 5, 40), r(7, 40), r(24, 40), r(24)
     a3, b3 = r(3, 7, 40), r(3, 40, 9)
     s4, gamma = r(2, 3, 5, 19), r(40)
@@ -38,7 +37,7 @@ def _cases(gen):
     cu = torch.tensor([0, 6, 12], dtype=torch.int32)
 
     def sdpa_ref():
-        flat = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1], 16)  # noqa: E731
+        flat = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1], 16)
         out = bik.attention_varlen(flat(q), flat(k), flat(v), cu_seqlens_q=cu, cu_seqlens_k=cu)
         return out.out.view(2, 6, 4, 16).transpose(1, 2)
 
@@ -123,7 +122,7 @@ def test_linear_is_invariant_under_the_mode_and_not_without(gen, n, k):
     """The negative control of test_harness (stock CPU fp32 mm varies at M = 1 vs M >= 4) turns
     green under the mode, with the same calls."""
     pool, w = torch.randn(8, k, generator=gen), torch.randn(n, k, generator=gen)
-    fn = lambda x: F.linear(x, w)  # noqa: E731
+    fn = lambda x: F.linear(x, w)
     with torch.no_grad():
         assert not rows_alone_vs_batched(fn, pool, (1, 4, 8)).ok
         with bik.batch_invariant_mode():
@@ -245,10 +244,9 @@ def test_nesting_is_counted_and_restores_exactly():
 
 def test_exception_inside_restores(gen):
     a = torch.randn(4, 8, generator=gen)
-    with pytest.raises(ValueError, match="boom"):
-        with bik.batch_invariant_mode():
-            with bik.batch_invariant_mode():
-                raise ValueError("boom")
+    with pytest.raises(ValueError, match="boom"), bik.batch_invariant_mode(), \
+            bik.batch_invariant_mode():  # nested: both levels must unwind
+        raise ValueError("boom")
     assert not bik.is_batch_invariant_mode_enabled()
     with torch.no_grad():
         a @ a.t()
@@ -329,7 +327,7 @@ def test_torch_compile_under_the_mode_runs_eagerly_or_raises(gen):
     the mode runs the function eagerly through the mode (bik bits, no inductor), and
     fullgraph=True raises instead of compiling around the mode."""
     x, w = torch.randn(5, 32, generator=gen), torch.randn(16, 32, generator=gen)
-    fn = lambda x: torch.relu(F.linear(x, w))  # noqa: E731
+    fn = lambda x: torch.relu(F.linear(x, w))
     torch._dynamo.reset()
     with torch.no_grad():
         want = torch.relu(bik.linear(x, w))

@@ -5,11 +5,10 @@ invariance (with a batch-dependent negative control through the same harness), a
 fallback of dtypes bik does not serve (counted in mode_stats).
 """
 
+import bik
 import pytest
 import torch
 import torch.nn.functional as F
-
-import bik
 from bik.kernels import cpu
 from bik.testing import rows_alone_vs_batched, same_bits, split_by_m_softmax
 
@@ -257,7 +256,7 @@ def test_sdpa_backward_is_bik_attention_backward(gen):
     q = torch.randn(2, 4, 6, 16, generator=gen)
     k, v = torch.randn(2, 2, 6, 16, generator=gen), torch.randn(2, 2, 6, 16, generator=gen)
     u = torch.randn(2, 4, 6, 16, generator=gen)
-    sdpa = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=True)
     got = _grads(sdpa, [q, k, v], [u])
     assert _routed("aten._scaled_dot_product_flash_attention_for_cpu_backward.default") == 1
@@ -295,7 +294,7 @@ def test_stock_flash_backward_agrees_with_bik_lse_convention(gen):
 def test_sdpa_with_a_mask_falls_back_in_both_directions(gen):
     q = torch.randn(1, 2, 5, 16, generator=gen)
     mask = torch.ones(5, 5, dtype=torch.bool).tril()
-    fn = lambda q: F.scaled_dot_product_attention(q, q, q, attn_mask=mask)  # noqa: E731
+    fn = lambda q: F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
     with pytest.warns(bik.BatchInvarianceWarning):
         (got,) = _grads(fn, [q], [torch.ones_like(q)])
     torch.testing.assert_close(got, _grads(fn, [q], [torch.ones_like(q)], mode=False)[0])

@@ -8,20 +8,19 @@ import ctypes
 import ctypes.util
 import inspect
 
-import numpy as np
-import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 import bik
 import cases
+import numpy as np
+import pytest
 import reduction_cases as rc
+import torch
 from bik import configs
 from bik.kernels import cpu
 from bik.testing import split_by_m_mean, split_by_m_softmax
 from bik.testing.harness import M_SWEEP
 from bik.testing.suites import reduction_suite
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
 

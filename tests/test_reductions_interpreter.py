@@ -11,14 +11,13 @@ territory); tests/test_triton_compile.py compiles every config for sm_90 and sm_
 
 import dataclasses
 
+import bik
 import pytest
+import reduction_cases as rc
 import torch
+from conftest import INTERPRETER
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import bik
-import reduction_cases as rc
-from conftest import INTERPRETER
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -92,7 +91,7 @@ def test_harness_catches_a_block_chosen_by_m(gen, monkeypatch):
 
     fixed = triton_reductions.reduction_config
     x = torch.randn(12, 500, generator=gen) * 3
-    fn = lambda t: bik.softmax(t, backend="triton")  # noqa: E731
+    fn = lambda t: bik.softmax(t, backend="triton")
     ms = (1, 4, 12)
     assert rows_alone_vs_batched(fn, x, ms).ok  # the fixed BLOCK: invariant
     launch = triton_reductions.launch_softmax

@@ -8,12 +8,11 @@ compares them with the CPU path token for token and the noise bit for bit on all
 import math
 import re
 
+import bik
 import numpy as np
 import pytest
-import torch
-
-import bik
 import sampling_cases as sc
+import torch
 from bik.kernels import cpu_sampling
 from bik.ops.sampling import bik_log_torch
 
@@ -223,7 +222,7 @@ def test_coupling_acceptance_rate(gen):
 
 def test_errors():
     x = torch.randn(3, 10)
-    ok = dict(seed=0, position=0)
+    ok = {"seed": 0, "position": 0}
     with pytest.raises(ValueError, match=r"bik.sample: logits .* empty vocabulary"):
         bik.sample(torch.randn(3, 0), **ok)
     with pytest.raises(ValueError, match="must be 2-D"):
@@ -286,11 +285,10 @@ def test_pick_kernel_code_has_no_approximation_or_fma(arch):
     from) uses only exactly rounded fp32 ops: no div.full, no .approx, no fma."""
     pytest.importorskip("triton")
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from bik.testing.compile import launch_like_signature
     from bik.testing.compile_table import sampling_kernel_cases
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
     picks = [c for c in sampling_kernel_cases(arch) if c[0].__name__ == "gumbel_pick_kernel"]
     assert {str(c[1]["x_ptr"].dtype) for c in picks} >= {"torch.float32", "torch.bfloat16",

@@ -7,15 +7,14 @@ The interpreter table uses SPLIT = 128 and BLOCK = 64, so vocabularies of a few 
 several pick programs (merged in torch) and several chunks per program.
 """
 
-import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 import bik
+import pytest
 import sampling_cases as sc
+import torch
 from bik.kernels import cpu_sampling
 from conftest import INTERPRETER
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -113,7 +112,7 @@ def test_drafter_invariance(gen):
 def test_verify_equals_cpu(gen):
     logits = torch.randn(8, 4, 60, generator=gen)
     drafts = torch.randint(0, 60, (8, 3), generator=gen)
-    args = dict(seed=5, position=torch.arange(8) * 100, temperature=0.7, top_k=10)
+    args = {"seed": 5, "position": torch.arange(8) * 100, "temperature": 0.7, "top_k": 10}
     a = bik.verify_draft(drafts, 3, logits, backend=TRITON, **args)
     b = bik.verify_draft(drafts, 3, logits, backend="cpu", **args)
     assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.tokens, b.tokens)
@@ -129,8 +128,8 @@ def test_opcheck(gen):
 def test_hypothesis_triton_equals_cpu(rows, v, temperature, top_k, min_p, seed):
     gen = torch.Generator().manual_seed(seed % 2**31)
     x = torch.randn(rows, v, generator=gen) * 2
-    args = dict(seed=seed, position=torch.arange(rows) + seed % 1000, temperature=temperature,
-                top_k=top_k, min_p=min_p)
+    args = {"seed": seed, "position": torch.arange(rows) + seed % 1000, "temperature": temperature,
+                "top_k": top_k, "min_p": min_p}
     assert torch.equal(bik.sample(x, backend=TRITON, **args).tokens,
                        bik.sample(x, backend="cpu", **args).tokens)
 
@@ -140,6 +139,6 @@ def test_noise_skip_matches_cpu(gen):
     just inside the bound in every row. Triton and CPU still agree token for token."""
     x = torch.randn(24, 300, generator=gen) * 12
     x[:, 77] = x.amax(1) + (sc.G_MIN - sc.G_MAX) + 1e-3
-    args = dict(seed=3, position=torch.arange(24) * 5, temperature=1.0)
+    args = {"seed": 3, "position": torch.arange(24) * 5, "temperature": 1.0}
     assert torch.equal(bik.sample(x, backend=TRITON, **args).tokens,
                        bik.sample(x, backend="cpu", **args).tokens)

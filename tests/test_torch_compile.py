@@ -1,9 +1,8 @@
 """torch.compile(fullgraph=True) traces bik ops as opaque custom ops and keeps their bits."""
 
+import bik
 import pytest
 import torch
-
-import bik
 from bik.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")

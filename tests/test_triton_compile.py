@@ -2,7 +2,6 @@
 the per-block shared memory (triton.compile does not check it) and does not spill."""
 
 import pytest
-
 from bik.testing.compile_table import ARCHS, compile_all
 
 pytest.importorskip("triton")

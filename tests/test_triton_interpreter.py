@@ -13,14 +13,13 @@ anything about compiled code generation. Those are the GPU tests' job (tests/tes
 tests/test_triton_compile.py compiles every config for sm_90 and sm_80.
 """
 
-import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 import bik
 import cases
+import pytest
+import torch
 from conftest import INTERPRETER
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytestmark = [
     pytest.mark.interpreter,

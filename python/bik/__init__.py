@@ -12,11 +12,6 @@ Public API (see docs/api.md):
 
 from bik._backend import BACKENDS, BackendUnavailableError
 from bik.fingerprint import Fingerprint, fingerprint
-from bik.ops.attention import AttentionOutput, attention, attention_varlen, write_kv_cache
-from bik.ops.matmul import bmm, linear, matmul
-from bik.ops.reductions import log_softmax, mean, softmax
-from bik.ops.rms_norm import rms_norm
-from bik.ops.sampling import SampleOutput, VerifyOutput, sample, verify_draft
 from bik.mode import (
     BatchInvarianceWarning,
     ModeStats,
@@ -26,6 +21,11 @@ from bik.mode import (
     reset_mode_stats,
     set_batch_invariant_mode,
 )
+from bik.ops.attention import AttentionOutput, attention, attention_varlen, write_kv_cache
+from bik.ops.matmul import bmm, linear, matmul
+from bik.ops.reductions import log_softmax, mean, softmax
+from bik.ops.rms_norm import rms_norm
+from bik.ops.sampling import SampleOutput, VerifyOutput, sample, verify_draft
 
 __version__ = "0.1.0"
 

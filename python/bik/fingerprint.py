@@ -19,7 +19,7 @@ import torch
 from bik._backend import device_arch, resolve_backend
 from bik.configs import config_table
 
-__all__ = ["Fingerprint", "fingerprint", "OPS"]
+__all__ = ["OPS", "Fingerprint", "fingerprint"]
 
 OPS = ("matmul", "bmm", "rms_norm", "fused_add_rms_norm", "softmax", "log_softmax", "mean",
        "attention", "attention_varlen", "sample", "verify_draft")

@@ -61,9 +61,9 @@ def bench_matmul(device, dtype, backend, ms, shapes) -> list[dict]:
         weight = torch.randn(n, k, generator=gen).to(dtype=dtype, device=device) / k**0.5
         pool = torch.randn(max(ms), k, generator=gen).to(dtype=dtype, device=device)
         records += _sweep(device, pool, ms,
-                          lambda a: bik.linear(a, weight, backend=backend),
-                          lambda a: F.linear(a, weight),
-                          lambda m: ("tflops", 2.0 * m * n * k / 1e9),
+                          lambda a, w=weight: bik.linear(a, w, backend=backend),
+                          lambda a, w=weight: F.linear(a, w),
+                          lambda m, n=n, k=k: ("tflops", 2.0 * m * n * k / 1e9),
                           {"op": "matmul", "N": n, "K": k, "dtype": str(dtype)[6:]})
     return records
 
@@ -76,9 +76,9 @@ def bench_rms_norm(device, dtype, backend, ms, hiddens) -> list[dict]:
         pool = torch.randn(max(ms), hidden, generator=gen).to(dtype=dtype, device=device)
         itemsize = pool.element_size()
         records += _sweep(device, pool, ms,
-                          lambda x: bik.rms_norm(x, weight, backend=backend),
-                          lambda x: F.rms_norm(x, (hidden,), weight, 1e-6),
-                          lambda m: ("gbps", (2 * m * hidden + hidden) * itemsize / 1e6),
+                          lambda x, w=weight: bik.rms_norm(x, w, backend=backend),
+                          lambda x, w=weight, h=hidden: F.rms_norm(x, (h,), w, 1e-6),
+                          lambda m, h=hidden, b=itemsize: ("gbps", (2 * m * h + h) * b / 1e6),
                           {"op": "rms_norm", "H": hidden, "dtype": str(dtype)[6:]})
     return records
 
@@ -154,9 +154,9 @@ def _plot(records: list[dict], path: str) -> None:
         return plot_attention(records, plt, path)
     fig, ax = plt.subplots(figsize=(7, 4))
     if records[0]["op"] == "matmul":
-        key = lambda r: f"{r.get('backend', 'bik')} {r['N']}x{r['K']}"  # noqa: E731
+        key = lambda r: f"{r.get('backend', 'bik')} {r['N']}x{r['K']}"
     else:
-        key = lambda r: f"{r.get('backend', 'bik')} H={r['H']}"  # noqa: E731
+        key = lambda r: f"{r.get('backend', 'bik')} H={r['H']}"
     for label in dict.fromkeys(key(r) for r in records):
         rows = [r for r in records if key(r) == label]
         ax.plot([r["M"] for r in rows], [r["speedup"] for r in rows], marker="o", label=label)

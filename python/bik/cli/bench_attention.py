@@ -219,7 +219,7 @@ def _one(w: Workload, heads, dtype, device, backend: str, seed: int) -> dict:
             f"bik.kernels.{backend}_attention").launch_attention
 
         o, lse = torch.empty_like(x.q), x.q.new_empty(x.q.shape[:2], dtype=torch.float32)
-        kernel = lambda: launch_attention(  # noqa: E731
+        kernel = lambda: launch_attention(
             x.q, x.k_cache, x.v_cache, o, lse, cu_q=x.cu_q, seqlens_k=x.seqlens, table=x.table,
             base=None, block_size=PAGE, stride_page=x.k_cache.stride(0),
             stride_tok=x.k_cache.stride(1), max_q_len=w.q_len, max_k_len=w.context,

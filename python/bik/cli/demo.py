@@ -30,7 +30,7 @@ def _digest(row: torch.Tensor) -> str:
 
 def embedded_block(device: torch.device, dtype: torch.dtype) -> dict:
     gen = torch.Generator().manual_seed(42)
-    make = lambda *s: (torch.randn(*s, generator=gen) / s[-1] ** 0.5).to(device, dtype)  # noqa: E731
+    make = lambda *s: (torch.randn(*s, generator=gen) / s[-1] ** 0.5).to(device, dtype)
     return {"norm": 1 + make(HIDDEN) * 0.1, "up": make(2 * FFN, HIDDEN),
             "requests": torch.randn(max(BATCHES), HIDDEN, generator=gen).to(device, dtype)}
 

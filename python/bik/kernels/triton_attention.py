@@ -181,7 +181,7 @@ def attention_merge_kernel(
     l = tl.zeros((G_P2,), tl.float32)
     acc = tl.zeros((G_P2, D), tl.float32)
     plane = total_q.to(tl.int64) * num_heads_q
-    for j in range(0, n_splits):
+    for j in range(n_splits):
         row_idx = j * plane + t * num_heads_q + head
         m_j = tl.load(pml_ptr + row_idx + j * plane, mask=head_ok, other=float("-inf"))
         l_j = tl.load(pml_ptr + row_idx + (j + 1) * plane, mask=head_ok, other=0.0)

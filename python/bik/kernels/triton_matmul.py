@@ -18,7 +18,7 @@ import triton.language as tl
 from bik._backend import device_arch
 from bik.configs import matmul_config
 
-__all__ = ["matmul_kernel", "launch_matmul"]
+__all__ = ["launch_matmul", "matmul_kernel"]
 
 
 # M is never specialised (Triton would compile M == 1 and M % 16 == 0 separately): one compiled

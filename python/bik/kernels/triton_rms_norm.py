@@ -20,7 +20,7 @@ import triton.language as tl
 from bik._backend import device_arch
 from bik.configs import rms_norm_config
 
-__all__ = ["rms_norm_kernel", "launch_rms_norm"]
+__all__ = ["launch_rms_norm", "rms_norm_kernel"]
 
 
 @triton.jit

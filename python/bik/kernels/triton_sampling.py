@@ -164,7 +164,7 @@ def sample_stats_kernel(x_ptr, stride_x, V, temp_ptr, vk_ptr, ik_ptr, top_p_ptr,
         offs = c0 + cols
         mask = offs < V
         z = _tempered(x_row, offs, mask, temp)
-        bad = bad | ((z != z) | (z == float("inf"))).to(tl.int32)
+        bad = bad | ((z != z) | (z == float("inf"))).to(tl.int32)  # noqa: PLR0124 (NaN)
         mx = tl.maximum(mx, tl.where(mask & _kept_k(z, offs, vk, ik), z, float("-inf")))
     m = tl.max(mx, axis=0)
     is_bad = (tl.max(bad, axis=0) > 0) | (m == float("-inf"))

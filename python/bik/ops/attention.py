@@ -9,6 +9,7 @@ folds the splits in ascending order with one shared function.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -90,7 +91,7 @@ def _host_lengths(op: str, cu_q, seqlens_k, total_q: int, capacity) -> tuple[lis
     """Copy the lengths to the host once and check them (bad lengths would read out of bounds)."""
     cu = cu_q.tolist()
     lens = seqlens_k.tolist()
-    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total_q:
+    if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or cu[-1] != total_q:
         raise ValueError(f"{op}: cu_seqlens_q must start at 0, never decrease and end at "
                          f"total_q = {total_q}; got {cu}")
     for b, length in enumerate(lens):
@@ -127,7 +128,7 @@ def _run(op, backend, q, k, v, layout: _Layout, cu, lens, cu_q, seqlens_k, scale
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((total_q, hq), dtype=torch.float32, device=q.device)
-    q_lens = [b - a for a, b in zip(cu, cu[1:])]
+    q_lens = [b - a for a, b in itertools.pairwise(cu)]
     launch_attention(
         q, k, v, out, lse, cu_q=cu_q.to(torch.int32), seqlens_k=seqlens_k.to(torch.int32),
         table=layout.table, base=layout.base, block_size=layout.block_size,
@@ -160,7 +161,7 @@ def _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
         max_len = k_cache.shape[1]
         base = torch.arange(n_seq, dtype=torch.int64, device=q.device) * k_cache.stride(0)
         layout = _Layout(None, base, max_len, 0, k_cache.stride(1))
-        capacity = lambda b: max_len  # noqa: E731
+        capacity = lambda b: max_len
         cu, lens = _host_lengths(op, cu_seqlens_q, cache_seqlens, q.shape[0], capacity)
         return layout, cu, lens
     check_tensor(op, "block_table", block_table, 2)
@@ -168,7 +169,7 @@ def _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
         raise ValueError(f"{op}: block_table must be int32/int64 [B={n_seq}, max_blocks], got "
                          f"{list(block_table.shape)} {block_table.dtype}")
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    capacity = lambda b: block_table.shape[1] * block_size  # noqa: E731
+    capacity = lambda b: block_table.shape[1] * block_size
     cu, lens = _host_lengths(op, cu_seqlens_q, cache_seqlens, q.shape[0], capacity)
     # One vectorised check (one host sync) over the pages each sequence actually uses.
     pages = torch.tensor([-(-n // block_size) for n in lens], device=block_table.device)
@@ -219,7 +220,7 @@ def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, b
     if k.stride(-1) != 1:
         raise ValueError(f"{op}: k/v need unit stride along head_dim")
     cu_k = cu_seqlens_k.tolist()
-    if cu_k[0] != 0 or any(b < a for a, b in zip(cu_k, cu_k[1:])) or cu_k[-1] != k.shape[0]:
+    if cu_k[0] != 0 or any(b < a for a, b in itertools.pairwise(cu_k)) or cu_k[-1] != k.shape[0]:
         raise ValueError(f"{op}: cu_seqlens_k must start at 0, never decrease and end at "
                          f"total_k = {k.shape[0]}; got {cu_k}")
     seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]

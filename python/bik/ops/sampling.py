@@ -16,8 +16,7 @@ from typing import NamedTuple
 import torch
 
 from bik._backend import require_backend, resolve_backend
-from bik.ops._checks import check_float_dtype, check_same_device, check_tensor
-from bik.ops._checks import register_no_backward
+from bik.ops._checks import check_float_dtype, check_same_device, check_tensor, register_no_backward
 
 __all__ = ["SampleOutput", "VerifyOutput", "bik_log_torch", "sample", "verify_draft"]
 

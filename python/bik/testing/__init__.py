@@ -11,9 +11,13 @@ from bik.testing.harness import (
     rows_alone_vs_batched,
     same_bits,
 )
-from bik.testing.references import split_by_m_matmul, split_by_m_rms_norm
-from bik.testing.references import split_by_m_mean, split_by_m_softmax
-from bik.testing.references import row_keyed_sample
+from bik.testing.references import (
+    row_keyed_sample,
+    split_by_m_matmul,
+    split_by_m_mean,
+    split_by_m_rms_norm,
+    split_by_m_softmax,
+)
 
 __all__ = [
     "InvarianceReport",

@@ -103,7 +103,7 @@ def _cubin_usage(cubin: bytes) -> tuple[int, int, int]:
 
 def _ptxas_spills(ptx: str) -> tuple[int, int]:
     ptxas = _nvidia_tool("ptxas")
-    target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE).group(1)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)

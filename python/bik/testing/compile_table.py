@@ -41,13 +41,13 @@ def _matmul_cases(arch: int) -> Iterator[tuple]:
                 if key in seen:
                     continue
                 seen.add(key)
-                args = dict(a_ptr=Ptr(dtype), b_ptr=Ptr(dtype), bias_ptr=Ptr(torch.float32),
-                            c_ptr=Ptr(dtype), M=4096, N=n, K=k, stride_ab=0, stride_am=k,
-                            stride_ak=1, stride_bb=0, stride_bk=1, stride_bn=k, stride_cb=0,
-                            stride_cm=n, stride_cn=1)
-                consts = dict(HAS_BIAS=has_bias, INPUT_PRECISION=input_precision(dtype),
-                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                              GROUP_M=cfg.group_m)
+                args = {"a_ptr": Ptr(dtype), "b_ptr": Ptr(dtype), "bias_ptr": Ptr(torch.float32),
+                            "c_ptr": Ptr(dtype), "M": 4096, "N": n, "K": k, "stride_ab": 0, "stride_am": k,
+                            "stride_ak": 1, "stride_bb": 0, "stride_bk": 1, "stride_bn": k, "stride_cb": 0,
+                            "stride_cm": n, "stride_cn": 1}
+                consts = {"HAS_BIAS": has_bias, "INPUT_PRECISION": input_precision(dtype),
+                              "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                              "GROUP_M": cfg.group_m}
                 yield matmul_kernel, args, consts, cfg.num_warps, cfg.num_stages
 
 
@@ -58,10 +58,10 @@ def _rms_norm_cases(arch: int) -> Iterator[tuple]:
         for hidden in RMS_NORM_HIDDENS:
             cfg = rms_norm_config(dtype, hidden, f"sm{arch}")
             for residual in (False, True):
-                args = dict(x_ptr=Ptr(dtype), r_ptr=Ptr(dtype), w_ptr=Ptr(dtype),
-                            out_ptr=Ptr(dtype), h_ptr=Ptr(dtype), H=hidden, eps=1e-6,
-                            stride_x=hidden, stride_r=hidden, stride_out=hidden, stride_h=hidden)
-                consts = dict(HAS_RESIDUAL=residual, BLOCK_H=cfg.block_h)
+                args = {"x_ptr": Ptr(dtype), "r_ptr": Ptr(dtype), "w_ptr": Ptr(dtype),
+                            "out_ptr": Ptr(dtype), "h_ptr": Ptr(dtype), "H": hidden, "eps": 1e-6,
+                            "stride_x": hidden, "stride_r": hidden, "stride_out": hidden, "stride_h": hidden}
+                consts = {"HAS_RESIDUAL": residual, "BLOCK_H": cfg.block_h}
                 yield rms_norm_kernel, args, consts, cfg.num_warps, 1
 
 
@@ -74,13 +74,13 @@ def _reduction_cases(arch: int) -> Iterator[tuple]:
             cfg = reduction_config(n, f"sm{arch}")
             for out_dtype in sorted({dtype, torch.float32}, key=str):  # incl. half -> float
                 for log in (False, True):
-                    args = dict(x_ptr=Ptr(dtype), out_ptr=Ptr(out_dtype), N=n, stride_x=n,
-                                stride_out=n)
-                    yield (softmax_kernel, args, dict(LOG=log, BLOCK=cfg.block),
+                    args = {"x_ptr": Ptr(dtype), "out_ptr": Ptr(out_dtype), "N": n, "stride_x": n,
+                                "stride_out": n}
+                    yield (softmax_kernel, args, {"LOG": log, "BLOCK": cfg.block},
                            cfg.num_warps, 1)
-                args = dict(x_ptr=Ptr(dtype), out_ptr=Ptr(out_dtype), N=n, n_f32=float(n),
-                            stride_x=n)
-                yield mean_kernel, args, dict(BLOCK=cfg.block), cfg.num_warps, 1
+                args = {"x_ptr": Ptr(dtype), "out_ptr": Ptr(out_dtype), "N": n, "n_f32": float(n),
+                            "stride_x": n}
+                yield mean_kernel, args, {"BLOCK": cfg.block}, cfg.num_warps, 1
 
 
 def _attention_cases(arch: int) -> Iterator[tuple]:
@@ -97,23 +97,23 @@ def _attention_cases(arch: int) -> Iterator[tuple]:
             block_m = max(cfg.block_m, 1 << (g - 1).bit_length())
             for paged in (True, False):
                 for fold in (True, False):
-                    args = dict(q_ptr=Ptr(dtype), k_ptr=Ptr(dtype), v_ptr=Ptr(dtype),
-                                out_ptr=Ptr(dtype), lse_ptr=f32, pacc_ptr=f32, pml_ptr=f32,
-                                cu_q_ptr=i32, seqlens_k_ptr=i32, table_ptr=i32,
-                                base_ptr=Ptr(torch.int64), stride_qt=hq * d, stride_qh=d,
-                                stride_ot=hq * d, stride_oh=d, stride_table_b=64,
-                                stride_page=16 * hkv * d if paged else 0,
-                                stride_tok=hkv * d, stride_kvh=d, block_size=16, total_q=4096,
-                                num_heads_q=hq, scale_log2e=LOG2E / d**0.5)
-                    consts = dict(HKV=hkv, G=g, D=d, BLOCK_M=block_m,
-                                  BLOCK_T=max(1, cfg.block_m // g), BLOCK_N=cfg.block_n,
-                                  SPLIT=cfg.split, PAGED=paged, CAUSAL=True, FOLD=fold,
-                                  DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+                    args = {"q_ptr": Ptr(dtype), "k_ptr": Ptr(dtype), "v_ptr": Ptr(dtype),
+                                "out_ptr": Ptr(dtype), "lse_ptr": f32, "pacc_ptr": f32, "pml_ptr": f32,
+                                "cu_q_ptr": i32, "seqlens_k_ptr": i32, "table_ptr": i32,
+                                "base_ptr": Ptr(torch.int64), "stride_qt": hq * d, "stride_qh": d,
+                                "stride_ot": hq * d, "stride_oh": d, "stride_table_b": 64,
+                                "stride_page": 16 * hkv * d if paged else 0,
+                                "stride_tok": hkv * d, "stride_kvh": d, "block_size": 16, "total_q": 4096,
+                                "num_heads_q": hq, "scale_log2e": LOG2E / d**0.5}
+                    consts = {"HKV": hkv, "G": g, "D": d, "BLOCK_M": block_m,
+                                  "BLOCK_T": max(1, cfg.block_m // g), "BLOCK_N": cfg.block_n,
+                                  "SPLIT": cfg.split, "PAGED": paged, "CAUSAL": True, "FOLD": fold,
+                                  "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
                     yield attention_kernel, args, consts, cfg.num_warps, cfg.num_stages, no_fusion
-            args = dict(out_ptr=Ptr(dtype), lse_ptr=f32, pacc_ptr=f32, pml_ptr=f32,
-                        tok_seq_ptr=i32, cu_q_ptr=i32, seqlens_k_ptr=i32, stride_ot=hq * d,
-                        stride_oh=d, total_q=4096, num_heads_q=hq)
-            consts = dict(G=g, G_P2=1 << (g - 1).bit_length(), D=d, SPLIT=cfg.split, CAUSAL=True)
+            args = {"out_ptr": Ptr(dtype), "lse_ptr": f32, "pacc_ptr": f32, "pml_ptr": f32,
+                        "tok_seq_ptr": i32, "cu_q_ptr": i32, "seqlens_k_ptr": i32, "stride_ot": hq * d,
+                        "stride_oh": d, "total_q": 4096, "num_heads_q": hq}
+            consts = {"G": g, "G_P2": 1 << (g - 1).bit_length(), "D": d, "SPLIT": cfg.split, "CAUSAL": True}
             yield attention_merge_kernel, args, consts, 4, 1, no_fusion
 
 
@@ -131,14 +131,14 @@ def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
     f32, i32 = Ptr(torch.float32), Ptr(torch.int32)
     for dtype in DTYPES:
         for v in SAMPLE_VOCABS:
-            args = dict(x_ptr=Ptr(dtype), stride_x=v, V=v, temp_ptr=f32, vk_ptr=f32, ik_ptr=i32,
-                        top_p_ptr=f32, log_min_p_ptr=f32, m_ptr=f32, vlo_ptr=f32, logs_ptr=f32,
-                        bad_ptr=i32)
-            yield sample_stats_kernel, args, dict(BLOCK=cfg.block), cfg.num_warps, 1
-            args = dict(x_ptr=Ptr(dtype), stride_x=v, V=v, key_ptr=Ptr(torch.int64),
-                        temp_ptr=f32, vk_ptr=f32, ik_ptr=i32, vlo_ptr=f32, m_ptr=f32,
-                        part_val_ptr=f32, part_idx_ptr=i32, n_splits=-(-v // cfg.split))
-            yield (gumbel_pick_kernel, args, dict(SPLIT=cfg.split, BLOCK=cfg.block),
+            args = {"x_ptr": Ptr(dtype), "stride_x": v, "V": v, "temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32,
+                        "top_p_ptr": f32, "log_min_p_ptr": f32, "m_ptr": f32, "vlo_ptr": f32, "logs_ptr": f32,
+                        "bad_ptr": i32}
+            yield sample_stats_kernel, args, {"BLOCK": cfg.block}, cfg.num_warps, 1
+            args = {"x_ptr": Ptr(dtype), "stride_x": v, "V": v, "key_ptr": Ptr(torch.int64),
+                        "temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32, "vlo_ptr": f32, "m_ptr": f32,
+                        "part_val_ptr": f32, "part_idx_ptr": i32, "n_splits": -(-v // cfg.split)}
+            yield (gumbel_pick_kernel, args, {"SPLIT": cfg.split, "BLOCK": cfg.block},
                    cfg.num_warps, 1, NO_FUSION)
 
 

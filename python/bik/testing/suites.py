@@ -59,10 +59,10 @@ def rms_norm_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Seque
         weight = _randn(gen, hidden, dtype=dtype, device=device)
         name = f"rms_norm {str(dtype)[6:]} H={hidden}"
         reports.append(rows_alone_vs_batched(
-            lambda x: rms_norm(x[:, 0], weight, backend=backend), pool, ms, name=name))
+            lambda x, w=weight: rms_norm(x[:, 0], w, backend=backend), pool, ms, name=name))
 
-        def fused(x):  # pack (out, h) so both outputs are compared per row
-            out, h = rms_norm(x[:, 0], weight, residual=x[:, 1], backend=backend)
+        def fused(x, w=weight):  # pack (out, h) so both outputs are compared per row
+            out, h = rms_norm(x[:, 0], w, residual=x[:, 1], backend=backend)
             return torch.stack([out, h], dim=1)
 
         reports.append(rows_alone_vs_batched(fused, pool, ms, name=name + " +residual"))
