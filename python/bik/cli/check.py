@@ -28,23 +28,29 @@ def _plan(device: torch.device, quick: bool) -> dict:
             "lengths": (111, 4096), "probe": 33, "attention_len": 300}
 
 
+def _matmul_norm_reports(device, dtype, backend, plan: dict) -> list:
+    common = {"device": device, "backend": backend, "ms": plan["ms"], "dtype": dtype}
+    return (matmul_suite(shapes=plan["shapes"], probe_batch=plan["probe"], **common)
+            + bmm_suite(n=96, k=64, **common)
+            + rms_norm_suite(hiddens=plan["hiddens"], probe_batch=plan["probe"], **common))
+
+
+def _rows(reports, prefix: str = "") -> list[dict]:
+    return [{"check": prefix + r.name, "rows": r.comparisons, "ok": r.ok,
+             "mismatches": len(r.mismatches)} for r in reports]
+
+
 def check_rows(device: torch.device, quick: bool) -> list[dict]:
     plan = _plan(device, quick)
-    common = {"device": device, "backend": None, "ms": plan["ms"]}
     reports = []
     for dtype in DTYPES:
-        reports += matmul_suite(dtype=dtype, shapes=plan["shapes"], probe_batch=plan["probe"],
-                                **common)
-        reports += bmm_suite(dtype=dtype, n=96, k=64, **common)
-        reports += rms_norm_suite(dtype=dtype, hiddens=plan["hiddens"],
-                                  probe_batch=plan["probe"], **common)
+        reports += _matmul_norm_reports(device, dtype, None, plan)
         # softmax, log_softmax, mean: row lengths odd and a power of two
-        reports += reduction_suite(dtype=dtype, lengths=plan["lengths"], **common)
+        reports += reduction_suite(device=device, dtype=dtype, backend=None, ms=plan["ms"],
+                                   lengths=plan["lengths"])
         reports += _attention_reports(device, dtype, plan["attention_len"])
     reports.append(_sample_report(device, plan["ms"]))
-    rows = [{"check": r.name, "rows": r.comparisons, "ok": r.ok,
-             "mismatches": len(r.mismatches)} for r in reports]
-    return rows + _cuda_backend_rows(device, plan)
+    return _rows(reports) + _cuda_backend_rows(device, plan)
 
 
 def _cuda_backend_rows(device: torch.device, plan: dict) -> list[dict]:
@@ -56,16 +62,8 @@ def _cuda_backend_rows(device: torch.device, plan: dict) -> list[dict]:
 
     if not cuda_jit.available():
         return []
-    common = {"device": device, "backend": "cuda", "ms": plan["ms"]}
-    reports = []
-    for dtype in DTYPES:
-        reports += matmul_suite(dtype=dtype, shapes=plan["shapes"], probe_batch=plan["probe"],
-                                **common)
-        reports += bmm_suite(dtype=dtype, n=96, k=64, **common)
-        reports += rms_norm_suite(dtype=dtype, hiddens=plan["hiddens"],
-                                  probe_batch=plan["probe"], **common)
-    return [{"check": f"backend=cuda {r.name}", "rows": r.comparisons, "ok": r.ok,
-             "mismatches": len(r.mismatches)} for r in reports]
+    reports = [r for dtype in DTYPES for r in _matmul_norm_reports(device, dtype, "cuda", plan)]
+    return _rows(reports, prefix="backend=cuda ")
 
 
 def _sample_report(device, ms):
