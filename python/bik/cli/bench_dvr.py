@@ -1,10 +1,11 @@
 """`bik bench dvr`: what determinism costs in the decode-verify-rollback loop.
 
-Four runs of the same request stream on the same random-weight model: the fast path alone
-(ordinary kernels, nothing verified), decoding on bik kernels only (no verifier), and the loop
-with 100% and 10% deterministic traffic. ``tokens_per_s`` counts committed tokens over the
-run's wall time; ``vs_fast`` divides by the fast path's; ``det_outputs_equal_bik_only`` checks that the
-deterministic requests' outputs are those of bik-only decoding. Target (issue 6, on a GPU with
+Six runs of the same request stream on the same random-weight model: the fast path alone
+(ordinary kernels, nothing verified), decoding on bik kernels only (no verifier), the loop with
+100% and 10% deterministic traffic, and the loop with 1% and 5% of the fast path's tokens forced
+wrong (the overhead curve). ``tokens_per_s`` counts committed tokens over the run's wall time;
+``vs_fast`` divides by the fast path's; ``det_outputs_equal_bik_only`` checks that the
+deterministic requests' outputs are those of bik-only decoding. Target (on a GPU with
 Llama-3.2-1B shapes): the loop at 100% deterministic traffic >= 0.9x the fast path.
 """
 

@@ -77,8 +77,8 @@ def register_no_backward(qualname: str, op: str) -> None:
 
     def backward(ctx, *grads):
         raise NotImplementedError(
-            f"{op}: backward is not implemented yet (batch-invariant backward is planned); "
-            f"run it under torch.no_grad() or use the stock op for training"
+            f"{op}: backward is not implemented (an inference-only op); run it under "
+            f"torch.no_grad(). For training, bik.attention_varlen has a batch-invariant backward"
         )
 
     torch.library.register_autograd(qualname, backward, setup_context=setup_context)
