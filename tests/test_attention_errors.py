@@ -50,13 +50,3 @@ def test_triton_head_dim_limits_are_reported(monkeypatch):
         bik.attention(torch.zeros(1, 2, 24), torch.zeros(1, 4, 2, 24), torch.zeros(1, 4, 2, 24),
                       cache_seqlens=torch.tensor([1]), cu_seqlens_q=torch.tensor([0, 1]),
                       block_table=torch.tensor([[0]]), backend="triton")
-
-
-def test_backward_raises():
-    # bik.attention (KV cache) has no backward; bik.attention_varlen's: test_attention_backward.
-    q = torch.randn(3, 4, 16, requires_grad=True)
-    k = torch.randn(1, 3, 2, 16)
-    cu = torch.tensor([0, 3], dtype=torch.int32)
-    out = bik.attention(q, k, k, cache_seqlens=torch.tensor([3]), cu_seqlens_q=cu)
-    with pytest.raises(NotImplementedError, match="bik.attention: backward"):
-        out.sum().backward()

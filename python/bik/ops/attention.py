@@ -87,13 +87,18 @@ def _check_qkv(op: str, q, k, v, kv_rank: int) -> tuple[int, int, int]:
     return hq, hkv, d
 
 
+def check_cu_seqlens(op: str, name: str, cu: list[int], total: int, total_name: str) -> None:
+    """A host copy of cu_seqlens must start at 0, never decrease and end at the packed total."""
+    if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or cu[-1] != total:
+        raise ValueError(f"{op}: {name} must start at 0, never decrease and end at "
+                         f"{total_name} = {total}; got {cu}")
+
+
 def _host_lengths(op: str, cu_q, seqlens_k, total_q: int, capacity) -> tuple[list, list]:
     """Copy the lengths to the host once and check them (bad lengths would read out of bounds)."""
     cu = cu_q.tolist()
     lens = seqlens_k.tolist()
-    if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or cu[-1] != total_q:
-        raise ValueError(f"{op}: cu_seqlens_q must start at 0, never decrease and end at "
-                         f"total_q = {total_q}; got {cu}")
+    check_cu_seqlens(op, "cu_seqlens_q", cu, total_q, "total_q")
     for b, length in enumerate(lens):
         q_len = cu[b + 1] - cu[b]
         if length < q_len:
@@ -220,9 +225,7 @@ def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, b
     if k.stride(-1) != 1:
         raise ValueError(f"{op}: k/v need unit stride along head_dim")
     cu_k = cu_seqlens_k.tolist()
-    if cu_k[0] != 0 or any(b < a for a, b in itertools.pairwise(cu_k)) or cu_k[-1] != k.shape[0]:
-        raise ValueError(f"{op}: cu_seqlens_k must start at 0, never decrease and end at "
-                         f"total_k = {k.shape[0]}; got {cu_k}")
+    check_cu_seqlens(op, "cu_seqlens_k", cu_k, k.shape[0], "total_k")
     seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     cu, lens = _host_lengths(op, cu_seqlens_q, seqlens_k, q.shape[0], None)
     base = cu_seqlens_k[:-1].to(torch.int64) * k.stride(0)

@@ -18,13 +18,11 @@ extension's exp2f on CPU tensors), so no other sequence can shift its elements.
 
 from __future__ import annotations
 
-from itertools import pairwise
-
 import torch
 
 from bik.ops._checks import check_same_device, check_tensor, register_no_backward
 from bik.ops._pointwise import exp_f32
-from bik.ops.attention import _check_qkv, _int_vector
+from bik.ops.attention import _check_qkv, _int_vector, check_cu_seqlens
 
 __all__ = ["attention_varlen_grads"]
 
@@ -57,10 +55,8 @@ def _check(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k):
 
 def _lengths(cu_q, cu_k, total_q: int, total_k: int) -> tuple[list, list]:
     cq, ck = cu_q.tolist(), cu_k.tolist()  # one host copy per call, as the forward
-    for name, cu, total in (("cu_seqlens_q", cq, total_q), ("cu_seqlens_k", ck, total_k)):
-        if cu[0] != 0 or any(b < a for a, b in pairwise(cu)) or cu[-1] != total:
-            raise ValueError(f"{_OP}: {name} must start at 0, never decrease and end at "
-                             f"{total}; got {cu}")
+    check_cu_seqlens(_OP, "cu_seqlens_q", cq, total_q, "total_q")
+    check_cu_seqlens(_OP, "cu_seqlens_k", ck, total_k, "total_k")
     for b in range(len(cq) - 1):
         if cq[b + 1] - cq[b] > ck[b + 1] - ck[b]:
             raise ValueError(f"{_OP}: sequence {b} has more queries than keys")
