@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q $(PINS) -e ".[test,cuda]"
-	$(PY) -c "import bik.kernels.cpu as c; assert c.available(), c.unavailable_reason()"
-	$(PY) -c "import bik.kernels.cuda_jit as j; assert j.compiler_available(), j.compiler_unavailable_reason()"
+	$(PY) -c "import bik.runtime.cpu_ext as c; assert c.available(), c.unavailable_reason()"
+	$(PY) -c "import bik.runtime.cuda_jit as j; assert j.compiler_available(), j.compiler_unavailable_reason()"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -2,7 +2,7 @@
 
 The extension includes no torch headers, so it is tied to the Python ABI only, never to a
 torch build. If no C++ compiler is present the build is skipped: bik still imports, the
-Triton backend still runs, and backend="cpu" raises a clear error (see bik.kernels.cpu).
+Triton backend still runs, and backend="cpu" raises a clear error (see bik.runtime.cpu_ext).
 """
 
 import hashlib
@@ -56,9 +56,9 @@ cpu_ext = Pybind11Extension(
 
 
 def _cuda_aot():
-    """python/bik/kernels/cuda_aot.py loaded by path: the build environment has no torch."""
+    """python/bik/runtime/cuda_aot.py loaded by path: the build environment has no torch."""
     spec = importlib.util.spec_from_file_location("_bik_cuda_aot",
-                                                  "python/bik/kernels/cuda_aot.py")
+                                                  "python/bik/runtime/cuda_aot.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

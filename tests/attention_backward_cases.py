@@ -15,7 +15,7 @@ from typing import NamedTuple
 import bik
 import torch
 from bik.testing import InvarianceReport, same_bits
-from bik.testing.references import splits_for_rows
+from bik.testing.controls import splits_for_rows
 
 
 class Seq(NamedTuple):

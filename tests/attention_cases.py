@@ -13,7 +13,7 @@ from bik.testing.attention import (
     pack_paged,
     page_size_report,
 )
-from bik.testing.references import sdpa_attention
+from bik.testing.controls import sdpa_attention
 from cases import assert_invariant
 from torch.library import opcheck
 

@@ -8,10 +8,10 @@ import attention_cases as ac
 import bik
 import pytest
 import torch
-from bik.kernels import cpu
-from bik.testing.references import length_adaptive_attention
+from bik.runtime import cpu_ext
+from bik.testing.controls import length_adaptive_attention
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
 CPU = ac.bik_attn("cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -10,10 +10,10 @@ import attention_backward_cases as abc_
 import bik
 import pytest
 import torch
-from bik.kernels import cpu
+from bik.runtime import cpu_ext
 from torch.library import opcheck
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

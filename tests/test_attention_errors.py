@@ -3,9 +3,9 @@
 import bik
 import pytest
 import torch
-from bik.kernels import cpu
+from bik.runtime import cpu_ext
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
 Q = torch.zeros(3, 4, 16)
 KC = torch.zeros(4, 8, 2, 16)  # 4 pages of 8 tokens, 2 kv heads

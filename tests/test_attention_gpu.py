@@ -45,7 +45,7 @@ SPLIT = 256  # the sm90/sm80 table's split size: decode positions probe its boun
 @pytest.fixture(params=["fold", "split"])
 def launch_mode(request, monkeypatch):
     """Run a test in one launch mode: each must keep the contract on its own."""
-    from bik.kernels import triton_attention
+    from bik.ops.attention import triton as triton_attention
 
     monkeypatch.setattr(triton_attention, "use_split_mode",
                         lambda *args: request.param == "split")
@@ -135,7 +135,7 @@ def check_neighbours(attn, dtype, length, q_len, n_neighbours, max_len, *, devic
 
 def modes_outputs(attn, dtype, length, q_len, monkeypatch, *, device=DEVICE, heads=LLAMA):
     """The last q_len tokens computed in fold mode and in split mode."""
-    from bik.kernels import triton_attention
+    from bik.ops.attention import triton as triton_attention
 
     gen = torch.Generator().manual_seed(6)
     seq = make_request(gen, length, *heads, dtype, device=device)

@@ -22,7 +22,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @pytest.fixture(params=["fold", "split"])
 def launch_mode(request, monkeypatch):
     """Run every test in both launch modes: each must keep the contract on its own."""
-    from bik.kernels import triton_attention
+    from bik.ops.attention import triton as triton_attention
 
     monkeypatch.setattr(triton_attention, "use_split_mode",
                         lambda *args: request.param == "split")
@@ -49,7 +49,7 @@ def test_random_neighbours_and_rows(q_len, launch_mode):
 
 
 def test_split_and_fold_modes_agree(monkeypatch):
-    from bik.kernels import triton_attention
+    from bik.ops.attention import triton as triton_attention
 
     outs = []
     for mode in (True, False):
@@ -89,7 +89,7 @@ def test_same_check_rejects_a_split_size_chosen_by_length(monkeypatch):
     length-adaptive split-KV does), the chunking check must fail."""
     import dataclasses
 
-    from bik.kernels import triton_attention
+    from bik.ops.attention import triton as triton_attention
 
     fixed = triton_attention.attention_config
     launch = triton_attention.launch_attention

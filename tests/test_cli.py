@@ -7,9 +7,9 @@ import sys
 import pytest
 from bik.cli.demo import demo_rows
 from bik.cli.main import main
-from bik.kernels import cpu
+from bik.runtime import cpu_ext
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
 
 def test_demo_shows_stock_bits_moving_and_bik_bits_fixed():

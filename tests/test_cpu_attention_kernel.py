@@ -13,18 +13,13 @@ import bik
 import pytest
 import torch
 from bik.configs import CPU_ATTENTION_SPLIT
-from bik.kernels import cpu
-from bik.kernels.cpu_attention import (
-    LOG2E,
-    attention_cpu,
-    attention_cpu_reference,
-    cpu_keys,
-    reference_keys,
-)
+from bik.ops.attention.cpu import LOG2E, attention_cpu, attention_f32, cpu_keys
+from bik.ops.attention.reference import attention_cpu_reference, reference_keys
+from bik.runtime import cpu_ext
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason=cpu.unavailable_reason())
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason=cpu_ext.unavailable_reason())
 
-ISAS = [i for i in ("avx512", "avx2", "generic") if cpu.available() and cpu._ext.isa_supported(i)]
+ISAS = [i for i in ("avx512", "avx2", "generic") if cpu_ext.available() and cpu_ext._ext.isa_supported(i)]
 INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -163,7 +158,7 @@ def test_threads_and_isas_do_not_change_bits():
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
     for isa in ISAS:
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
-        cpu.attention_f32(q, k, v, offsets, cu_q.long(), cu_k.long(), out, lse,
+        attention_f32(q, k, v, offsets, cu_q.long(), cu_k.long(), out, lse,
                           split=CPU_ATTENTION_SPLIT, scale_log2e=0.125 * LOG2E, causal=True,
                           num_threads=2, isa=isa)
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1]), isa
@@ -247,7 +242,7 @@ def test_a_different_split_is_caught():
     q, k, v, cu_q, cu_k = make(lens, q_lens, 4, 2, 64, torch.float32, seed=6)
     ref_out, _ = reference(q, k, v, cu_q, lens, base=cu_k[:-1].long() * k.stride(0))
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
-    cpu.attention_f32(q, k, v, _keys(k, v, cu_k)[2], cu_q.long(), cu_k.long(), out, lse,
+    attention_f32(q, k, v, _keys(k, v, cu_k)[2], cu_q.long(), cu_k.long(), out, lse,
                       split=CPU_ATTENTION_SPLIT // 2, scale_log2e=LOG2E / 8, causal=True)
     with pytest.raises(AssertionError, match="values differ"):
         assert_same_bits(out, ref_out)

@@ -8,12 +8,12 @@ import bik
 import cases
 import pytest
 import torch
-from bik.kernels import cpu
+from bik.runtime import cpu_ext
 from bik.testing.harness import M_SWEEP
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
 SHAPES = [(64, 64), (48, 33), (40, 128), (17, 255)]  # K: powers of two and odd
 

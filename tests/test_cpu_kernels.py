@@ -1,4 +1,4 @@
-"""Low-level tests of bik's fixed-order CPU kernels (bik.kernels.cpu, csrc/cpu).
+"""Low-level tests of bik's fixed-order CPU kernels (bik/ops/*/cpu.py over bik.runtime.cpu_ext, csrc/cpu).
 
 Exactness against literal references of the contract (csrc/cpu/contract.h), bitwise batch
 invariance with torch.equal, a negative control showing the same comparison catches stock
@@ -12,11 +12,13 @@ import subprocess
 
 import pytest
 import torch
-from bik.kernels import cpu
+from bik.ops.matmul.cpu import matmul_f32
+from bik.ops.rms_norm.cpu import rms_norm_f32
+from bik.runtime import cpu_ext
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason=cpu.unavailable_reason())
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason=cpu_ext.unavailable_reason())
 
-ISAS = [i for i in ("avx512", "avx2", "generic") if cpu.available() and cpu._ext.isa_supported(i)]
+ISAS = [i for i in ("avx512", "avx2", "generic") if cpu_ext.available() and cpu_ext._ext.isa_supported(i)]
 SIZES = (1, 3, 17, 33, 64, 100)
 BATCHES = (2, 3, 4, 7, 8, 16, 31, 64, 127, 128, 255, 256)
 
@@ -54,13 +56,13 @@ def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def mm(a, b, bias=None, **kw) -> torch.Tensor:
     out = torch.full((a.shape[0], b.shape[1]), float("nan"))
-    cpu.matmul_f32(a, b, bias, out, **kw)
+    matmul_f32(a, b, bias, out, **kw)
     return out
 
 
 def rms(x, w, eps=1e-6, **kw) -> torch.Tensor:
     out = torch.full(x.shape, float("nan"))
-    cpu.rms_norm_f32(x, w, eps, out, **kw)
+    rms_norm_f32(x, w, eps, out, **kw)
     return out
 
 
@@ -96,7 +98,7 @@ def test_matmul_blocking_and_odd_k_match_contract():
 def test_matmul_empty_and_k0():
     for M, N in ((0, 5), (5, 0), (0, 0)):
         out = torch.empty(M, N)
-        cpu.matmul_f32(torch.empty(M, 3), torch.empty(3, N), None, out)
+        matmul_f32(torch.empty(M, 3), torch.empty(3, N), None, out)
     bias = torch.tensor([1.5, -0.0, float("inf")])
     assert torch.equal(mm(torch.empty(2, 0), torch.empty(0, 3)), torch.zeros(2, 3))
     got = mm(torch.empty(2, 0), torch.empty(0, 3), bias)
@@ -120,8 +122,8 @@ def test_rms_norm_row_stride_and_empty():
     x = big[:, 10:121]  # row stride 300, unit stride along H
     w = torch.randn(111, generator=g)
     assert torch.equal(rms(x, w), ref_rms_norm(x.contiguous(), w, 1e-6))
-    cpu.rms_norm_f32(torch.empty(0, 4), torch.ones(4), 1e-6, torch.empty(0, 4))
-    cpu.rms_norm_f32(torch.empty(3, 0), torch.ones(0), 1e-6, torch.empty(3, 0))
+    rms_norm_f32(torch.empty(0, 4), torch.ones(4), 1e-6, torch.empty(0, 4))
+    rms_norm_f32(torch.empty(3, 0), torch.ones(0), 1e-6, torch.empty(3, 0))
 
 
 # ---- batch invariance (bitwise) --------------------------------------------------------------
@@ -230,7 +232,7 @@ def test_no_fused_multiply_add_in_binary():
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump not found")
-    dis = subprocess.run([objdump, "-d", cpu._ext.__file__], capture_output=True, text=True,
+    dis = subprocess.run([objdump, "-d", cpu_ext._ext.__file__], capture_output=True, text=True,
                          check=False)
     assert dis.returncode == 0
     for mnemonic in ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub", "fmla", "fmadd"):
@@ -238,5 +240,5 @@ def test_no_fused_multiply_add_in_binary():
 
 
 def test_unavailable_reason_is_empty_when_built():
-    assert cpu.available() and cpu.unavailable_reason() == ""
-    assert cpu.isa() in ISAS
+    assert cpu_ext.available() and cpu_ext.unavailable_reason() == ""
+    assert cpu_ext.isa() in ISAS

@@ -25,7 +25,7 @@ HALF = (torch.bfloat16, torch.float16)
 
 def _require(backend: str) -> None:
     if backend == "cuda":
-        from bik.kernels import cuda_jit
+        from bik.runtime import cuda_jit
 
         if not cuda_jit.available():
             pytest.skip(f"backend='cuda' unavailable: {cuda_jit.unavailable_reason()}")
@@ -40,7 +40,7 @@ def backend(request):
 def _force_mode(monkeypatch, backend: str, split: bool | None) -> None:
     import importlib
 
-    mod = importlib.import_module(f"bik.kernels.{backend}_attention")
+    mod = importlib.import_module(f"bik.ops.attention.{backend}")
     if split is not None:
         monkeypatch.setattr(mod, "use_split_mode", lambda *args: split)
 

@@ -9,9 +9,9 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
+import cuda_compile as cc
 import pytest
-from bik.kernels import cuda_aot, cuda_jit
-from bik.testing import cuda_compile as cc
+from bik.runtime import cuda_aot, cuda_jit
 
 if not cuda_jit.compiler_available():
     pytest.skip(f"NVRTC unavailable: {cuda_jit.compiler_unavailable_reason()}",

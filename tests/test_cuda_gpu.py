@@ -16,7 +16,7 @@ import cases
 import pytest
 import sampling_cases
 import torch
-from bik.kernels import cuda_jit
+from bik.runtime import cuda_jit
 from bik.testing import probe_every_position, rows_alone_vs_batched, same_bits
 from bik.testing.suites import rms_norm_suite
 
@@ -161,7 +161,7 @@ def test_verify_draft_equals_cpu():
 
 def test_cuda_graph_capture_of_a_launch():
     """Launches run on torch's current stream: captured into a graph, replay reproduces them."""
-    from bik.kernels.cuda_rms_norm import launch_rms_norm
+    from bik.ops.rms_norm.cuda import launch_rms_norm
 
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(64, 4096, generator=gen).cuda()
@@ -192,7 +192,7 @@ def test_backend_resolution():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_aot_fatbin_is_loaded_and_gives_the_jit_bits(tmp_path, monkeypatch):
-    from bik.kernels import cuda_aot
+    from bik.runtime import cuda_aot
 
     cuda_aot.build_fatbins(cuda_jit.source_dir(), tmp_path)
     x = torch.randn(19, 777, device="cuda")

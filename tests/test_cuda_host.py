@@ -17,7 +17,7 @@ from pathlib import Path
 import bik
 import pytest
 import torch
-from bik.kernels import cpu, cuda_jit
+from bik.runtime import cpu_ext, cuda_jit
 from bik.testing import same_bits
 
 HERE = Path(__file__).resolve().parent / "cuda_host"
@@ -130,7 +130,7 @@ def _host_rms(host, x, w, eps, residual=None):
     return y, h
 
 
-@pytest.mark.skipif(not cpu.available(), reason="CPU backend not built")
+@pytest.mark.skipif(not cpu_ext.available(), reason="CPU backend not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hidden", [1, 7, 16, 111, 500, 4096])
 def test_rms_norm_order_equals_cpu_backend(host, gen, dtype, hidden):
@@ -149,7 +149,7 @@ def test_rms_norm_order_equals_cpu_backend(host, gen, dtype, hidden):
     assert torch.equal(h2, h) and same_bits(y2, out)
 
 
-@pytest.mark.skipif(not cpu.available(), reason="CPU backend not built")
+@pytest.mark.skipif(not cpu_ext.available(), reason="CPU backend not built")
 def test_rms_norm_order_is_visible(host, gen):
     """Negative control: one sequential chain (a different order) differs from the 16 lanes on
     some rows, so the equality above tests the order, not just the formula."""
@@ -164,7 +164,7 @@ def test_rms_norm_order_is_visible(host, gen):
 def _emulated_tokens(host, table, split, threads):
     """The CUDA sampler's tokens computed on the host by the kernels' helpers, with the inputs
     the ops layer prepares for the kernels (top-k threshold, log min-p, Philox key)."""
-    from bik.ops import sampling as ops
+    from bik.ops.sampling import op as ops
 
     x = table["logits"].float().contiguous()
     temp, top_k = table["temperature"], table["top_k"]
@@ -184,7 +184,7 @@ def _emulated_tokens(host, table, split, threads):
     return tokens
 
 
-@pytest.mark.skipif(not cpu.available(), reason="CPU backend not built")
+@pytest.mark.skipif(not cpu_ext.available(), reason="CPU backend not built")
 @pytest.mark.parametrize(("v", "split", "threads"), [(50, 16384, 512), (1000, 64, 16),
                                                      (3001, 16384, 512), (3001, 100, 32)])
 @pytest.mark.parametrize("near_ties", [False, True])

@@ -20,13 +20,15 @@ import dataclasses
 
 import attention_cases as ac
 import bik
-import bik._backend
+import bik.ops._registry
 import bik.ops.attention
 import bik.ops.matmul
 import pytest
 import torch
 from bik import configs
-from bik.kernels import cuda_attention, cuda_jit, cuda_matmul
+from bik.ops.attention import cuda as cuda_attention
+from bik.ops.matmul import cuda as cuda_matmul
+from bik.runtime import cuda_jit
 from bik.testing.harness import rows_alone_vs_batched, same_bits
 from bik.testing.suites import bmm_suite, matmul_suite
 from cases import assert_invariant
@@ -67,13 +69,13 @@ def host(host_lib, monkeypatch):
         assert rc == 0, f"{kernel}: {'deadlock' if rc == 2 else 'not runnable on the host'}"
         launches.append(kernel)
 
-    original = bik._backend.require_backend
+    original = bik.ops._registry.require_backend
 
     def require_backend(op, backend, device):
         if backend != "cuda":
             original(op, backend, device)
 
-    for mod in (bik._backend, bik.ops.matmul, bik.ops.attention):
+    for mod in (bik.ops._registry, bik.ops.matmul.op, bik.ops.attention.op):
         monkeypatch.setattr(mod, "require_backend", require_backend)
     monkeypatch.setattr(cuda_jit, "launch", launch)
     monkeypatch.setattr(cuda_jit, "get_kernel", lambda name, kernel, device: kernel)

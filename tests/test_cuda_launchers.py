@@ -12,11 +12,11 @@ from __future__ import annotations
 import functools
 import shutil
 
+import cuda_compile as cc
 import numpy as np
 import pytest
 import torch
-from bik.kernels import cuda_jit
-from bik.testing import cuda_compile as cc
+from bik.runtime import cuda_jit
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
@@ -67,7 +67,7 @@ def _check(launch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_launcher_matches_kernel_abi(recorder, dtype, wdtype):
-    from bik.kernels.cuda_rms_norm import ROWS_PER_BLOCK, launch_rms_norm
+    from bik.ops.rms_norm.cuda import ROWS_PER_BLOCK, launch_rms_norm
 
     x = torch.randn(19, 111).to(dtype)
     w = torch.randn(111).to(wdtype)
@@ -86,7 +86,7 @@ def test_rms_norm_launcher_matches_kernel_abi(recorder, dtype, wdtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_sampler_launcher_matches_kernel_abi(recorder, dtype):
-    from bik.kernels.cuda_sampling import SPLIT, launch_sample
+    from bik.ops.sampling.cuda import SPLIT, launch_sample
 
     b, v = 5, 40000
     logits = torch.randn(b, v).to(dtype)

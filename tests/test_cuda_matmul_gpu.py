@@ -28,7 +28,7 @@ SHAPES = [(4096, 4096), (1000, 333), (256, 4097), (6144, 2049)]
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     if request.param == "cuda":
-        from bik.kernels import cuda_jit
+        from bik.runtime import cuda_jit
 
         if not cuda_jit.available():
             pytest.skip(f"backend='cuda' unavailable: {cuda_jit.unavailable_reason()}")
@@ -37,7 +37,7 @@ def backend(request):
 
 def _spread(monkeypatch, value: bool | None):
     """Force the CUDA launch mode (None = by work size). The bits must not change."""
-    from bik.kernels import cuda_matmul
+    from bik.ops.matmul import cuda as cuda_matmul
 
     original = cuda_matmul.use_spread
     monkeypatch.setattr(cuda_matmul, "use_spread",
@@ -89,7 +89,7 @@ def _k_split_problem(rows: int, k: int, dtype):
 def test_cuda_k_split_same_bits_in_both_modes_and_every_m(dtype, k, monkeypatch):
     """The K-split's two schedules (spread over programs / one after another in a program)
     give the same bits, and every M gives a row its M = 1 bits."""
-    from bik.kernels import cuda_jit
+    from bik.runtime import cuda_jit
 
     if not cuda_jit.available():
         pytest.skip(cuda_jit.unavailable_reason())
@@ -123,7 +123,7 @@ def _contract(a, b, bias, split):
 @pytest.mark.parametrize("k", [1, 333, 2048, 3001])
 def test_cuda_fp32_is_the_literal_contract(k):
     from bik.configs import cuda_matmul_config
-    from bik.kernels import cuda_jit
+    from bik.runtime import cuda_jit
 
     if not cuda_jit.available():
         pytest.skip(cuda_jit.unavailable_reason())
@@ -131,7 +131,7 @@ def test_cuda_fp32_is_the_literal_contract(k):
     a, b = torch.randn(77, k, generator=gen), torch.randn(k, 130, generator=gen)
     bias = torch.randn(130, generator=gen)
     got = bik.matmul(a.cuda(), b.cuda(), bias.cuda(), backend="cuda").cpu()
-    split = cuda_matmul_config(torch.float32, 130, k, bik._backend.device_arch(
+    split = cuda_matmul_config(torch.float32, 130, k, bik._arch.device_arch(
         torch.device("cuda"))).split_k
     assert same_bits(got, _contract(a, b, bias, split))
     if k <= split:  # one split: the CPU backend's sequence exactly
@@ -139,7 +139,7 @@ def test_cuda_fp32_is_the_literal_contract(k):
 
 
 def test_cuda_edge_shapes_and_dtypes():
-    from bik.kernels import cuda_jit
+    from bik.runtime import cuda_jit
 
     if not cuda_jit.available():
         pytest.skip(cuda_jit.unavailable_reason())
@@ -161,7 +161,7 @@ def test_cuda_edge_shapes_and_dtypes():
 def test_cuda_opcheck_and_cuda_graph():
     """The registered ops pass opcheck on the CUDA backend, and a launch (both modes) replays
     from a captured CUDA graph with the bits of an eager call."""
-    from bik.kernels import cuda_jit
+    from bik.runtime import cuda_jit
     from torch.library import opcheck
 
     if not cuda_jit.available():
@@ -199,8 +199,8 @@ HALF = [torch.bfloat16, torch.float16]
 @pytest.fixture
 def sm90a(monkeypatch):
     from bik import configs
-    from bik._backend import device_arch
-    from bik.kernels import cuda_jit
+    from bik._arch import device_arch
+    from bik.runtime import cuda_jit
 
     if not cuda_jit.available():
         pytest.skip(f"backend='cuda' unavailable: {cuda_jit.unavailable_reason()}")

@@ -19,8 +19,10 @@ import bik
 import numpy as np
 import pytest
 import torch
-from bik._backend import BackendUnavailableError
-from bik.kernels import cuda_attention, cuda_jit, cuda_matmul
+from bik.ops._registry import BackendUnavailableError
+from bik.ops.attention import cuda as cuda_attention
+from bik.ops.matmul import cuda as cuda_matmul
+from bik.runtime import cuda_jit
 
 SRC = Path(__file__).resolve().parents[1] / "csrc" / "cuda"
 

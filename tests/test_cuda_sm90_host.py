@@ -32,7 +32,8 @@ import bik
 import pytest
 import torch
 from bik import configs
-from bik.kernels import cuda_jit, cuda_matmul
+from bik.ops.matmul import cuda as cuda_matmul
+from bik.runtime import cuda_jit
 from bik.testing.harness import same_bits
 from bik.testing.suites import matmul_suite
 from cases import assert_invariant
@@ -200,8 +201,8 @@ def test_selected_only_on_sm90_with_the_switch(monkeypatch):
 # ---- SASS ------------------------------------------------------------------------------------
 
 def _nvcc_sass(arch: str) -> str:
-    from bik.kernels.cuda_aot import NVCC_FLAGS
-    from bik.testing import cuda_compile as cc
+    import cuda_compile as cc
+    from bik.runtime.cuda_aot import NVCC_FLAGS
 
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -212,7 +213,7 @@ def _nvcc_sass(arch: str) -> str:
 
 
 def test_sm90a_build_uses_hgmma_and_sm80_build_traps():
-    from bik.testing import cuda_compile as cc
+    import cuda_compile as cc
 
     if not cuda_jit.compiler_available() or cc.cuobjdump() is None:
         pytest.skip("needs NVRTC and cuobjdump")

@@ -22,12 +22,12 @@ from bik.dvr.model import (
 )
 from bik.dvr.rope import inverse_frequencies
 from bik.dvr.step import KVCache, build_step
-from bik.kernels import cpu
+from bik.runtime import cpu_ext
 from bik.testing import same_bits
-from bik.testing.references import split_by_m_matmul
+from bik.testing.controls import split_by_m_matmul
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
 # c in: max|ours - HF fp64| <= c * max|HF fp32 - HF fp64| (logits, fp32 weights). Measured over
 # the 4 configs below x 3 seeds: c <= 1.43 on bik kernels, <= 1.22 on the fast path (HF fp32's

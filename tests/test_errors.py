@@ -4,9 +4,9 @@ an explicit backend that cannot run raises BackendUnavailableError. Nothing fall
 import bik
 import pytest
 import torch
-from bik.kernels import cpu
+from bik.runtime import cpu_ext
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
 A = torch.zeros(4, 8)
 B = torch.zeros(8, 3)
@@ -76,8 +76,8 @@ def test_mixed_devices_are_rejected_with_meta_tensors():
 
 
 def test_unavailable_cpu_extension_is_reported(monkeypatch):
-    monkeypatch.setattr(cpu, "available", lambda: False)
-    monkeypatch.setattr(cpu, "unavailable_reason", lambda: "extension not built")
+    monkeypatch.setattr(cpu_ext, "available", lambda: False)
+    monkeypatch.setattr(cpu_ext, "unavailable_reason", lambda: "extension not built")
     with pytest.raises(bik.BackendUnavailableError, match="backend='cpu' is unavailable: extension not built"):
         bik.matmul(A, B)
 

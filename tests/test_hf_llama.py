@@ -8,7 +8,7 @@ a padded prompt does not give its unpadded bits (test_left_padding_changes_the_b
 import bik
 import pytest
 import torch
-from bik.kernels import cpu
+from bik.runtime import cpu_ext
 from bik.testing import probe_every_position, rows_alone_vs_batched, same_bits
 
 transformers = pytest.importorskip("transformers")
@@ -54,7 +54,7 @@ def next_token_logits(model):
 def _require_cpu_kernels(request):
     callspec = getattr(request.node, "callspec", None)
     device = callspec.params.get("device", "cpu") if callspec else "cpu"
-    if device == "cpu" and not cpu.available():
+    if device == "cpu" and not cpu_ext.available():
         pytest.skip("CPU extension not built")
     bik.reset_mode_stats()
 

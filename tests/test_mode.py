@@ -7,11 +7,11 @@ import bik
 import pytest
 import torch
 import torch.nn.functional as F
-from bik.kernels import cpu
+from bik.runtime import cpu_ext
 from bik.testing import probe_every_position, rows_alone_vs_batched, same_bits
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
 GRAD_CONTEXTS = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 

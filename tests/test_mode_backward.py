@@ -9,10 +9,10 @@ import bik
 import pytest
 import torch
 import torch.nn.functional as F
-from bik.kernels import cpu
+from bik.runtime import cpu_ext
 from bik.testing import rows_alone_vs_batched, same_bits, split_by_m_softmax
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -15,14 +15,15 @@ import pytest
 import reduction_cases as rc
 import torch
 from bik import configs
-from bik.kernels import cpu
+from bik.ops.reductions.cpu import mean_f32, softmax_f32
+from bik.runtime import cpu_ext
 from bik.testing import split_by_m_mean, split_by_m_softmax
 from bik.testing.harness import M_SWEEP
 from bik.testing.suites import reduction_suite
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
 LENGTHS = (1, 111, 500, 4096)  # odd and powers of two
 
@@ -114,11 +115,11 @@ def test_cpu_kernels_follow_the_contract_bit_for_bit(n, gen):
     x = torch.randn(4, n, generator=gen) * 5
     for log in (False, True):
         got = torch.empty(4, n)
-        cpu.softmax_f32(x, got, log=log)
+        softmax_f32(x, got, log=log)
         want = np.stack([_contract_softmax(r, log) for r in x.numpy()])
         assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32)), log
     got = torch.empty(4)
-    cpu.mean_f32(x, got)
+    mean_f32(x, got)
     want = np.array([_lanes16(r) / np.float32(n) for r in x.numpy()], np.float32)
     assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32))
 
@@ -127,12 +128,12 @@ def test_cpu_kernels_threads_do_not_change_bits(gen):
     x = torch.randn(300, 1500, generator=gen)  # above the one-thread threshold
     for log in (False, True):
         one, two = torch.empty_like(x), torch.empty_like(x)
-        cpu.softmax_f32(x, one, log=log, num_threads=1)
-        cpu.softmax_f32(x, two, log=log, num_threads=2)
+        softmax_f32(x, one, log=log, num_threads=1)
+        softmax_f32(x, two, log=log, num_threads=2)
         assert torch.equal(one, two)
     one, two = torch.empty(300), torch.empty(300)
-    cpu.mean_f32(x, one, num_threads=1)
-    cpu.mean_f32(x, two, num_threads=2)
+    mean_f32(x, one, num_threads=1)
+    mean_f32(x, two, num_threads=2)
     assert torch.equal(one, two)
 
 

@@ -86,7 +86,7 @@ def test_hypothesis_row_alone_equals_row_in_batch(m, n, row, op, transposed):
 def test_harness_catches_a_block_chosen_by_m(gen, monkeypatch):
     """Negative control on this path: the same Triton program with BLOCK picked by the number
     of rows (what a row-count-tuned tiling risks) must fail the harness."""
-    from bik.kernels import triton_reductions
+    from bik.ops.reductions import triton as triton_reductions
     from bik.testing import rows_alone_vs_batched
 
     fixed = triton_reductions.reduction_config

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import sampling_cases as sc
 import torch
-from bik.kernels import cpu_sampling
 from bik.ops.sampling import bik_log_torch
+from bik.ops.sampling import cpu as cpu_sampling
 
 CPU = "cpu"
 N_DRAWS = 1_000_000
@@ -285,10 +285,10 @@ def test_pick_kernel_code_has_no_approximation_or_fma(arch):
     from) uses only exactly rounded fp32 ops: no div.full, no .approx, no fma."""
     pytest.importorskip("triton")
     import triton
-    from bik.testing.compile import launch_like_signature
-    from bik.testing.compile_table import sampling_kernel_cases
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton_compile import launch_like_signature
+    from triton_compile_table import sampling_kernel_cases
 
     picks = [c for c in sampling_kernel_cases(arch) if c[0].__name__ == "gumbel_pick_kernel"]
     assert {str(c[1]["x_ptr"].dtype) for c in picks} >= {"torch.float32", "torch.bfloat16",
@@ -340,7 +340,7 @@ def test_noise_skip_bound_is_exact(gen):
     """The kernels skip the noise of tokens below m + G_MIN - G_MAX; a token just above the
     bound must still be able to win, and peaked rows must give the unskipped token: compared
     with an fp64 brute force over the CPU noise."""
-    from bik.kernels.cpu_sampling import philox4x32_10
+    from bik.ops.sampling.cpu import philox4x32_10
 
     v, rows = 64, 4000
     x = torch.randn(rows, v, generator=gen) * 12  # spread: most tokens are skippable

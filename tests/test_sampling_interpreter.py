@@ -11,7 +11,7 @@ import bik
 import pytest
 import sampling_cases as sc
 import torch
-from bik.kernels import cpu_sampling
+from bik.ops.sampling import cpu as cpu_sampling
 from conftest import INTERPRETER
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +29,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_philox_known_answers_and_random_words():
-    from bik.kernels.triton_sampling import run_noise_part
+    from bik.ops.sampling.triton import run_noise_part
 
     for counter, key, want in sc.philox_kat():
         got = run_noise_part("philox", torch.tensor([counter + key]), 1)
@@ -40,7 +40,7 @@ def test_philox_known_answers_and_random_words():
 
 
 def test_noise_bit_identical_to_cpu_on_every_u():
-    from bik.kernels.triton_sampling import run_noise_part
+    from bik.ops.sampling.triton import run_noise_part
 
     u = sc.all_units()
     got = run_noise_part("gumbel", u, u.numel())
@@ -49,7 +49,7 @@ def test_noise_bit_identical_to_cpu_on_every_u():
 
 
 def test_bik_log_bit_identical_to_cpu():
-    from bik.kernels.triton_sampling import run_noise_part
+    from bik.ops.sampling.triton import run_noise_part
 
     mant = (torch.arange(2**23, dtype=torch.int32) | (127 << 23)).view(torch.float32)
     for x in (mant * 2.0**-126, mant * 2.0**100):

@@ -3,9 +3,9 @@
 import bik
 import pytest
 import torch
-from bik.kernels import cpu
+from bik.runtime import cpu_ext
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU extension not built")
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
 
 def block(x, w_norm, w_up, bias):

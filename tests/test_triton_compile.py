@@ -2,7 +2,7 @@
 the per-block shared memory (triton.compile does not check it) and does not spill."""
 
 import pytest
-from bik.testing.compile_table import ARCHS, compile_all
+from triton_compile_table import ARCHS, compile_all
 
 pytest.importorskip("triton")
 

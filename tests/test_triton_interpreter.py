@@ -94,7 +94,7 @@ def test_same_suite_rejects_a_k_step_chosen_by_m(monkeypatch):
     same Triton program when BLOCK_K is picked by M (what M-bucketed tile tables risk)."""
     import dataclasses
 
-    from bik.kernels import triton_matmul
+    from bik.ops.matmul import triton as triton_matmul
 
     fixed = triton_matmul.matmul_config
     launch = triton_matmul.launch_matmul

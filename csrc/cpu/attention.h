@@ -1,6 +1,6 @@
 // CPU attention with a fixed KV split (bik::attention / bik::attention_varlen, backend "cpu").
 //
-// The spec is the Python reference, bik.kernels.cpu_attention.attention_cpu_reference; this
+// The spec is the Python reference, bik.ops.attention.reference.attention_cpu_reference; this
 // kernel gives its bits (tests/test_cpu_attention_kernel.py checks it bitwise). Per query row
 // (token at absolute position P of sequence b, query head h, KV head h / G) and per split
 // [lo, hi) = [j*SPLIT, min((j+1)*SPLIT, L)), j ascending, from a fresh state:

@@ -44,7 +44,7 @@
 //   Rows are independent; threads split rows only, as for rms_norm.
 //
 // attention (attention.h): the sequence written there, the bits of the Python reference
-//   (bik.kernels.cpu_attention.attention_cpu_reference); its dots are matmul tiles, so they
+//   (bik.ops.attention.reference.attention_cpu_reference); its dots are matmul tiles, so they
 //   run the matmul sequence above. Threads split (sequence, KV head, row block) work items.
 //
 // FP environment: each compute thread (the caller included, restored afterwards) runs with the

@@ -1,5 +1,5 @@
 // bik's Gumbel-max sampler on the CPU (contract: docs/design.md#sampler; this header is its
-// C++ implementation, mirrored bit for bit by python/bik/kernels/triton_sampling.py for the noise,
+// C++ implementation, mirrored bit for bit by python/bik/ops/sampling/triton.py for the noise,
 // the filters built from exact operations, and the pick).
 //
 // Noise for (seed, position, token id, stream):

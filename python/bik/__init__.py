@@ -10,7 +10,6 @@ Public API (see docs/api.md):
     bik.testing                                      -- the invariance harness
 """
 
-from bik._backend import BACKENDS, BackendUnavailableError
 from bik.fingerprint import Fingerprint, fingerprint
 from bik.mode import (
     BatchInvarianceWarning,
@@ -21,6 +20,7 @@ from bik.mode import (
     reset_mode_stats,
     set_batch_invariant_mode,
 )
+from bik.ops._registry import BACKENDS, BackendUnavailableError
 from bik.ops.attention import AttentionOutput, attention, attention_varlen, write_kv_cache
 from bik.ops.matmul import bmm, linear, matmul
 from bik.ops.reductions import log_softmax, mean, softmax

@@ -16,8 +16,9 @@ from typing import NamedTuple
 
 import torch
 
-from bik._backend import device_arch, resolve_backend
+from bik._arch import device_arch
 from bik.configs import config_table
+from bik.ops._registry import resolve_backend
 
 __all__ = ["OPS", "Fingerprint", "fingerprint"]
 
@@ -29,7 +30,7 @@ _PKG = Path(__file__).resolve().parent
 # bias and residual rounding) and every kernel launcher. The C++ sources are covered by the
 # hash the extension was compiled with (setup.py), so installed wheels are covered too; the CUDA
 # C++ sources (csrc/cuda, shipped as bik/_cuda_src) by their own hash.
-_NUMERIC_GLOBS = ("configs.py", "_backend.py", "ops/*.py", "kernels/*.py")
+_NUMERIC_GLOBS = ("configs.py", "_arch.py", "ops/*.py", "ops/*/*.py", "runtime/*.py")
 
 
 def numeric_sources() -> list[Path]:
@@ -56,14 +57,14 @@ def _version(dist: str) -> str:
 
 
 def _source_hash() -> str:
-    from bik.kernels import cpu
+    from bik.runtime import cpu_ext
 
     h = hashlib.sha256()
     for path in numeric_sources():
         h.update(path.relative_to(_PKG).as_posix().encode())
         h.update(path.read_bytes())
-    h.update(str(cpu.source_hash()).encode())
-    from bik.kernels import cuda_jit  # the CUDA C++ sources (csrc/cuda), as the JIT sees them
+    h.update(str(cpu_ext.source_hash()).encode())
+    from bik.runtime import cuda_jit  # the CUDA C++ sources (csrc/cuda), as the JIT sees them
 
     h.update(cuda_jit.sources_hash().encode())
     return h.hexdigest()[:16]
@@ -86,10 +87,10 @@ def fingerprint(device: torch.device | str | None = None) -> Fingerprint:
     config_hash = hashlib.sha256(
         json.dumps(config_table(), sort_keys=True).encode()
     ).hexdigest()[:16]
-    from bik.kernels import cpu
+    from bik.runtime import cpu_ext
 
     versions = {"bik": _version("bik"), "torch": torch.__version__, "triton": _version("triton"),
-                "cpu_contract": cpu.contract_version()}
+                "cpu_contract": cpu_ext.contract_version()}
     payload = json.dumps([arch, backends, config_hash, _source_hash(), versions], sort_keys=True)
     return Fingerprint(
         digest=hashlib.sha256(payload.encode()).hexdigest()[:16],

@@ -1,7 +1,7 @@
 // bik's real CUDA kernel sources compiled for the CPU (cuda_on_cpu.h's fiber execution model),
 // behind one entry point shaped like cuLaunchKernel: run_kernel(name, grid, block, args) where
 // args[i] points at the i-th parameter's value. tests/test_cuda_kernels_host.py routes
-// bik.kernels.cuda_jit.launch here, so the real launchers and ops run these kernels on CPU
+// bik.runtime.cuda_jit.launch here, so the real launchers and ops run these kernels on CPU
 // tensors. Every matmul and attention kernel runs; the 16-bit matmul's mma.sync is emulated by
 // cuda_on_cpu.h (fp64 sum, not the tensor core's bits) and its cp.async is a synchronous copy;
 // likewise the sm_90a kernels' wgmma (matmul_sm90.cu).

@@ -58,7 +58,7 @@ def _cuda_backend_rows(device: torch.device, plan: dict) -> list[dict]:
     not the default backend, so the suites above do not reach it)."""
     if device.type != "cuda":
         return []
-    from bik.kernels import cuda_jit
+    from bik.runtime import cuda_jit
 
     if not cuda_jit.available():
         return []

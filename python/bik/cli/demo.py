@@ -60,7 +60,7 @@ SCHEDULES = (("prefill", 96), ("chunks of 32", 32), ("verify K=8", 8), ("decode"
 def attention_rows(device: torch.device, dtype: torch.dtype) -> list[dict]:
     """One request's last-token attention output under four schedules: stock SDPA vs bik."""
     from bik.testing.attention import make_request, run_chunks
-    from bik.testing.references import sdpa_attention
+    from bik.testing.controls import sdpa_attention
 
     gen = torch.Generator().manual_seed(7)
     req = make_request(gen, 96, 8, 2, 64, dtype, device)

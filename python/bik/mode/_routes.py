@@ -15,7 +15,7 @@ import torch
 
 import bik.ops  # noqa: F401  (registers torch.ops.bik.*)
 from bik.ops._checks import SUPPORTED_DTYPES
-from bik.ops.attention import TRITON_HEAD_DIMS
+from bik.ops.attention.op import TRITON_HEAD_DIMS
 
 __all__ = ["HANDLERS", "AttentionLayout", "Fallback", "attention_layout"]
 

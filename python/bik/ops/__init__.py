@@ -2,7 +2,6 @@
 
 from bik.ops import (  # noqa: F401  (registration side effects)
     attention,
-    attention_backward,
     matmul,
     reductions,
     rms_norm,

@@ -2,7 +2,7 @@
 
 On CPU tensors torch's vectorised kernels may round a SIMD body and a scalar tail differently,
 which would let an element's bits depend on its position in the tensor (so on the batch). The
-CPU extension's exp2f (``kernels/cpu.unary_f32``) has no such split. On CUDA every element runs
+CPU extension's exp2f (:func:`unary_f32`) has no such split. On CUDA every element runs
 the same instruction sequence, so torch's kernels are used.
 """
 
@@ -10,28 +10,36 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["exp2_f32", "exp_f32"]
+from bik.runtime import cpu_ext
+
+__all__ = ["exp2_f32", "exp_f32", "unary_f32"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
-def _cpu_ext():
-    from bik.kernels import cpu
-
-    return cpu if cpu.available() else None
+def unary_f32(fn: str, x: torch.Tensor) -> torch.Tensor:
+    """exp2 or log2 of x elementwise via exp2f/log2f: each output a pure function of its input
+    value (torch's CPU kernels may round a SIMD body and a scalar tail differently)."""
+    ext = cpu_ext.require()
+    assert x.dtype == torch.float32
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    ext.unary_f32(x.data_ptr(), out.data_ptr(), x.numel(), fn)
+    return out
 
 
 def exp2_f32(x: torch.Tensor) -> torch.Tensor:
     """2**x for an fp32 tensor."""
-    ext = _cpu_ext() if x.device.type == "cpu" else None
-    return torch.exp2(x) if ext is None else ext.unary_f32("exp2", x)
+    if x.device.type != "cpu" or not cpu_ext.available():
+        return torch.exp2(x)
+    return unary_f32("exp2", x)
 
 
 def exp_f32(x: torch.Tensor) -> torch.Tensor:
     """e**x for an fp32 tensor, within about 1.5 ulp: x * log2(e) is formed in fp64 and split
     into hi (fp32) + lo, and e**x = 2**hi * (1 + lo * ln 2) (|lo| <= 2**-24 |hi|)."""
-    if x.device.type != "cpu" or _cpu_ext() is None:
+    if x.device.type != "cpu" or not cpu_ext.available():
         return torch.exp(x)
     t = x.double() * LOG2E
     hi = t.float()

@@ -2,7 +2,7 @@
 
 ``attn(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table) -> out`` is any function
 with :func:`bik.attention`'s calling convention (the tests pass bik's backends and the
-deliberately length-adaptive reference :func:`bik.testing.references.length_adaptive_attention`).
+deliberately length-adaptive reference :func:`bik.testing.controls.length_adaptive_attention`).
 Every comparison is of bit patterns (:func:`bik.testing.harness.same_bits`).
 """
 

@@ -1,0 +1,124 @@
+"""CPU attention with the fixed KV split size: the C++ kernel (csrc/cpu/attention.h).
+
+Its spec, with the same bits, is ``attention_cpu_reference`` (bik/ops/attention/reference.py):
+each split of a sequence's keys reduced from a fresh state, the splits folded in ascending
+order, so a token's bits do not depend on how its prompt was chunked, on the batch, or on the
+page size.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from bik.configs import CPU_ATTENTION_SPLIT
+from bik.runtime import cpu_ext
+
+__all__ = ["attention_cpu", "attention_f32", "cpu_keys"]
+
+LOG2E = 1.4426950408889634
+
+
+def attention_f32(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_offsets: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    split: int,
+    scale_log2e: float,
+    causal: bool,
+    num_threads: int | None = None,
+    isa: str = "auto",
+) -> None:
+    """Fixed-split attention (csrc/cpu/attention.h), the bits of ``attention_cpu_reference``.
+
+    q: fp32 [total_q, Hq, D], unit stride along D. k, v: fp32, unit stride along D, the same
+    strides; key t of sequence b, KV head h starts at element
+    ``key_offsets[cu_k[b] + t] + h * k.stride(-2)`` of each (so pages may lie anywhere).
+    key_offsets [cu_k[B]], cu_q [B + 1], cu_k [B + 1]: int64 contiguous, already checked
+    (cu_k[b+1] - cu_k[b] >= the q_len of b, every offset inside k). out: fp32 [total_q, Hq, D]
+    and lse: fp32 [total_q, Hq], contiguous. ``scale_log2e`` is rounded to fp32. num_threads
+    (default torch.get_num_threads()) and ``isa`` change speed only.
+    """
+    ext = cpu_ext.require()
+    if not hasattr(ext, "attention_f32"):
+        raise RuntimeError("bik's CPU extension predates attention_f32; rebuild it (`python "
+                           "setup.py build_ext --inplace` in a checkout, or reinstall bik)")
+    total_q, hq, d = q.shape
+    hkv = k.shape[-2]
+    assert q.dtype == k.dtype == v.dtype == out.dtype == lse.dtype == torch.float32
+    assert k.stride() == v.stride() and (d <= 1 or (q.stride(2) == 1 and k.stride(-1) == 1))
+    assert out.shape == q.shape and out.is_contiguous() and lse.shape == (total_q, hq)
+    assert lse.is_contiguous() and hq % hkv == 0 and cu_q.shape == cu_k.shape
+    for t in (key_offsets, cu_q, cu_k):
+        assert t.dtype == torch.int64 and t.is_contiguous()
+    ext.attention_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
+        key_offsets.data_ptr(), k.stride(-2), cu_q.data_ptr(), cu_k.data_ptr(),
+        cu_k.shape[0] - 1, hq, hkv, d, split, float(scale_log2e), bool(causal),
+        out.data_ptr(), lse.data_ptr(),
+        torch.get_num_threads() if num_threads is None else num_threads, isa,
+    )  # fmt: skip
+
+
+def cpu_keys(k: torch.Tensor, v: torch.Tensor, seqlens_k: list[int], *,
+             table: torch.Tensor | None, base: torch.Tensor | None):
+    """(k32, v32, key_offsets) for :func:`attention_cpu`, from the inputs of
+    :func:`reference_keys`: key t of sequence b at element ``key_offsets[cu_k[b] + t]`` of
+    k32/v32 (cu_k the prefix sums of seqlens_k), computed for all sequences at once. fp32
+    inputs are read in place (the kernel follows the offsets page by page); 16-bit ones are
+    gathered in one index op into fp32 [sum(seqlens_k), Hkv, D] (exact copies)."""
+    wide = k.dtype == torch.float32
+    n_seq, max_len = len(seqlens_k), max(seqlens_k, default=0)
+    pos = torch.arange(max_len)
+    if table is not None:  # [B, max_len]: each sequence's keys, as offsets (fp32) or rows
+        block, pages = k.shape[1], -(-max_len // k.shape[1])
+        page = table[:, :pages].long() * (k.stride(0) if wide else block)
+        within = torch.arange(block) * (k.stride(1) if wide else 1)
+        at = (page[:, :, None] + within).view(n_seq, pages * block)[:, :max_len]
+    elif wide:
+        at = base.long()[:, None] + pos * k.stride(-3)
+    elif k.dim() == 4:
+        at = (torch.arange(n_seq) * k.shape[1])[:, None] + pos
+    else:
+        at = (base.long() // k.stride(0))[:, None] + pos
+    if min(seqlens_k, default=0) == max_len:
+        at = at.reshape(-1)
+    else:
+        at = at[pos < torch.tensor(seqlens_k)[:, None]]
+    if wide:
+        return k, v, at
+    hkv, d = k.shape[-2], k.shape[-1]
+    k32 = k.reshape(-1, hkv, d).index_select(0, at).float()
+    v32 = v.reshape(-1, hkv, d).index_select(0, at).float()
+    return k32, v32, torch.arange(at.shape[0]) * (hkv * d)
+
+
+def attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                  key_offsets: torch.Tensor, cu_q: list[int], seqlens_k: list[int],
+                  scale: float, causal: bool, num_threads: int | None = None):
+    """The C++ kernel, with the bits of :func:`attention_cpu_reference`.
+
+    q [total_q, Hq, D] (fp32/bf16/fp16); k, v and key_offsets from :func:`cpu_keys`. Lengths
+    are checked by the op. Returns (out [total_q, Hq, D] in q.dtype, lse [total_q, Hq] fp32,
+    natural log). num_threads (default torch.get_num_threads()) changes speed only.
+    """
+    total_q, hq, d = q.shape
+    q32 = q.float()
+    if q32.stride(-1) != 1:
+        q32 = q32.contiguous()
+    out = torch.empty((total_q, hq, d), dtype=torch.float32)
+    lse = torch.empty((total_q, hq), dtype=torch.float32)
+    if total_q:
+        cu_k = [0, *itertools.accumulate(seqlens_k)]
+        attention_f32(
+            q32, k, v, key_offsets, torch.tensor(cu_q, dtype=torch.int64),
+            torch.tensor(cu_k, dtype=torch.int64), out, lse, split=CPU_ATTENTION_SPLIT,
+            scale_log2e=scale * LOG2E, causal=causal, num_threads=num_threads)
+    return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse

@@ -1,0 +1,111 @@
+"""Launcher for the CUDA C++ attention (csrc/cuda/attention.cu), same contract as Triton's.
+
+Same calling convention as :func:`bik.ops.attention.triton.launch_attention`. Bits are
+fixed by :func:`bik.configs.cuda_attention_config` (split size, keys per block) and the
+absolute key positions; the packing of rows into programs (``gh`` heads x ``block_t`` tokens),
+the number of head slices and the launch mode (FOLD or SPLIT + merge) decide speed only
+(csrc/cuda/attention_plan.cuh explains why).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from bik._arch import device_arch
+from bik.configs import CUDA_ATTENTION_HEAD_DIMS, CudaAttentionConfig, cuda_attention_config
+
+__all__ = ["AttentionLaunch", "launch_attention", "plan_attention"]
+
+LOG2E = 1.4426950408889634
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class AttentionLaunch(NamedTuple):
+    config: CudaAttentionConfig
+    kernel: str
+    gh: int  # query heads per program (of the G sharing a KV head)
+    block_t: int  # query tokens per program
+    n_splits: int  # splits of the longest sequence
+    split_mode: bool
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+
+
+def use_split_mode(total_q: int, num_heads_q: int, n_splits: int) -> bool:
+    """Decode/verify-sized work spreads the splits over programs (bits are equal either way)."""
+    return n_splits > 1 and total_q * num_heads_q * n_splits <= (1 << 20)
+
+
+def plan_attention(dtype: torch.dtype, *, n_seq: int, total_q: int, hq: int, hkv: int, d: int,
+                   max_q_len: int, max_k_len: int, arch: str,
+                   split_mode: bool | None = None) -> AttentionLaunch:
+    if d not in CUDA_ATTENTION_HEAD_DIMS:
+        raise ValueError(f"bik: backend='cuda' attention supports head_dim in "
+                         f"{CUDA_ATTENTION_HEAD_DIMS}, got {d}")
+    g = hq // hkv
+    cfg = cuda_attention_config(dtype, d, g, arch)
+    gh = min(g, cfg.rows)
+    block_t = cfg.rows // gh
+    slices = -(-g // gh)
+    n_splits = max(1, -(-max_k_len // cfg.split))
+    split = use_split_mode(total_q, hq, n_splits) if split_mode is None else bool(split_mode)
+    tiles = max(1, -(-max_q_len // block_t))
+    if tiles > 65535 or n_splits > 65535:
+        raise ValueError(f"bik: backend='cuda' attention: q_len {max_q_len} / {max_k_len} keys "
+                         f"exceed the launch grid")
+    grid = (n_seq * hkv * slices, tiles, n_splits if split else 1)
+    return AttentionLaunch(cfg, f"{cfg.kernel}_d{d}", gh, block_t, n_splits, split, grid,
+                           (cfg.threads, 1, 1))
+
+
+def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_size,
+                     stride_page: int, stride_tok: int, max_q_len: int, max_k_len: int,
+                     scale: float, causal: bool, split_mode: bool | None = None) -> None:
+    """Run the kernel(s) on torch's current stream. Key ``pos`` of sequence b lives at element
+    ``table[b, pos // block_size] * stride_page + (pos % block_size) * stride_tok`` (paged) or
+    ``base[b] + pos * stride_tok``, plus ``h * k.stride(-2) + d``; v likewise.
+
+    ``cu_q`` int32 [B+1], ``seqlens_k`` int32 [B], ``table`` int32 [B, max_pages] or None,
+    ``base`` int64 [B] when ``table`` is None. q and k/v need unit stride along head_dim.
+    """
+    from bik.runtime import cuda_jit
+
+    total_q, hq, d = q.shape
+    hkv = k.shape[-2]
+    n_seq = seqlens_k.shape[0]
+    if total_q == 0 or n_seq == 0:
+        return
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or out.stride(-1) != 1 or not lse.is_contiguous():
+        raise ValueError("bik: backend='cuda' attention needs unit stride along head_dim")
+    plan = plan_attention(q.dtype, n_seq=n_seq, total_q=total_q, hq=hq, hkv=hkv, d=d,
+                          max_q_len=max_q_len, max_k_len=max_k_len, arch=device_arch(q.device),
+                          split_mode=split_mode)
+    paged = table is not None
+    table = table.to(torch.int32).contiguous() if paged else None
+    base = None if paged else base.to(torch.int64).contiguous()
+    cu_q = cu_q.to(torch.int32).contiguous()
+    seqlens_k = seqlens_k.to(torch.int32).contiguous()
+    if plan.split_mode:
+        pacc = torch.empty((plan.n_splits, total_q, hq, d), dtype=torch.float32, device=q.device)
+        pml = torch.empty((plan.n_splits, 2, total_q, hq), dtype=torch.float32, device=q.device)
+    else:
+        pacc = pml = None
+    i32, i64 = cuda_jit.i32, cuda_jit.i64
+    kernel = cuda_jit.get_kernel("attention", plan.kernel, q.device)
+    cuda_jit.launch(
+        kernel, plan.grid, plan.block, 0, q, k, v, out, lse, pacc, pml, cu_q, seqlens_k, table,
+        base, i64(q.stride(0)), i64(q.stride(1)), i64(out.stride(0)), i64(out.stride(1)),
+        i64(table.stride(0) if paged else 0), i64(stride_page), i64(stride_tok),
+        i64(k.stride(-2)), i32(block_size), i32(total_q), i32(hq), i32(hkv), i32(plan.gh),
+        i32(plan.block_t), cuda_jit.f32(scale * LOG2E), i32(plan.config.split), i32(int(causal)),
+        i32(int(not plan.split_mode)), device=q.device)
+    if plan.split_mode:
+        merge = cuda_jit.get_kernel("attention", "bik_attention_merge", q.device)
+        cuda_jit.launch(
+            merge, (total_q, hq, 1), (d, 1, 1), 0, pacc, pml, out, lse, cu_q, seqlens_k,
+            i32(n_seq), i64(out.stride(0)), i64(out.stride(1)), i32(total_q), i32(hq), i32(d),
+            i32(plan.config.split), i32(int(causal)), i32(_OUT_KIND[out.dtype]),
+            device=q.device)
+

@@ -1,0 +1,49 @@
+"""CPU launcher of the fixed-order fp32 matmul (csrc/cpu/contract.h in ``bik._cpu_kernels``)."""
+
+from __future__ import annotations
+
+import torch
+
+from bik.runtime import cpu_ext
+
+__all__ = ["matmul_f32"]
+
+
+def matmul_f32(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    num_threads: int | None = None,
+    isa: str = "auto",
+    block_k: int = 0,
+    block_n: int = 0,
+) -> None:
+    """out[M, N] = a[M, K] @ b[K, N] (+ bias[N]), fp32, in fixed k-ascending order.
+
+    a, b: fp32 CPU tensors with any strides (transposed, sliced, expanded); ``b`` may be a
+    ``weight.t()`` view and is read without a copy. bias: fp32 [N] contiguous or None.
+    out: fp32 [M, N] contiguous, preallocated, not overlapping the inputs. Each out[m, n] is
+    the contract's sequence (acc = acc + a[m,k]*b[k,n], k ascending, no FMA, then + bias[n]),
+    so its bits do not depend on M, on m, on num_threads (default torch.get_num_threads()),
+    on ``isa`` (SIMD path) or on ``block_k``/``block_n`` (cache blocking, 0 = auto): those
+    three knobs change speed only and exist for tests and tuning.
+    """
+    ext = cpu_ext.require()
+    M, K = a.shape
+    K2, N = b.shape
+    assert K == K2 and out.shape == (M, N) and out.is_contiguous()
+    assert a.dtype == b.dtype == out.dtype == torch.float32
+    if bias is not None:
+        assert bias.shape == (N,) and bias.dtype == torch.float32 and bias.is_contiguous()
+    if M == 0 or N == 0:
+        return
+    ext.matmul_f32(
+        a.data_ptr(), a.stride(0), a.stride(1),
+        b.data_ptr(), b.stride(0), b.stride(1),
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(), N, M, N, K,
+        torch.get_num_threads() if num_threads is None else num_threads,
+        isa, block_k, block_n,
+    )  # fmt: skip

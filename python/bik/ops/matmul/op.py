@@ -1,0 +1,240 @@
+"""bik::matmul and bik::bmm: matrix products whose rows do not depend on the batch.
+
+Contract (docs/design.md#matmul): for every output element the K reduction runs in one
+fixed order that depends on (dtype, N, K, arch, backend) and never on M, on the row's
+position, or on what else is in the batch. fp32 inputs run as IEEE fp32, never TF32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bik.ops._checks import (
+    check_float_dtype,
+    check_out_dtype,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
+from bik.ops._registry import require_backend, resolve_backend
+
+__all__ = ["bmm", "linear", "matmul"]
+
+torch.library.define(
+    "bik::matmul",
+    "(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype, str backend) -> Tensor",
+)
+torch.library.define(
+    "bik::bmm", "(Tensor a, Tensor b, ScalarType? out_dtype, str backend) -> Tensor"
+)
+
+
+def _check_mm(op: str, a, b, bias, out_dtype, a_rank: int = 2) -> torch.dtype:
+    """Validate a 2-D (or batched 3-D) product; return the output dtype."""
+    check_tensor(op, "a", a, a_rank)
+    check_tensor(op, "b", b, a_rank)
+    check_float_dtype(op, "a", a)
+    check_same_dtype(op, ("a", "b"), a, b)
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(
+            f"{op}: a {list(a.shape)} and b {list(b.shape)} disagree on K "
+            f"({a.shape[-1]} vs {b.shape[-2]})"
+        )
+    if a_rank == 3 and a.shape[0] != b.shape[0]:
+        raise ValueError(
+            f"{op}: a {list(a.shape)} and b {list(b.shape)} disagree on the batch size"
+        )
+    if bias is not None:
+        check_tensor(op, "bias", bias, 1)
+        check_float_dtype(op, "bias", bias)
+        if bias.shape[0] != b.shape[-1]:
+            raise ValueError(f"{op}: bias {list(bias.shape)} does not match N = {b.shape[-1]}")
+    check_same_device(op, a=a, b=b, bias=bias)
+    return check_out_dtype(op, out_dtype, a.dtype)
+
+
+def _cpu_mm_into(a, b, bias, out32) -> None:
+    from bik.ops.matmul.cpu import matmul_f32
+
+    # Upcasting bf16/fp16 to fp32 is exact, so the fixed fp32 order is the whole contract.
+    matmul_f32(a.float(), b.float(), None if bias is None else bias.float().contiguous(), out32)
+
+
+@torch.library.impl("bik::matmul", ("cpu", "cuda"))
+def _matmul_impl(a, b, bias, out_dtype, backend):
+    op = "bik.matmul"
+    out_dtype = _check_mm(op, a, b, bias, out_dtype)
+    require_backend(op, backend, a.device)
+    m, n = a.shape[0], b.shape[1]
+    if backend == "cpu":
+        out = torch.empty((m, n), dtype=torch.float32, device=a.device)
+        _cpu_mm_into(a, b, bias, out)
+        return out.to(out_dtype)
+    if backend == "cuda":
+        from bik.ops.matmul.cuda import launch_matmul
+    else:
+        from bik.ops.matmul.triton import launch_matmul
+
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    launch_matmul(a.unsqueeze(0), b.unsqueeze(0), bias, out.unsqueeze(0))
+    return out
+
+
+@torch.library.register_fake("bik::matmul")
+def _matmul_fake(a, b, bias, out_dtype, backend):
+    out_dtype = _check_mm("bik.matmul", a, b, bias, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.impl("bik::bmm", ("cpu", "cuda"))
+def _bmm_impl(a, b, out_dtype, backend):
+    op = "bik.bmm"
+    out_dtype = _check_mm(op, a, b, None, out_dtype, a_rank=3)
+    require_backend(op, backend, a.device)
+    nb, m, n = a.shape[0], a.shape[1], b.shape[2]
+    if backend == "cpu":
+        out = torch.empty((nb, m, n), dtype=torch.float32, device=a.device)
+        for i in range(nb):
+            _cpu_mm_into(a[i], b[i], None, out[i])
+        return out.to(out_dtype)
+    if backend == "cuda":  # one launch: the batch is folded into the grid
+        from bik.ops.matmul.cuda import launch_matmul
+    else:
+        from bik.ops.matmul.triton import launch_matmul
+
+    out = torch.empty((nb, m, n), dtype=out_dtype, device=a.device)
+    launch_matmul(a, b, None, out)
+    return out
+
+
+@torch.library.register_fake("bik::bmm")
+def _bmm_fake(a, b, out_dtype, backend):
+    out_dtype = _check_mm("bik.bmm", a, b, None, out_dtype, a_rank=3)
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype)
+
+
+# ---- backward (docs/design.md#backward): built only from bik ops, so every backend keeps
+# bik's fixed orders. grad_a = g @ b^T is row-invariant like the forward; grad_b = a^T @ g and
+# grad_bias = ones[1, M] @ g reduce over the rows in the K order of bik::matmul (fixed for a
+# given M, ascending row index on the CPU backend) -- deterministic, not batch-invariant.
+
+def _operands(g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype):
+    """g and x in one dtype for a bik product: as they are when g already has x's dtype
+    (``dtype``), else both upcast to fp32 (exact), so accumulation is fp32 either way."""
+    g = g.contiguous()  # an upstream gradient may be expanded (stride 0)
+    if g.dtype == dtype:
+        return g, x
+    return g.float(), x.float()
+
+
+def _matmul_setup(ctx, inputs, output):
+    a, b, bias, out_dtype, backend = inputs
+    del output, out_dtype
+    ctx.save_for_backward(a, b)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.backend = backend
+
+
+def _matmul_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    need_a, need_b, need_bias = ctx.needs_input_grad[:3]
+    mm = torch.ops.bik.matmul
+    grad_a = grad_b = grad_bias = None
+    if need_a:
+        g, bt = _operands(grad, b.t(), a.dtype)
+        grad_a = mm(g, bt, None, a.dtype, ctx.backend)
+    if need_b:
+        g, at = _operands(grad, a.t(), b.dtype)
+        grad_b = mm(at, g, None, b.dtype, ctx.backend)
+    if need_bias:
+        g = grad.contiguous()
+        ones = g.new_ones((1, g.shape[0]))  # ones * g is exact: a fixed-order column sum
+        grad_bias = mm(ones, g, None, ctx.bias_dtype, ctx.backend).reshape(g.shape[1])
+    return grad_a, grad_b, grad_bias, None, None
+
+
+def _bmm_setup(ctx, inputs, output):
+    a, b, out_dtype, backend = inputs
+    del output, out_dtype
+    ctx.save_for_backward(a, b)
+    ctx.backend = backend
+
+
+def _bmm_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[:2]
+    grad_a = grad_b = None
+    if need_a:
+        g, bt = _operands(grad, b.transpose(1, 2), a.dtype)
+        grad_a = torch.ops.bik.bmm(g, bt, a.dtype, ctx.backend)
+    if need_b:
+        g, at = _operands(grad, a.transpose(1, 2), b.dtype)
+        grad_b = torch.ops.bik.bmm(at, g, b.dtype, ctx.backend)
+    return grad_a, grad_b, None, None
+
+
+torch.library.register_autograd("bik::matmul", _matmul_backward, setup_context=_matmul_setup)
+torch.library.register_autograd("bik::bmm", _bmm_backward, setup_context=_bmm_setup)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant ``a @ b (+ bias)``.
+
+    Args:
+        a: [..., K]; every leading dim is a row (a 1-D a is one row). bf16, fp16 or fp32.
+        b: [K, N], same dtype as a, any strides (``weight.t()`` of an nn.Linear needs no copy).
+        bias: optional [N], any supported dtype; added in fp32 before the final cast.
+        out_dtype: output dtype (default a.dtype). Accumulation is always fp32.
+        backend: "triton", "cpu" or None (CUDA tensor -> "triton", CPU tensor -> "cpu").
+
+    Returns:
+        [..., N]. Each output row's bits depend only on that row of ``a``, on ``b``/``bias``,
+        and on the kernel configuration (see :func:`bik.fingerprint`), never on how many
+        other rows are in ``a`` or where the row sits. fp32 runs as IEEE fp32, never TF32.
+    """
+    op = "bik.matmul"
+    check_tensor(op, "a", a)
+    check_tensor(op, "b", b, 2)
+    if a.dim() == 0:
+        raise ValueError(f"{op}: a must have at least 1 dim, got a 0-D tensor")
+    if a.shape[-1] != b.shape[0]:
+        raise ValueError(
+            f"{op}: a {list(a.shape)} and b {list(b.shape)} disagree on K "
+            f"({a.shape[-1]} vs {b.shape[0]})"
+        )
+    check_out_dtype(op, out_dtype, a.dtype)
+    backend = resolve_backend(op, backend, a.device)
+    if a.dim() == 2:
+        return torch.ops.bik.matmul(a, b, bias, out_dtype, backend)
+    rows = math.prod(a.shape[:-1])  # not reshape(-1, K): K may be 0
+    out = torch.ops.bik.matmul(a.reshape(rows, a.shape[-1]), b, bias, out_dtype, backend)
+    return out.reshape(*a.shape[:-1], b.shape[1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant ``F.linear``: x [..., K], weight [N, K] (no copy), bias [N] -> [..., N].
+
+    Same contract as :func:`matmul` (it is ``matmul(x, weight.t(), bias)``).
+    """
+    op = "bik.linear"
+    check_tensor(op, "x", x)
+    check_tensor(op, "weight", weight, 2)
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{op}: x {list(x.shape)} and weight {list(weight.shape)} disagree on "
+                         f"K (x's last dim must equal weight.shape[1])")
+    return matmul(x, weight.t(), bias, out_dtype=out_dtype, backend=backend)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None,
+        backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant ``torch.bmm``: a [B, M, K] @ b [B, K, N] -> [B, M, N].
+
+    Every row of every batch entry has bits independent of M and of B.
+    """
+    check_tensor("bik.bmm", "a", a, 3)
+    backend = resolve_backend("bik.bmm", backend, a.device)
+    return torch.ops.bik.bmm(a, b, out_dtype, backend)

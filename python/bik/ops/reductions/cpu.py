@@ -1,0 +1,44 @@
+"""CPU launchers of the fixed-order fp32 softmax / log_softmax and mean (csrc/cpu/reductions.h)."""
+
+from __future__ import annotations
+
+import torch
+
+from bik.runtime import cpu_ext
+
+__all__ = ["mean_f32", "softmax_f32"]
+
+
+def softmax_f32(x: torch.Tensor, out: torch.Tensor, *, log: bool = False,
+                num_threads: int | None = None) -> None:
+    """out[M, N] = softmax (log_softmax when ``log``) of each row of x[M, N], fp32.
+
+    x: fp32 with unit stride along N (any row stride); out: fp32 [M, N] contiguous. The row sum
+    of exp(x - max) is the contract's 16-lane sum, so each row's bits do not depend on M, its
+    position or num_threads.
+    """
+    ext = cpu_ext.require()
+    M, N = x.shape
+    assert out.shape == (M, N) and out.is_contiguous()
+    assert x.dtype == out.dtype == torch.float32
+    if M == 0 or N == 0:
+        return
+    assert x.stride(1) == 1 or N == 1
+    ext.softmax_f32(x.data_ptr(), x.stride(0), out.data_ptr(), N, M, N, bool(log),
+                    torch.get_num_threads() if num_threads is None else num_threads)
+
+
+def mean_f32(x: torch.Tensor, out: torch.Tensor, *, num_threads: int | None = None) -> None:
+    """out[M] = mean of each row of x[M, N] (N >= 1), fp32, with the contract's 16-lane sum.
+
+    x: fp32 with unit stride along N (any row stride); out: fp32 [M] contiguous.
+    """
+    ext = cpu_ext.require()
+    M, N = x.shape
+    assert out.shape == (M,) and out.is_contiguous() and N >= 1
+    assert x.dtype == out.dtype == torch.float32
+    if M == 0:
+        return
+    assert x.stride(1) == 1 or N == 1
+    ext.mean_f32(x.data_ptr(), x.stride(0), out.data_ptr(), M, N,
+                 torch.get_num_threads() if num_threads is None else num_threads)

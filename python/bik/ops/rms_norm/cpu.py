@@ -1,0 +1,38 @@
+"""CPU launcher of the fixed-order fp32 RMSNorm (csrc/cpu/contract.h in ``bik._cpu_kernels``)."""
+
+from __future__ import annotations
+
+import torch
+
+from bik.runtime import cpu_ext
+
+__all__ = ["rms_norm_f32"]
+
+
+def rms_norm_f32(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    *,
+    num_threads: int | None = None,
+    isa: str = "auto",
+) -> None:
+    """out[M, H] = rms_norm(x[M, H]) * weight[H], fp32, with the contract's 16-lane sum.
+
+    x: fp32 with unit stride along H (any row stride); weight: fp32 [H] contiguous;
+    out: fp32 [M, H] contiguous. eps is rounded to fp32. Rows are independent, so each row's
+    bits do not depend on M, its position, num_threads or ``isa``.
+    """
+    ext = cpu_ext.require()
+    M, H = x.shape
+    assert out.shape == (M, H) and out.is_contiguous() and weight.shape == (H,)
+    assert x.dtype == weight.dtype == out.dtype == torch.float32 and weight.is_contiguous()
+    if M == 0 or H == 0:
+        return
+    assert x.stride(1) == 1 or H == 1
+    ext.rms_norm_f32(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), H, M, H, float(eps),
+        torch.get_num_threads() if num_threads is None else num_threads,
+        isa,
+    )  # fmt: skip

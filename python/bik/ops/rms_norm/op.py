@@ -1,0 +1,225 @@
+"""bik::rms_norm and bik::fused_add_rms_norm with a fixed reduction tiling over the hidden dim.
+
+Contract (docs/design.md#rmsnorm): y = (h * rstd) * weight with rstd = 1/sqrt(mean(h^2) + eps),
+computed in fp32 and cast to the input dtype; the sum of squares of a row is reduced in one
+order fixed by (hidden size, arch, backend), never by the number of rows. With a residual,
+h = x + residual is rounded to the input dtype, normalised, and returned as the new residual.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bik.ops._checks import (
+    check_eps,
+    check_float_dtype,
+    check_same_device,
+    check_tensor,
+)
+from bik.ops._registry import require_backend, resolve_backend
+
+__all__ = ["rms_norm"]
+
+torch.library.define("bik::rms_norm", "(Tensor x, Tensor weight, float eps, str backend) -> Tensor")
+torch.library.define(
+    "bik::fused_add_rms_norm",
+    "(Tensor x, Tensor residual, Tensor weight, float eps, str backend) -> (Tensor, Tensor)",
+)
+
+
+def _check_norm(op: str, x, weight, eps, residual=None) -> None:
+    check_tensor(op, "x", x, 2)
+    check_tensor(op, "weight", weight, 1)
+    check_float_dtype(op, "x", x)
+    check_float_dtype(op, "weight", weight)
+    if weight.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"{op}: weight {list(weight.shape)} does not match the hidden size of x "
+            f"{list(x.shape)}"
+        )
+    if residual is not None:
+        check_tensor(op, "residual", residual, 2)
+        if residual.shape != x.shape:
+            raise ValueError(f"{op}: residual {list(residual.shape)} must match x {list(x.shape)}")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"{op}: residual ({residual.dtype}) must have x's dtype ({x.dtype})")
+    check_eps(op, eps)
+    check_same_device(op, x=x, weight=weight, residual=residual)
+
+
+def _add_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    # Elementwise, so batch-invariant; rounded to x.dtype exactly as the Triton kernel does.
+    # contiguous: the returned h must match the fake's layout whatever x's strides are.
+    return (x.float() + residual.float()).to(x.dtype).contiguous()
+
+
+def _cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from bik.ops.rms_norm.cpu import rms_norm_f32
+
+    x32 = x.float()
+    if x32.shape[1] > 1 and x32.stride(1) != 1:
+        x32 = x32.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    rms_norm_f32(x32, weight.float().contiguous(), float(eps), out)
+    return out.to(x.dtype)
+
+
+def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
+
+
+def _gpu_launcher(backend: str):
+    """The launcher of backend "triton" or "cuda" (the CUDA C++ kernel, whose bits equal the
+    CPU backend's); both take (x, weight, eps, out, residual=None, h_out=None)."""
+    if backend == "cuda":
+        from bik.ops.rms_norm.cuda import launch_rms_norm
+    else:
+        from bik.ops.rms_norm.triton import launch_rms_norm
+    return launch_rms_norm
+
+
+@torch.library.impl("bik::rms_norm", ("cpu", "cuda"))
+def _rms_norm_impl(x, weight, eps, backend):
+    op = "bik.rms_norm"
+    _check_norm(op, x, weight, eps)
+    require_backend(op, backend, x.device)
+    if backend == "cpu":
+        return _cpu_rms_norm(x, weight, eps)
+    launch_rms_norm = _gpu_launcher(backend)
+    x = _unit_stride_rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    launch_rms_norm(x, weight.contiguous(), float(eps), out)
+    return out
+
+
+@torch.library.register_fake("bik::rms_norm")
+def _rms_norm_fake(x, weight, eps, backend):
+    _check_norm("bik.rms_norm", x, weight, eps)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.impl("bik::fused_add_rms_norm", ("cpu", "cuda"))
+def _fused_add_rms_norm_impl(x, residual, weight, eps, backend):
+    op = "bik.rms_norm"
+    _check_norm(op, x, weight, eps, residual)
+    require_backend(op, backend, x.device)
+    if backend == "cpu":
+        h = _add_residual(x, residual)
+        return _cpu_rms_norm(h, weight, eps), h
+    launch_rms_norm = _gpu_launcher(backend)
+    x, residual = _unit_stride_rows(x), _unit_stride_rows(residual)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    launch_rms_norm(x, weight.contiguous(), float(eps), out, residual=residual, h_out=h)
+    return out, h
+
+
+@torch.library.register_fake("bik::fused_add_rms_norm")
+def _fused_add_rms_norm_fake(x, residual, weight, eps, backend):
+    _check_norm("bik.rms_norm", x, weight, eps, residual)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+# ---- backward (docs/design.md#backward): fp32, built only from bik ops and correctly rounded
+# elementwise ops (+ - * / sqrt: the same bits in a SIMD body and a scalar tail), so a row's
+# grad_x depends only on that row, its upstream gradient and the weight. With xhat = x * rstd:
+#   grad_x = rstd * (g*w - xhat * mean(g*w*xhat)) = rstd * (g*w - x * rstd^2 * mean(g*w*x))
+#   grad_w = sum over rows of g * xhat   (ones[1, M] @ ...: fixed order, not batch-invariant)
+# rstd is recomputed with bik::mean (its last bit may differ from the forward kernel's).
+
+def _rms_norm_grads(x, weight, eps, backend, grad, need_x, need_w):
+    x32, g32, w32 = x.float(), grad.float(), weight.float()
+    mean = torch.ops.bik.mean
+    rstd = 1.0 / torch.sqrt(mean(x32 * x32, [1], True, torch.float32, backend) + eps)
+    xhat = x32 * rstd
+    grad_x = grad_w = None
+    if need_x:
+        gw = g32 * w32
+        dot = mean(gw * xhat, [1], True, torch.float32, backend)  # [M, 1]
+        grad_x = rstd * (gw - xhat * dot)
+    if need_w:
+        terms = (g32 * xhat).contiguous()
+        ones = terms.new_ones((1, terms.shape[0]))  # ones * t is exact: a fixed-order sum
+        grad_w = torch.ops.bik.matmul(ones, terms, None, weight.dtype, backend)
+        grad_w = grad_w.reshape(weight.shape)
+    return grad_x, grad_w
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps, backend = inputs
+    del output
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.backend = eps, backend
+
+
+def _rms_norm_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    grad_x, grad_w = _rms_norm_grads(x, weight, ctx.eps, ctx.backend, grad, need_x, need_w)
+    return None if grad_x is None else grad_x.to(x.dtype), grad_w, None, None
+
+
+def _fused_setup(ctx, inputs, output):
+    _, _, weight, eps, backend = inputs
+    ctx.save_for_backward(output[1], weight)  # h = x + residual as rounded and normalised
+    ctx.eps, ctx.backend = eps, backend
+
+
+def _fused_backward(ctx, grad_out, grad_h):
+    h, weight = ctx.saved_tensors
+    need_x, need_r, need_w = ctx.needs_input_grad[:3]
+    grad_hn, grad_w = _rms_norm_grads(h, weight, ctx.eps, ctx.backend, grad_out,
+                                      need_x or need_r, need_w)
+    grad_x = grad_r = None
+    if need_x or need_r:
+        # h's rounding is taken as the identity: d h / d x = d h / d residual = 1.
+        total = grad_hn if grad_h is None else grad_hn + grad_h.float()
+        total = total.to(h.dtype)
+        grad_x = total if need_x else None
+        grad_r = (total.clone() if need_x else total) if need_r else None
+    return grad_x, grad_r, grad_w, None, None
+
+
+torch.library.register_autograd("bik::rms_norm", _rms_norm_backward,
+                                setup_context=_rms_norm_setup)
+torch.library.register_autograd("bik::fused_add_rms_norm", _fused_backward,
+                                setup_context=_fused_setup)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+             residual: torch.Tensor | None = None, backend: str | None = None):
+    """Batch-invariant RMSNorm over the last dim, optionally fused with the residual add.
+
+    Args:
+        x: [..., H], bf16/fp16/fp32. Every leading dim is a row.
+        weight: [H], any supported dtype (used in fp32).
+        eps: finite, >= 0.
+        residual: optional, same shape and dtype as x.
+        backend: "triton", "cpu", "cuda" (CUDA C++, bit-identical to "cpu") or None (by
+            device).
+
+    Returns:
+        ``out`` (x's shape and dtype) without a residual; ``(out, h)`` with one, where
+        ``h = x + residual`` rounded to x.dtype and ``out = rms_norm(h)``. Each row's bits depend
+        only on that row, weight, eps and the kernel configuration (see :func:`bik.fingerprint`).
+        A row containing NaN or inf gives NaN for that row only (inf makes mean(h^2) inf).
+    """
+    op = "bik.rms_norm"
+    check_tensor(op, "x", x)
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least 1 dim, got a 0-D tensor")
+    backend = resolve_backend(op, backend, x.device)
+    rows = math.prod(x.shape[:-1])  # not reshape(-1, H): H may be 0
+    x2 = x.reshape(rows, x.shape[-1])
+    if residual is None:
+        return torch.ops.bik.rms_norm(x2, weight, eps, backend).reshape(x.shape)
+    check_tensor(op, "residual", residual)
+    if residual.shape != x.shape:
+        raise ValueError(f"{op}: residual {list(residual.shape)} must match x {list(x.shape)}")
+    out, h = torch.ops.bik.fused_add_rms_norm(
+        x2, residual.reshape(rows, x.shape[-1]), weight, eps, backend
+    )
+    return out.reshape(x.shape), h.reshape(x.shape)

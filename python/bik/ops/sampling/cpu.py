@@ -1,0 +1,69 @@
+"""Launcher for the CPU Gumbel-max sampler (csrc/cpu/sampling.h in ``bik._cpu_kernels``).
+
+The C++ code holds the whole per-row sequence (tempering, top-k, top-p, min-p, noise, pick,
+logprob) written in sampling.h; rows are independent and threads split rows only, so a row's
+token and logprob do not depend on the batch. Also exposes the noise's building blocks
+(Philox4x32-10, bik_log, the Gumbel map) elementwise for tests and cross-backend checks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bik.runtime import cpu_ext
+
+__all__ = ["bik_log", "gumbel_from_unit", "philox4x32_10", "sample_cpu"]
+
+
+def sample_cpu(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
+               temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               log_min_p: torch.Tensor, *, stream: int = 0,
+               num_threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens int64 [B], logprobs fp32 [B] for fp32 logits [B, V] (V >= 1) and per-row params:
+    seed/position/top_k int64 [B], temperature/top_p/log_min_p fp32 [B] (contiguous)."""
+    ext = cpu_ext.require()
+    b, v = logits.shape
+    assert logits.dtype == torch.float32 and v >= 1
+    if b > 0 and v > 1 and logits.stride(1) != 1:
+        logits = logits.contiguous()
+    tokens = torch.empty(b, dtype=torch.int64)
+    logprobs = torch.empty(b, dtype=torch.float32)
+    args = [seed, position, temperature, top_k, top_p, log_min_p]
+    for t, dt in zip(args, (torch.int64, torch.int64, torch.float32, torch.int64,
+                            torch.float32, torch.float32)):
+        assert t.dtype == dt and t.shape == (b,) and t.is_contiguous()
+    if b == 0:
+        return tokens, logprobs
+    ext.sample_f32(logits.data_ptr(), logits.stride(0), b, v, *(t.data_ptr() for t in args),
+                   int(stream), tokens.data_ptr(), logprobs.data_ptr(),
+                   torch.get_num_threads() if num_threads is None else num_threads)
+    return tokens, logprobs
+
+
+def _elementwise(fn: str, x: torch.Tensor, out: torch.Tensor, n: int) -> torch.Tensor:
+    cpu_ext.require().sampling_elementwise(fn, x.data_ptr(), out.data_ptr(), n)
+    return out
+
+
+def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Philox4x32-10 words [n, 4] (int64 holding uint32) for counters [n, 4] and keys [n, 2]
+    given as integer tensors with values in [0, 2^32)."""
+    words = torch.cat([counter, key], dim=1).to(torch.int64)
+    u32 = words.to(torch.int32).contiguous()  # two's complement keeps the low 32 bits
+    out = torch.empty(counter.shape[0], 4, dtype=torch.int32)
+    _elementwise("philox", u32, out, counter.shape[0])
+    return out.to(torch.int64) & 0xFFFFFFFF
+
+
+def bik_log(x: torch.Tensor) -> torch.Tensor:
+    """bik_log of fp32 positive normal values (sampling.h), elementwise."""
+    x = x.contiguous()
+    assert x.dtype == torch.float32
+    return _elementwise("log", x, torch.empty_like(x), x.numel())
+
+
+def gumbel_from_unit(u: torch.Tensor) -> torch.Tensor:
+    """-bik_log(-bik_log(u)) elementwise for fp32 u in (0, 1)."""
+    u = u.contiguous()
+    assert u.dtype == torch.float32
+    return _elementwise("gumbel", u, torch.empty_like(u), u.numel())

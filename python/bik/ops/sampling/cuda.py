@@ -1,0 +1,61 @@
+"""Launcher for the CUDA C++ sampler (csrc/cuda/sampling.cu).
+
+Same interface and outputs as :func:`bik.ops.sampling.triton.launch_sample`, so the ops
+layer merges the splits' winners the same way. The pick (noise, filters, argmax) uses only
+exactly rounded operations: for fp32 logits with top-p off its token is the CPU path's and the
+Triton kernel's. The split size and block width never change a token (the pick's order is
+total); the stats kernel's top-p and logprob sums follow its fixed 512 lanes, never the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bik.runtime import cuda_jit
+from bik.runtime.cuda_jit import i32, i64
+
+__all__ = ["SPLIT", "THREADS", "launch_sample"]
+
+THREADS = 512
+SPLIT = 16384  # vocabulary entries per pick block
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
+                  vk: torch.Tensor, ik: torch.Tensor, top_p: torch.Tensor,
+                  log_min_p: torch.Tensor):
+    """Run the stats and pick kernels. logits [B, V] (unit stride along V); key int64 [B, 5]
+    (seed lo, seed hi, position lo, position hi, stream); per-row fp32 temperature, top-k
+    threshold (vk fp32, ik int32), top_p and log_min_p, all contiguous. Returns (m, log_s, bad,
+    part_val, part_idx) like the Triton launcher."""
+    b, v = logits.shape
+    dev = logits.device
+    n_splits = (v + SPLIT - 1) // SPLIT
+    m = torch.empty(b, dtype=torch.float32, device=dev)
+    v_lo = torch.empty(b, dtype=torch.float32, device=dev)
+    log_s = torch.empty(b, dtype=torch.float32, device=dev)
+    bad = torch.empty(b, dtype=torch.int32, device=dev)
+    part_val = torch.empty(b, n_splits, dtype=torch.float32, device=dev)
+    part_idx = torch.empty(b, n_splits, dtype=torch.int32, device=dev)
+    if b == 0:
+        return m, log_s, bad, part_val, part_idx
+    if v > 1 and logits.stride(1) != 1:
+        raise ValueError("cuda sample: logits must have unit stride along V")
+    expect = {"key": (key, torch.int64), "temperature": (temperature, torch.float32),
+              "vk": (vk, torch.float32), "ik": (ik, torch.int32), "top_p": (top_p, torch.float32),
+              "log_min_p": (log_min_p, torch.float32)}
+    for name, (t, dtype) in expect.items():
+        if t.dtype != dtype or not t.is_contiguous() or t.shape[0] != b:
+            raise ValueError(f"cuda sample: {name} must be a contiguous {dtype} tensor per row")
+    if n_splits > 65535:
+        raise ValueError(f"cuda sample: V = {v} needs more than 65535 splits of {SPLIT}")
+    suffix = _SUFFIX[logits.dtype]
+    stats = cuda_jit.get_kernel("sampling", f"bik_sample_stats_{suffix}", dev)
+    pick = cuda_jit.get_kernel("sampling", f"bik_gumbel_pick_{suffix}", dev)
+    stride = i64(logits.stride(0))
+    cuda_jit.launch(stats, (b, 1, 1), (THREADS, 1, 1), 0, logits, stride, i64(v), temperature,
+                    vk, ik, top_p, log_min_p, m, v_lo, log_s, bad, device=dev)
+    cuda_jit.launch(pick, (b, n_splits, 1), (THREADS, 1, 1), 0, logits, stride, i64(v), key,
+                    temperature, vk, ik, v_lo, m, part_val, part_idx, i32(n_splits), i32(SPLIT),
+                    device=dev)
+    return m, log_s, bad, part_val, part_idx

@@ -1,0 +1,288 @@
+"""Triton Gumbel-max sampler: the noise and the pick bit-identical to the CPU path.
+
+Three launches per call, all row-local:
+
+* ``sample_stats_kernel`` (one program per row, chunks of BLOCK lanes in order): the row max m
+  (exact), the invalid flag (NaN or +inf in z), the top-p threshold by bisection on the fp32
+  order key (fixed lane sums of exp(z - m)), the min-p threshold m + log_min_p, and
+  log(sum of exp(z - m) over the kept tokens) for the logprob. Uses exp/log: exact within this
+  backend, not across backends.
+* ``gumbel_pick_kernel`` (grid rows x vocabulary splits of SPLIT tokens): z = div_rn(x, T), the
+  keep mask from exact thresholds, score = z + g with g from Philox4x32-10 and bik_log, and the
+  split's winner under (value desc, index asc). No exp, no approximate op, no division other
+  than div_rn, compiled with ``enable_fp_fusion=False``: tests grep its sm_90 PTX.
+* the partial winners are merged in torch (max value, then lowest index): the order is total,
+  so any split and any merge order give the same token.
+
+The noise layout and bik_log are specified in csrc/cpu/sampling.h and docs/design.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bik._arch import device_arch
+from bik.configs import sampling_config
+
+__all__ = ["bik_log", "gumbel_pick_kernel", "launch_sample", "noise_parts_kernel",
+           "philox4x32_10", "sample_stats_kernel", "unit_gumbel"]
+
+INT32_MAX = tl.constexpr(2**31 - 1)
+# The noise's exact extremes over all 2^23 u (fp32): a token with fl(z + G_MAX) < fl(m + G_MIN)
+# scores below the max token whatever the noise, so its noise need not be computed.
+G_MIN = tl.constexpr(-2.8115408420562744)
+G_MAX = tl.constexpr(16.63553237915039)
+NO_FUSION = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 (Random123's round) on uint32 tensors; returns the four output words."""
+    for _ in tl.static_range(10):
+        _c0, _c2 = c0, c2
+        c0 = tl.math.umulhi(0xCD9E8D57, _c2) ^ c1 ^ k0
+        c2 = tl.math.umulhi(0xD2511F53, _c0) ^ c3 ^ k1
+        c1 = tl.mul(0xCD9E8D57, _c2, sanitize_overflow=False)
+        c3 = tl.mul(0xD2511F53, _c0, sanitize_overflow=False)
+        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def bik_log(x):
+    """Natural log of positive normal fp32 values from exactly rounded ops (see sampling.h)."""
+    b = x.to(tl.uint32, bitcast=True)
+    e = (b >> 23).to(tl.int32) - 127
+    mb = (b & 0x007FFFFF) | 0x3F800000
+    big = mb > 0x3FB504F3
+    mb = tl.where(big, mb - 0x00800000, mb)
+    e = tl.where(big, e + 1, e)
+    f = mb.to(tl.float32, bitcast=True) - 1.0
+    q = f * -0.07866687327623367 + 0.12821781635284424
+    q = q * f + -0.13101640343666077
+    q = q * f + 0.14188995957374573
+    q = q * f + -0.1662759929895401
+    q = q * f + 0.2000196874141693
+    q = q * f + -0.2500077188014984
+    q = q * f + 0.33333322405815125
+    q = q * f + -0.4999999701976776
+    p = q * f + 1.0
+    l = f * p
+    ef = e.to(tl.float32)
+    return ef * 0.693145751953125 + (ef * 1.428606765330187e-06 + l)
+
+
+@triton.jit
+def unit_gumbel(bits):
+    """u = (2 * (bits >> 9) + 1) * 2^-24 (exact), then 0 - bik_log(0 - bik_log(u))."""
+    u = (((bits >> 9) << 1) | 1).to(tl.float32) * 5.960464477539063e-08
+    return 0.0 - bik_log(0.0 - bik_log(u))
+
+
+@triton.jit
+def noise_parts_kernel(in_ptr, out_ptr, n, FN: tl.constexpr, BLOCK: tl.constexpr):
+    """Test access to the building blocks: FN 0 = philox (in uint32 [n, 6] -> out [n, 4]),
+    1 = bik_log (fp32 -> fp32), 2 = Gumbel of u (fp32 -> fp32)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if FN == 0:
+        w = []
+        for j in tl.static_range(6):
+            w.append(tl.load(in_ptr + offs * 6 + j, mask=mask, other=0).to(tl.uint32, bitcast=True))
+        w0, w1, w2, w3 = philox4x32_10(w[0], w[1], w[2], w[3], w[4], w[5])
+        tl.store(out_ptr + offs * 4, w0.to(tl.int32, bitcast=True), mask=mask)
+        tl.store(out_ptr + offs * 4 + 1, w1.to(tl.int32, bitcast=True), mask=mask)
+        tl.store(out_ptr + offs * 4 + 2, w2.to(tl.int32, bitcast=True), mask=mask)
+        tl.store(out_ptr + offs * 4 + 3, w3.to(tl.int32, bitcast=True), mask=mask)
+    else:
+        x = tl.load(in_ptr + offs, mask=mask, other=0.5)
+        if FN == 1:
+            y = bik_log(x)
+        else:
+            y = 0.0 - bik_log(0.0 - bik_log(x))
+        tl.store(out_ptr + offs, y, mask=mask)
+
+
+@triton.jit
+def _key(v):
+    """fp32 order key as int64: key(a) < key(b) iff a < b, for non-NaN values."""
+    b = v.to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def _from_key(k):
+    b = k.to(tl.int32)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tempered(x_row, offs, mask, temp):
+    x = tl.load(x_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    t_safe = tl.where(temp > 0.0, temp, 1.0)
+    return tl.where(temp > 0.0, tl.math.div_rn(x, t_safe), x)
+
+
+@triton.jit
+def _kept_k(z, offs, vk, ik):
+    return (z > vk) | ((z == vk) & (offs <= ik))
+
+
+@triton.jit
+def _kept_mass(x_row, V, temp, vk, ik, threshold, m_safe, BLOCK: tl.constexpr):
+    """sum of exp(z - m) over the tokens kept by top-k with z >= threshold (fixed chunk order)."""
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for c0 in range(0, V, BLOCK):
+        offs = c0 + cols
+        mask = offs < V
+        z = _tempered(x_row, offs, mask, temp)
+        keep = mask & _kept_k(z, offs, vk, ik) & (z >= threshold)
+        acc += tl.where(keep, tl.exp(z - m_safe), 0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def sample_stats_kernel(x_ptr, stride_x, V, temp_ptr, vk_ptr, ik_ptr, top_p_ptr, log_min_p_ptr,
+                        m_ptr, vlo_ptr, logs_ptr, bad_ptr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    temp = tl.load(temp_ptr + row)
+    vk = tl.load(vk_ptr + row)
+    ik = tl.load(ik_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    log_min_p = tl.load(log_min_p_ptr + row)
+    cols = tl.arange(0, BLOCK)
+
+    # Pass 1: max over the top-k-kept tokens (exact) and the invalid flag.
+    mx = tl.full((BLOCK,), float("-inf"), tl.float32)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for c0 in range(0, V, BLOCK):
+        offs = c0 + cols
+        mask = offs < V
+        z = _tempered(x_row, offs, mask, temp)
+        bad = bad | ((z != z) | (z == float("inf"))).to(tl.int32)  # noqa: PLR0124 (NaN)
+        mx = tl.maximum(mx, tl.where(mask & _kept_k(z, offs, vk, ik), z, float("-inf")))
+    m = tl.max(mx, axis=0)
+    is_bad = (tl.max(bad, axis=0) > 0) | (m == float("-inf"))
+    m_safe = tl.where(is_bad, 0.0, m)
+
+    # top-p: the largest v with lanesum(exp(z - m) [kept, z >= v]) >= top_p * S.
+    v_lo = float("-inf")
+    if top_p < 1.0:
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for c0 in range(0, V, BLOCK):
+            offs = c0 + cols
+            mask = offs < V
+            z = _tempered(x_row, offs, mask, temp)
+            keep = mask & _kept_k(z, offs, vk, ik)
+            acc += tl.where(keep, tl.exp(z - m_safe), 0.0)
+        target = top_p * tl.sum(acc, axis=0)
+        lo = _key(tl.full((), float("-inf"), tl.float32))
+        hi = _key(m_safe) + 1
+        for _ in range(32):
+            mid = (lo + hi) >> 1
+            ok = _kept_mass(x_row, V, temp, vk, ik, _from_key(mid), m_safe, BLOCK) >= target
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        v_lo = _from_key(lo)
+    v_lo = tl.maximum(v_lo, m_safe + log_min_p)
+
+    # The logprob's normaliser over the finally kept tokens.
+    norm = _kept_mass(x_row, V, temp, vk, ik, v_lo, m_safe, BLOCK)
+    tl.store(m_ptr + row, m_safe)
+    tl.store(vlo_ptr + row, v_lo)
+    tl.store(logs_ptr + row, tl.log(tl.where(is_bad, 1.0, norm)))
+    tl.store(bad_ptr + row, is_bad.to(tl.int32))
+
+
+@triton.jit
+def gumbel_pick_kernel(x_ptr, stride_x, V, key_ptr, temp_ptr, vk_ptr, ik_ptr, vlo_ptr, m_ptr,
+                       part_val_ptr, part_idx_ptr, n_splits,
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    x_row = x_ptr + row * stride_x
+    temp = tl.load(temp_ptr + row)
+    vk = tl.load(vk_ptr + row)
+    ik = tl.load(ik_ptr + row)
+    v_lo = tl.load(vlo_ptr + row)
+    floor = tl.load(m_ptr + row) + G_MIN  # the max token's lowest possible score
+    # Philox key (seed lo, hi) and counter words 1..3 (position lo, hi, stream), uint32.
+    k0 = tl.load(key_ptr + row * 5).to(tl.uint32)
+    k1 = tl.load(key_ptr + row * 5 + 1).to(tl.uint32)
+    p_lo = tl.load(key_ptr + row * 5 + 2).to(tl.uint32)
+    p_hi = tl.load(key_ptr + row * 5 + 3).to(tl.uint32)
+    stream = tl.load(key_ptr + row * 5 + 4).to(tl.uint32)
+    cols = tl.arange(0, BLOCK)
+    best_v = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_i = tl.full((BLOCK,), INT32_MAX, tl.int32)
+    for c0 in range(0, SPLIT, BLOCK):
+        offs = split * SPLIT + c0 + cols
+        mask = offs < V
+        z = _tempered(x_row, offs, mask, temp)
+        keep = mask & _kept_k(z, offs, vk, ik) & (z >= v_lo) & (z > float("-inf"))
+        s = z
+        # Skip the noise of a chunk none of whose tokens can reach the max token's floor (an
+        # exact bound, so the token is the same as with the noise: docs/design.md#sampler).
+        contender = keep & (z + G_MAX >= floor)
+        if (temp > 0.0) & (tl.max(contender.to(tl.int32), axis=0) > 0):
+            zero = tl.zeros((BLOCK,), tl.uint32)
+            bits, _, _, _ = philox4x32_10(offs.to(tl.uint32), zero + p_lo, zero + p_hi,
+                                          zero + stream, zero + k0, zero + k1)
+            s = z + unit_gumbel(bits)
+        s = tl.where(contender, s, float("-inf"))
+        better = s > best_v  # chunks ascend, so ties keep the lower index per lane
+        best_v = tl.where(better, s, best_v)
+        best_i = tl.where(better, offs, best_i)
+    top = tl.max(best_v, axis=0)
+    idx = tl.min(tl.where(best_v == top, best_i, INT32_MAX), axis=0)
+    tl.store(part_val_ptr + row * n_splits + split, top)
+    tl.store(part_idx_ptr + row * n_splits + split, idx)
+
+
+def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
+                  vk: torch.Tensor, ik: torch.Tensor, top_p: torch.Tensor,
+                  log_min_p: torch.Tensor):
+    """Run the stats and pick kernels. logits [B, V] with unit stride along V; key int64 [B, 5]
+    (seed lo, seed hi, position lo, position hi, stream; each in [0, 2^32)); per-row fp32
+    temperature, top-k threshold (vk fp32, ik int32), top_p, log_min_p. Returns (m, log_s, bad,
+    part_val, part_idx) for the ops layer to merge."""
+    b, v = logits.shape
+    cfg = sampling_config(device_arch(logits.device))
+    dev = logits.device
+    m = torch.empty(b, dtype=torch.float32, device=dev)
+    v_lo = torch.empty(b, dtype=torch.float32, device=dev)
+    log_s = torch.empty(b, dtype=torch.float32, device=dev)
+    bad = torch.empty(b, dtype=torch.int32, device=dev)
+    n_splits = triton.cdiv(v, cfg.split)
+    part_val = torch.empty(b, n_splits, dtype=torch.float32, device=dev)
+    part_idx = torch.empty(b, n_splits, dtype=torch.int32, device=dev)
+    if b == 0:
+        return m, log_s, bad, part_val, part_idx
+    stride = logits.stride(0)
+    sample_stats_kernel[(b,)](logits, stride, v, temperature, vk, ik, top_p, log_min_p, m, v_lo,
+                              log_s, bad, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    gumbel_pick_kernel[(b, n_splits)](logits, stride, v, key, temperature, vk, ik, v_lo, m,
+                                      part_val, part_idx, n_splits, SPLIT=cfg.split,
+                                      BLOCK=cfg.block, num_warps=cfg.num_warps, **NO_FUSION)
+    return m, log_s, bad, part_val, part_idx
+
+
+def run_noise_part(fn: str, x: torch.Tensor, n: int) -> torch.Tensor:
+    """Test helper: philox (x uint32-as-int64 [n, 6]), log or gumbel (x fp32 [n])."""
+    code = {"philox": 0, "log": 1, "gumbel": 2}[fn]
+    block = 1024 if code == 0 else 65536  # big blocks: the interpreter pays per program
+    if code == 0:
+        inp = x.to(torch.int64).to(torch.int32).contiguous()  # low 32 bits, two's complement
+        out = torch.empty(n, 4, dtype=torch.int32, device=x.device)
+    else:
+        inp = x.contiguous()
+        out = torch.empty_like(inp)
+    noise_parts_kernel[(triton.cdiv(n, block),)](inp, out, n, FN=code, BLOCK=block, **NO_FUSION)
+    if code == 0:
+        return out.to(torch.int64) & 0xFFFFFFFF
+    return out

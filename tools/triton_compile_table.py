@@ -1,0 +1,154 @@
+"""Every Triton kernel configuration bik can launch on sm_90 / sm_80, compiled without a GPU.
+
+Used by tests/test_triton_compile.py (limits) and tools/triton_compile_report.py (a JSON record of
+shared memory, registers and spills per config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from bik.configs import matmul_config, rms_norm_config
+from triton_compile import CompileRecord, Ptr, compile_kernel
+
+__all__ = ["ARCHS", "ATTENTION_HEADS", "MATMUL_SHAPES", "REDUCTION_LENGTHS", "RMS_NORM_HIDDENS",
+           "SAMPLE_VOCABS", "compile_all", "sampling_kernel_cases"]
+
+ARCHS = (90, 80)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Llama-3-8B projections and the LM head, plus narrow/short shapes that get smaller tiles.
+MATMUL_SHAPES = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+                 (48, 33), (64, 16))
+RMS_NORM_HIDDENS = (111, 4096, 8192)
+# softmax / log_softmax / mean row lengths: odd and short, one chunk, a Llama-3 vocabulary.
+REDUCTION_LENGTHS = (111, 4096, 128256)
+# (head_dim, q heads, kv heads): Llama-3-8B, Llama-3-70B (per 8-way TP shard: 8 q / 1 kv), MHA.
+ATTENTION_HEADS = ((128, 32, 8), (128, 8, 1), (64, 16, 16))
+
+
+def _matmul_cases(arch: int) -> Iterator[tuple]:
+    from bik.ops.matmul.triton import input_precision, matmul_kernel
+
+    seen = set()
+    for dtype in DTYPES:
+        for n, k in MATMUL_SHAPES:
+            cfg = matmul_config(dtype, n, k, f"sm{arch}")
+            for has_bias in (False, True):
+                # B as a transposed nn.Linear weight (stride_bk = 1): the common layout.
+                key = (dtype, cfg, has_bias, k % 16 == 0, n % 16 == 0)
+                if key in seen:
+                    continue
+                seen.add(key)
+                args = {"a_ptr": Ptr(dtype), "b_ptr": Ptr(dtype), "bias_ptr": Ptr(torch.float32),
+                            "c_ptr": Ptr(dtype), "M": 4096, "N": n, "K": k, "stride_ab": 0, "stride_am": k,
+                            "stride_ak": 1, "stride_bb": 0, "stride_bk": 1, "stride_bn": k, "stride_cb": 0,
+                            "stride_cm": n, "stride_cn": 1}
+                consts = {"HAS_BIAS": has_bias, "INPUT_PRECISION": input_precision(dtype),
+                              "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                              "GROUP_M": cfg.group_m}
+                yield matmul_kernel, args, consts, cfg.num_warps, cfg.num_stages
+
+
+def _rms_norm_cases(arch: int) -> Iterator[tuple]:
+    from bik.ops.rms_norm.triton import rms_norm_kernel
+
+    for dtype in DTYPES:
+        for hidden in RMS_NORM_HIDDENS:
+            cfg = rms_norm_config(dtype, hidden, f"sm{arch}")
+            for residual in (False, True):
+                args = {"x_ptr": Ptr(dtype), "r_ptr": Ptr(dtype), "w_ptr": Ptr(dtype),
+                            "out_ptr": Ptr(dtype), "h_ptr": Ptr(dtype), "H": hidden, "eps": 1e-6,
+                            "stride_x": hidden, "stride_r": hidden, "stride_out": hidden, "stride_h": hidden}
+                consts = {"HAS_RESIDUAL": residual, "BLOCK_H": cfg.block_h}
+                yield rms_norm_kernel, args, consts, cfg.num_warps, 1
+
+
+def _reduction_cases(arch: int) -> Iterator[tuple]:
+    from bik.configs import reduction_config
+    from bik.ops.reductions.triton import mean_kernel, softmax_kernel
+
+    for dtype in DTYPES:
+        for n in REDUCTION_LENGTHS:
+            cfg = reduction_config(n, f"sm{arch}")
+            for out_dtype in sorted({dtype, torch.float32}, key=str):  # incl. half -> float
+                for log in (False, True):
+                    args = {"x_ptr": Ptr(dtype), "out_ptr": Ptr(out_dtype), "N": n, "stride_x": n,
+                                "stride_out": n}
+                    yield (softmax_kernel, args, {"LOG": log, "BLOCK": cfg.block},
+                           cfg.num_warps, 1)
+                args = {"x_ptr": Ptr(dtype), "out_ptr": Ptr(out_dtype), "N": n, "n_f32": float(n),
+                            "stride_x": n}
+                yield mean_kernel, args, {"BLOCK": cfg.block}, cfg.num_warps, 1
+
+
+def _attention_cases(arch: int) -> Iterator[tuple]:
+    """Llama-style GQA ratios and head dims, paged and contiguous, both launch modes."""
+    from bik.configs import attention_config
+    from bik.ops.attention.triton import LOG2E, attention_kernel, attention_merge_kernel
+
+    i32, f32 = Ptr(torch.int32), Ptr(torch.float32)
+    no_fusion = {"enable_fp_fusion": False}
+    for dtype in DTYPES:
+        for d, hq, hkv in ATTENTION_HEADS:
+            g = hq // hkv
+            cfg = attention_config(dtype, d, g, f"sm{arch}")
+            block_m = max(cfg.block_m, 1 << (g - 1).bit_length())
+            for paged in (True, False):
+                for fold in (True, False):
+                    args = {"q_ptr": Ptr(dtype), "k_ptr": Ptr(dtype), "v_ptr": Ptr(dtype),
+                                "out_ptr": Ptr(dtype), "lse_ptr": f32, "pacc_ptr": f32, "pml_ptr": f32,
+                                "cu_q_ptr": i32, "seqlens_k_ptr": i32, "table_ptr": i32,
+                                "base_ptr": Ptr(torch.int64), "stride_qt": hq * d, "stride_qh": d,
+                                "stride_ot": hq * d, "stride_oh": d, "stride_table_b": 64,
+                                "stride_page": 16 * hkv * d if paged else 0,
+                                "stride_tok": hkv * d, "stride_kvh": d, "block_size": 16, "total_q": 4096,
+                                "num_heads_q": hq, "scale_log2e": LOG2E / d**0.5}
+                    consts = {"HKV": hkv, "G": g, "D": d, "BLOCK_M": block_m,
+                                  "BLOCK_T": max(1, cfg.block_m // g), "BLOCK_N": cfg.block_n,
+                                  "SPLIT": cfg.split, "PAGED": paged, "CAUSAL": True, "FOLD": fold,
+                                  "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+                    yield attention_kernel, args, consts, cfg.num_warps, cfg.num_stages, no_fusion
+            args = {"out_ptr": Ptr(dtype), "lse_ptr": f32, "pacc_ptr": f32, "pml_ptr": f32,
+                        "tok_seq_ptr": i32, "cu_q_ptr": i32, "seqlens_k_ptr": i32, "stride_ot": hq * d,
+                        "stride_oh": d, "total_q": 4096, "num_heads_q": hq}
+            consts = {"G": g, "G_P2": 1 << (g - 1).bit_length(), "D": d, "SPLIT": cfg.split, "CAUSAL": True}
+            yield attention_merge_kernel, args, consts, 4, 1, no_fusion
+
+
+# Sampler vocabularies: small and odd, Llama-3 (128256), and a 256k vocabulary.
+SAMPLE_VOCABS = (111, 128256, 262144)
+
+
+def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
+    """The sampler's stats and pick kernels for every logits dtype and vocabulary; the pick is
+    compiled exactly as launched (no fp fusion), so its PTX can be checked for approximations."""
+    from bik.configs import sampling_config
+    from bik.ops.sampling.triton import NO_FUSION, gumbel_pick_kernel, sample_stats_kernel
+
+    cfg = sampling_config(f"sm{arch}")
+    f32, i32 = Ptr(torch.float32), Ptr(torch.int32)
+    for dtype in DTYPES:
+        for v in SAMPLE_VOCABS:
+            args = {"x_ptr": Ptr(dtype), "stride_x": v, "V": v, "temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32,
+                        "top_p_ptr": f32, "log_min_p_ptr": f32, "m_ptr": f32, "vlo_ptr": f32, "logs_ptr": f32,
+                        "bad_ptr": i32}
+            yield sample_stats_kernel, args, {"BLOCK": cfg.block}, cfg.num_warps, 1
+            args = {"x_ptr": Ptr(dtype), "stride_x": v, "V": v, "key_ptr": Ptr(torch.int64),
+                        "temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32, "vlo_ptr": f32, "m_ptr": f32,
+                        "part_val_ptr": f32, "part_idx_ptr": i32, "n_splits": -(-v // cfg.split)}
+            yield (gumbel_pick_kernel, args, {"SPLIT": cfg.split, "BLOCK": cfg.block},
+                   cfg.num_warps, 1, NO_FUSION)
+
+
+def compile_all(arch: int) -> list[CompileRecord]:
+    records = []
+    for cases in (_matmul_cases(arch), _rms_norm_cases(arch), _reduction_cases(arch),
+                  _attention_cases(arch), sampling_kernel_cases(arch)):
+        for kernel, args, consts, warps, stages, *options in cases:
+            rec = compile_kernel(kernel, args, consts, arch=arch, num_warps=warps,
+                                 num_stages=stages, options=options[0] if options else None)
+            records.append(rec._replace(config=rec.config | {
+                "dtype": str(next(v.dtype for v in args.values() if isinstance(v, Ptr)))[6:],
+                "shape": {k: v for k, v in args.items() if k in ("N", "K", "H")}}))
+    return records
