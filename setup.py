@@ -82,7 +82,10 @@ class BuildPyWithCuda(build_py):
             for src in _cuda_aot().source_files(Path("csrc/cuda")):
                 shutil.copy2(src, dst / src.name)
         if os.environ.get("BIK_BUILD_CUDA", "0") not in ("", "0"):
-            manifest = _cuda_aot().build_fatbins(Path("csrc/cuda"), root / "_cuda_bin")
+            aot = _cuda_aot()
+            # configs.py imports torch, which the build has not: its tile literal is read as is.
+            defines = aot.read_literal(Path("python/bik/configs.py"), "CUDA_DEFINES")
+            manifest = aot.build_fatbins(Path("csrc/cuda"), root / "_cuda_bin", defines=defines)
             print(f"bik: built CUDA fatbins {sorted(manifest['files'])} for {manifest['archs']}")
 
 

@@ -5,7 +5,7 @@
   fp32 dot (see _tree_dot), and its fp32 -> bf16 cast by torch's. Triton 3.6's interpreter computes bf16 dots
   on raw bit patterns, truncates fp32 -> bf16 where GPUs round to nearest even, and does fp32
   dots with numpy/OpenBLAS, whose bits depend on the operand shapes (a 1-row product differs
-  from the same row inside a 16-row one; ../shared/notes/toolchain.md). None of that is what a
+  from the same row inside a 16-row one; measured on triton 3.6). None of that is what a
   GPU does. With the replacements the interpreter runs bik's real kernel programs — indexing,
   masking, strides, tile loop order, bias, casts — with a dot that, like the hardware's,
   treats every row of a tile alike.

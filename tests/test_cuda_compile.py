@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import cuda_compile as cc
 import pytest
+import torch
+from bik import configs
 from bik.runtime import cuda_aot, cuda_jit
 
 if not cuda_jit.compiler_available():
@@ -123,6 +127,25 @@ def test_aot_build_produces_fatbins(tmp_path):
     assert manifest["source_hash"] == cuda_aot.source_hash(src)
     assert (tmp_path / "out" / "manifest.json").exists()
     assert {"sm_80", "sm_90"} <= cc.list_fatbin_archs(fatbin)  # cuobjdump names sm_90a "sm_90"
+
+
+@needs_nvcc
+def test_matmul_tile_comes_from_configs_only(tmp_path):
+    """matmul.cu restates no tile: without the -D macros of bik.configs it does not compile;
+    the AOT build records the options it used, and setup.py reads the same literal."""
+    src = cuda_jit.source_dir() / "matmul.cu"
+    bare = subprocess.run([NVCC, "-cubin", "-arch=sm_80", "-I", str(src.parent), str(src), "-o",
+                           str(tmp_path / "k.cubin")], capture_output=True, text=True, check=False)
+    assert bare.returncode != 0 and "bik.configs.cuda_options('matmul')" in bare.stderr
+    assert "-DBIK_MM_TC_BK=32" in configs.cuda_options("matmul")
+    tile = configs.cuda_matmul_config(torch.bfloat16, 8, 8, "sm90")
+    assert (tile.block_m, tile.block_n, tile.block_k) == tuple(
+        configs.CUDA_DEFINES["matmul"][f"BIK_MM_TC_{x}"] for x in ("BM", "BN", "BK"))
+    assert cuda_aot.read_literal(Path(configs.__file__), "CUDA_DEFINES") == configs.CUDA_DEFINES
+    manifest = cuda_aot.build_fatbins(src.parent, tmp_path / "out", nvcc=NVCC, archs=("sm_80",),
+                                      defines=configs.CUDA_DEFINES)
+    assert manifest["options"]["matmul"] == list(configs.cuda_options("matmul"))
+    assert manifest["options"]["rms_norm"] == []
 
 
 def test_cache_key_follows_sources_arch_and_options(monkeypatch):

@@ -16,6 +16,7 @@ import cases
 import pytest
 import sampling_cases
 import torch
+from bik import configs
 from bik.runtime import cuda_jit
 from bik.testing import probe_every_position, rows_alone_vs_batched, same_bits
 from bik.testing.suites import rms_norm_suite
@@ -194,7 +195,7 @@ def test_backend_resolution():
 def test_aot_fatbin_is_loaded_and_gives_the_jit_bits(tmp_path, monkeypatch):
     from bik.runtime import cuda_aot
 
-    cuda_aot.build_fatbins(cuda_jit.source_dir(), tmp_path)
+    cuda_aot.build_fatbins(cuda_jit.source_dir(), tmp_path, defines=configs.CUDA_DEFINES)
     x = torch.randn(19, 777, device="cuda")
     w = torch.randn(777, device="cuda")
     jit = bik.rms_norm(x, w, backend="cuda")

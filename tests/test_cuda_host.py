@@ -164,18 +164,18 @@ def test_rms_norm_order_is_visible(host, gen):
 def _emulated_tokens(host, table, split, threads):
     """The CUDA sampler's tokens computed on the host by the kernels' helpers, with the inputs
     the ops layer prepares for the kernels (top-k threshold, log min-p, Philox key)."""
-    from bik.ops.sampling import op as ops
+    from bik.ops.sampling import noise, split_vocab
 
     x = table["logits"].float().contiguous()
     temp, top_k = table["temperature"], table["top_k"]
     greedy = temp == 0
     t_safe = torch.where(greedy, torch.ones_like(temp), temp)
-    vk, ik = ops._topk_threshold(x, t_safe, greedy, top_k)
+    vk, ik = split_vocab._topk_threshold(x, t_safe, greedy, top_k)
     seed, pos = table["seed"], table["position"]
     key = torch.stack([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, pos & 0xFFFFFFFF,
-                       (pos >> 32) & 0xFFFFFFFF, torch.full_like(seed, ops.STREAM_SAMPLE)],
+                       (pos >> 32) & 0xFFFFFFFF, torch.full_like(seed, noise.STREAM_SAMPLE)],
                       dim=1).contiguous()
-    log_min_p = ops._log_min_p(table["min_p"]).contiguous()
+    log_min_p = noise.log_min_p(table["min_p"]).contiguous()
     tokens = torch.empty(x.shape[0], dtype=torch.int64)
     host.bik_cuda_emulate_sample(x.data_ptr(), x.shape[0], x.shape[1], key.data_ptr(),
                                  temp.contiguous().data_ptr(), vk.contiguous().data_ptr(),

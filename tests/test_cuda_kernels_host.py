@@ -44,7 +44,8 @@ HEADS = (4, 2, 64)
 @pytest.fixture(scope="module")
 def host_lib(tmp_path_factory):
     lib = build_shim(tmp_path_factory, "kernels_host.cpp", std="c++20",
-                     flags=("-Wno-unknown-pragmas", "-fno-strict-aliasing"))
+                     flags=("-Wno-unknown-pragmas", "-fno-strict-aliasing",
+                            *configs.cuda_options("matmul")))
     lib.run_kernel.restype = ctypes.c_int
     lib.run_kernel.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 4 + [ctypes.c_void_p]
     return lib
@@ -69,16 +70,10 @@ def host(host_lib, monkeypatch):
         assert rc == 0, f"{kernel}: {'deadlock' if rc == 2 else 'not runnable on the host'}"
         launches.append(kernel)
 
-    original = bik.ops._registry.require_backend
-
-    def require_backend(op, backend, device):
-        if backend != "cuda":
-            original(op, backend, device)
-
-    for mod in (bik.ops._registry, bik.ops.matmul.op, bik.ops.attention.op):
-        monkeypatch.setattr(mod, "require_backend", require_backend)
+    # backend="cuda" on CPU tensors: the host build of the kernels stands in for a GPU.
+    monkeypatch.setitem(bik.ops._registry._CAN_RUN, "cuda", lambda label, device: None)
     monkeypatch.setattr(cuda_jit, "launch", launch)
-    monkeypatch.setattr(cuda_jit, "get_kernel", lambda name, kernel, device: kernel)
+    monkeypatch.setattr(cuda_jit, "get_kernel", lambda name, kernel, device, options=(): kernel)
     for mod in (cuda_matmul, cuda_attention):
         monkeypatch.setattr(mod, "device_arch", lambda device: "sm90")
     monkeypatch.setattr(configs, "_CUDA_SPLIT_K", {"sm90": 64, "sm80": 64})

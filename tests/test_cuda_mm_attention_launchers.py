@@ -19,6 +19,7 @@ import bik
 import numpy as np
 import pytest
 import torch
+from bik import configs
 from bik.ops._registry import BackendUnavailableError
 from bik.ops.attention import cuda as cuda_attention
 from bik.ops.matmul import cuda as cuda_matmul
@@ -53,7 +54,13 @@ def _kind(arg) -> str:
 @pytest.fixture
 def recorder(monkeypatch):
     calls = []
-    monkeypatch.setattr(cuda_jit, "get_kernel", lambda name, kernel, device: (name, kernel))
+
+    def get_kernel(name, kernel, device, options=()):
+        # Every source is loaded with the -D macros configs gives it (the matmul tile).
+        assert tuple(options) == configs.cuda_options(name), (name, options)
+        return name, kernel
+
+    monkeypatch.setattr(cuda_jit, "get_kernel", get_kernel)
     monkeypatch.setattr(cuda_jit, "launch",
                         lambda kernel, grid, block, smem, *args, device=None:
                         calls.append((kernel, grid, block, args)))

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+from bik.configs import cuda_options
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_aot import NVCC_FLAGS
 
@@ -87,7 +88,8 @@ def ptx_entries(source: str, arch: str, nvcc: str = "nvcc") -> dict[str, str]:
     src_dir = cuda_jit.source_dir()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "k.ptx"
-        subprocess.run([nvcc, "-ptx", f"-arch={arch}", *NVCC_FLAGS, "-I", str(src_dir),
+        subprocess.run([nvcc, "-ptx", f"-arch={arch}", *NVCC_FLAGS, *cuda_options(source),
+                        "-I", str(src_dir),
                         str(src_dir / f"{source}.cu"), "-o", str(out)], check=True,
                        capture_output=True)
         text = out.read_text()
@@ -121,7 +123,7 @@ def list_fatbin_archs(fatbin: Path) -> set[str]:
 
 def nvrtc_records(source: str, arch: str) -> tuple[bytes, list[CudaCompileRecord]]:
     """NVRTC-compile ``source`` for ``arch``; (cubin, one record per kernel)."""
-    cubin = cuda_jit.compile_source(source, arch)
+    cubin = cuda_jit.compile_source(source, arch, options=cuda_options(source))
     records = [CudaCompileRecord(source, name, arch, "nvrtc", regs, shared, stack, local, -1, -1)
                for name, (regs, stack, shared, local) in sorted(_cubin_usage(cubin).items())]
     return cubin, records
@@ -137,7 +139,8 @@ def nvcc_records(source: str, arch: str, nvcc: str = "nvcc") -> list[CudaCompile
     """nvcc-compile ``source`` for ``arch`` (the AOT flags, cubin) and parse ptxas's report."""
     src_dir = cuda_jit.source_dir()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, "-cubin", f"-arch={arch}", *NVCC_FLAGS, "--resource-usage", "-I",
+        cmd = [nvcc, "-cubin", f"-arch={arch}", *NVCC_FLAGS, *cuda_options(source),
+               "--resource-usage", "-I",
                str(src_dir), str(src_dir / f"{source}.cu"), "-o", str(Path(tmp) / "k.cubin")]
         res = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if res.returncode != 0:

@@ -28,16 +28,27 @@ using bik_mm::load_rows_elem;
 using bik_mm::load_rows_vec8;
 using bik_mm::Vec8;
 
-// ---- bf16 / fp16: 64 x 128 x 32 tiles, 4 warps (2 x 2), each warp 32 x 64 = 2 x 8 mma tiles.
-constexpr int kTcBM = 64;
-constexpr int kTcBN = 128;
-constexpr int kTcBK = 32;
-constexpr int kTcThreads = 128;
-constexpr int kTcLds = kTcBK + 8;  // 80-byte smem rows: fragment reads hit 32 distinct banks
-constexpr int kWarpM = 32;
-constexpr int kWarpN = 64;
+// The tiles come from bik/configs.py (CUDA_DEFINES["matmul"]) as -D macros, so the launcher's
+// grid and the compiled kernel cannot disagree.
+#if !defined(BIK_MM_TC_BM) || !defined(BIK_MM_TC_BN) || !defined(BIK_MM_TC_BK) || \
+    !defined(BIK_MM_TC_THREADS) || !defined(BIK_MM_F32_BM) || !defined(BIK_MM_F32_BN) || \
+    !defined(BIK_MM_F32_BK) || !defined(BIK_MM_F32_THREADS)
+#error "matmul.cu: compile with the -D tile macros of bik.configs.cuda_options('matmul')"
+#endif
+
+// ---- bf16 / fp16: BM x BN x BK tiles, 4 warps (2 x 2), each warp (BM/2) x (BN/2) mma tiles.
+constexpr int kTcBM = BIK_MM_TC_BM;
+constexpr int kTcBN = BIK_MM_TC_BN;
+constexpr int kTcBK = BIK_MM_TC_BK;
+constexpr int kTcThreads = BIK_MM_TC_THREADS;
+constexpr int kTcLds = kTcBK + 8;  // +16 bytes a smem row: fragment reads hit distinct banks
+constexpr int kWarpM = kTcBM / 2;
+constexpr int kWarpN = kTcBN / 2;
 constexpr int kFragM = kWarpM / 16;
 constexpr int kFragN = kWarpN / 8;
+static_assert(kTcThreads == 128, "the tensor-core tile is 2 x 2 warps");
+static_assert(kWarpM % 16 == 0 && kWarpN % 8 == 0 && kTcBK % 16 == 0,
+              "a warp tile is whole m16n8k16 instructions");
 
 // d += a(16x16, row) * b(16x8, col) with fp32 accumulation: one m16n8k16 instruction.
 template <int KIND>
@@ -240,13 +251,15 @@ __device__ __forceinline__ void matmul_tc(const unsigned short* a, const unsigne
       }
 }
 
-// ---- fp32 (IEEE, no TF32): 64 x 64 x 16 tiles, 256 threads, 4 x 4 outputs per thread.
+// ---- fp32 (IEEE, no TF32): BM x BN x BK tiles, 4 x 4 outputs per thread (16 x 16 threads).
 // Element (m, n) of split s: acc = 0; for k ascending in the split: acc = acc + a*b (each op
 // rounded). With one split this is exactly the CPU backend's sequence (csrc/cpu/contract.h).
-constexpr int kFBM = 64;
-constexpr int kFBN = 64;
-constexpr int kFBK = 16;
-constexpr int kFThreads = 256;
+constexpr int kFBM = BIK_MM_F32_BM;
+constexpr int kFBN = BIK_MM_F32_BN;
+constexpr int kFBK = BIK_MM_F32_BK;
+constexpr int kFThreads = BIK_MM_F32_THREADS;
+static_assert(kFBM == 64 && kFBN == 64 && kFThreads == 256,
+              "the fp32 tile maps 16 x 16 threads onto 4 x 4 outputs each");
 
 __device__ __forceinline__ void matmul_f32_body(const float* a, const float* b, const float* bias,
                                                 void* c, float* ws, int m, int n, int k, i64 sab,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from bik._dtypes import info
+
 __all__ = ["AttentionConfig", "CudaAttentionConfig", "CudaMatmulConfig", "MatmulConfig",
            "RMSNormConfig", "ReductionConfig", "SamplingConfig", "arch_family",
            "attention_config", "cuda_attention_config", "cuda_matmul_config", "cuda_sm90a_matmul_enabled",
@@ -51,7 +53,6 @@ class ReductionConfig:
     num_warps: int
 
 
-_DTYPE_KEY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 # Base tile per (arch family, dtype). Shared memory per stage is
 # (block_m + block_n) * block_k * itemsize; see tests/test_triton_compile.py for the limits.
@@ -98,7 +99,7 @@ def _pow2_at_least(x: int) -> int:
 
 def matmul_config(dtype: torch.dtype, n: int, k: int, arch: str) -> MatmulConfig:
     """The one tile configuration for this (dtype, N, K, arch). M is deliberately absent."""
-    base = _MATMUL_BASE[arch_family(arch)][_DTYPE_KEY[dtype]]
+    base = _MATMUL_BASE[arch_family(arch)][info(dtype).short]
     # Narrow or short problems get narrower tiles; tl.dot needs every dim >= 16.
     return replace(
         base,
@@ -162,7 +163,7 @@ CPU_ATTENTION_SPLIT = 256
 def attention_config(dtype: torch.dtype, head_dim: int, gqa: int, arch: str) -> AttentionConfig:
     """The one attention configuration for (dtype, head_dim, GQA ratio, arch), every q_len."""
     del gqa  # the tile packs G heads x BLOCK_M // G tokens; the table needs no G-specific entry
-    base = _ATTENTION_BASE[arch_family(arch)][_DTYPE_KEY[dtype]]
+    base = _ATTENTION_BASE[arch_family(arch)][info(dtype).short]
     if head_dim > 64 and arch_family(arch) != "interpreter":
         # Two fp32 accumulators (the running fold and the current split) of BLOCK_M x D: eight
         # warps keep them in registers at D = 128 (four spill, measured with ptxas).
@@ -219,10 +220,36 @@ class CudaAttentionConfig:
     threads: int
 
 
+# Compile-time constants of the CUDA C++ kernels, per source file (csrc/cuda/<source>.cu),
+# passed as -D<NAME>=<value> by the JIT and the AOT build alike (:func:`cuda_options`): the
+# tiles are written here and nowhere else. A plain literal on purpose: setup.py reads it with
+# ast.literal_eval to build the AOT fatbins without importing torch.
+CUDA_DEFINES = {
+    "matmul": {
+        # bf16 / fp16 (mma.sync): BM x BN x BK tile, 4 warps of 32 x 64.
+        "BIK_MM_TC_BM": 64, "BIK_MM_TC_BN": 128, "BIK_MM_TC_BK": 32, "BIK_MM_TC_THREADS": 128,
+        # fp32 (SIMT, IEEE): 4 x 4 outputs per thread.
+        "BIK_MM_F32_BM": 64, "BIK_MM_F32_BN": 64, "BIK_MM_F32_BK": 16,
+        "BIK_MM_F32_THREADS": 256,
+    },
+}
+
+
+def cuda_options(source: str) -> tuple[str, ...]:
+    """The -D options ``csrc/cuda/<source>.cu`` is compiled with (JIT, AOT, tests, tools)."""
+    return tuple(f"-D{k}={v}" for k, v in sorted(CUDA_DEFINES.get(source, {}).items()))
+
+
+def _mm_tile(kernel: str, kind: str) -> tuple:
+    d = CUDA_DEFINES["matmul"]
+    return (kernel, d[f"BIK_MM_{kind}_BM"], d[f"BIK_MM_{kind}_BN"], d[f"BIK_MM_{kind}_BK"],
+            d[f"BIK_MM_{kind}_THREADS"])
+
+
 _CUDA_MATMUL_TILE = {  # (kernel, block_m, block_n, block_k, threads) per dtype
-    "bf16": ("bik_matmul_bf16", 64, 128, 32, 128),
-    "fp16": ("bik_matmul_f16", 64, 128, 32, 128),
-    "fp32": ("bik_matmul_f32", 64, 64, 16, 256),
+    "bf16": _mm_tile("bik_matmul_bf16", "TC"),
+    "fp16": _mm_tile("bik_matmul_f16", "TC"),
+    "fp32": _mm_tile("bik_matmul_f32", "F32"),
 }
 # K-split: problems with K above SPLIT_MIN_K are cut into splits of SPLIT_K; smaller ones are
 # one split. Both numbers are constants per arch family, so the splits follow K alone.
@@ -245,13 +272,15 @@ def cuda_sm90a_matmul_enabled() -> bool:
     """True when the environment asks for the sm_90a matmul (``BIK_CUDA_SM90A=1``)."""
     return os.environ.get(SM90A_MATMUL_ENV, "") == "1"
 CUDA_ATTENTION_HEAD_DIMS = (64, 128)
+# The head dims the Triton attention kernel is launched for (D is a compile-time block).
+TRITON_ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def cuda_matmul_config(dtype: torch.dtype, n: int, k: int, arch: str) -> CudaMatmulConfig:
     """The CUDA kernel and K-split for this (dtype, N, K, arch). M is deliberately absent."""
     del n  # one tile per dtype; N is part of the key for future per-shape tiles
     family = arch_family(arch)
-    key = _DTYPE_KEY[dtype]
+    key = info(dtype).short
     source = "matmul"
     kernel, bm, bn, bk, threads = _CUDA_MATMUL_TILE[key]
     if arch == "sm90" and key in _CUDA_MATMUL_TILE_SM90A and cuda_sm90a_matmul_enabled():
@@ -269,17 +298,16 @@ def cuda_attention_config(dtype: torch.dtype, head_dim: int, gqa: int,
     """The CUDA attention configuration for (dtype, head_dim, GQA ratio, arch), every q_len."""
     del gqa, head_dim  # rows pack G heads x 16 // G tokens; the kernel handles any G
     family = arch_family(arch)
-    return CudaAttentionConfig(f"bik_attention_{_CUDA_KERNEL_DTYPE[_DTYPE_KEY[dtype]]}",
+    return CudaAttentionConfig(f"bik_attention_{info(dtype).cuda}",
                                block_n=32, split=_CUDA_ATTENTION_SPLIT[family], rows=16,
                                threads=128)
 
-
-_CUDA_KERNEL_DTYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}
 
 
 def cuda_config_table() -> dict:
     """Plain-data view of the CUDA tables (part of :func:`config_table`)."""
     return {"matmul_tile": {dt: list(t) for dt, t in _CUDA_MATMUL_TILE.items()},
+            "defines": CUDA_DEFINES,
             "split_k": dict(_CUDA_SPLIT_K), "split_min_k": dict(_CUDA_SPLIT_MIN_K),
             "attention_split": dict(_CUDA_ATTENTION_SPLIT),
             "attention_head_dims": list(CUDA_ATTENTION_HEAD_DIMS),

@@ -18,23 +18,26 @@ import torch
 
 from bik._arch import device_arch
 from bik.configs import config_table
-from bik.ops._registry import resolve_backend
+from bik.ops._registry import TABLE, resolve_backend
 
 __all__ = ["OPS", "Fingerprint", "fingerprint"]
 
-OPS = ("matmul", "bmm", "rms_norm", "fused_add_rms_norm", "softmax", "log_softmax", "mean",
-       "attention", "attention_varlen", "sample", "verify_draft")
+# Every op of the (op, backend) table that takes a backend: the one it resolves to is hashed.
+OPS = tuple(op for op, row in TABLE.items() if row.backends)
 
 _PKG = Path(__file__).resolve().parent
 # Everything whose content can decide numerics: configs, backend choice, the ops layer (upcasts,
 # bias and residual rounding) and every kernel launcher. The C++ sources are covered by the
 # hash the extension was compiled with (setup.py), so installed wheels are covered too; the CUDA
 # C++ sources (csrc/cuda, shipped as bik/_cuda_src) by their own hash.
-_NUMERIC_GLOBS = ("configs.py", "_arch.py", "ops/*.py", "ops/*/*.py", "runtime/*.py")
+_NUMERIC_GLOBS = ("configs.py", "_arch.py", "_dtypes.py", "ops/*.py", "ops/*/*.py",
+                  "runtime/*.py")
 
 
 def numeric_sources() -> list[Path]:
-    return sorted({p for pattern in _NUMERIC_GLOBS for p in _PKG.glob(pattern)})
+    """The files hashed; an op's reference.py (the contract for tests) runs no kernel."""
+    return sorted({p for pattern in _NUMERIC_GLOBS for p in _PKG.glob(pattern)
+                   if p.name != "reference.py"})
 
 
 class Fingerprint(NamedTuple):
@@ -72,7 +75,7 @@ def _source_hash() -> str:
 
 def _backend_or_error(op: str, device: torch.device) -> str:
     try:
-        return resolve_backend(f"bik.{op}", None, device)
+        return resolve_backend(op, None, device)
     except Exception as exc:  # noqa: BLE001 - report, do not raise: this is a diagnostic
         return f"unavailable ({exc})"
 

@@ -8,6 +8,7 @@ import torch
 from rich.table import Table
 
 import bik
+from bik._dtypes import dtype_name
 from bik.cli.common import make_console, pick_device, run_metadata, write_json
 from bik.testing import rows_alone_vs_batched, split_by_m_matmul
 from bik.testing.harness import M_SWEEP
@@ -96,7 +97,7 @@ def _attention_reports(device, dtype, length):
     gen = torch.Generator().manual_seed(11)
     hq, hkv, d = (32, 8, 128) if device.type == "cuda" else (4, 2, 64)
     req = make_request(gen, length, hq, hkv, d, dtype, device)
-    return chunking_report(attn, req, (1, 7, 64), name=f"attention {str(dtype)[6:]}")
+    return chunking_report(attn, req, (1, 7, 64), name=f"attention {dtype_name(dtype)}")
 
 
 def controls(device: torch.device) -> dict:

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 import bik
+from bik import _dtypes
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {d.short: d.dtype for d in _dtypes.DTYPES}  # the CLI spells dtypes as the configs do
 
 
 def pick_device(name: str | None) -> torch.device:

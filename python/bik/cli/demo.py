@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from rich.table import Table
 
 import bik
+from bik._dtypes import dtype_name
 from bik.cli.common import make_console, pick_device
 
 HIDDEN, FFN = 512, 1536
@@ -92,7 +93,7 @@ def run_demo(args) -> int:
     device = pick_device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     moved, fixed = _print_table(
-        console, f"request 0's output bits as its batch grows ({device}, {str(dtype)[6:]})",
+        console, f"request 0's output bits as its batch grows ({device}, {dtype_name(dtype)})",
         "batch", demo_rows(device, dtype))
     a_moved, a_fixed = _print_table(
         console, "the last token's attention output under four schedules", "schedule",

@@ -14,8 +14,10 @@ from typing import NamedTuple
 import torch
 
 import bik.ops  # noqa: F401  (registers torch.ops.bik.*)
+from bik._dtypes import dtype_name
+from bik.configs import TRITON_ATTENTION_HEAD_DIMS as TRITON_HEAD_DIMS
 from bik.ops._checks import SUPPORTED_DTYPES
-from bik.ops.attention.op import TRITON_HEAD_DIMS
+from bik.ops._registry import default_backend
 
 __all__ = ["HANDLERS", "AttentionLayout", "Fallback", "attention_layout"]
 
@@ -31,12 +33,10 @@ class Fallback(Exception):
 
 
 def _backend(t: torch.Tensor) -> str:
-    kind = t.device.type  # an attribute read, not a device query
-    if kind == "cpu":
-        return "cpu"
-    if kind == "cuda":
-        return "triton"
-    raise Fallback(f"device {kind} has no bik backend")
+    backend = default_backend(t.device)  # a dict lookup by the device type, no device query
+    if backend is None:
+        raise Fallback(f"device {t.device.type} has no bik backend")
+    return backend
 
 
 def _prepare(func, *tensors: torch.Tensor | None) -> str:
@@ -49,7 +49,7 @@ def _prepare(func, *tensors: torch.Tensor | None) -> str:
     dtype, device = ts[0].dtype, ts[0].device
     for t in ts:
         if t.dtype not in SUPPORTED_DTYPES:
-            raise Fallback(f"dtype {str(t.dtype).removeprefix('torch.')}")
+            raise Fallback(f"dtype {dtype_name(t.dtype)}")
         if t.dtype != dtype or t.device != device:
             raise Fallback("operands of different dtypes or devices")
     return _backend(ts[0])

@@ -6,12 +6,9 @@ import math
 
 import torch
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from bik._dtypes import SUPPORTED_DTYPES, dtype_name
+
 FP32_MAX = torch.finfo(torch.float32).max  # eps is used in fp32
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def check_tensor(op: str, name: str, t: object, ndim: int | None = None) -> torch.Tensor:
@@ -25,14 +22,14 @@ def check_tensor(op: str, name: str, t: object, ndim: int | None = None) -> torc
 def check_float_dtype(op: str, name: str, t: torch.Tensor) -> None:
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
-            f"{op}: {name} has dtype {_dtype_name(t.dtype)}; supported: bfloat16, float16, float32"
+            f"{op}: {name} has dtype {dtype_name(t.dtype)}; supported: bfloat16, float16, float32"
         )
 
 
 def check_same_dtype(op: str, names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype != b.dtype:
         raise TypeError(
-            f"{op}: {names[0]} ({_dtype_name(a.dtype)}) and {names[1]} ({_dtype_name(b.dtype)}) "
+            f"{op}: {names[0]} ({dtype_name(a.dtype)}) and {names[1]} ({dtype_name(b.dtype)}) "
             f"must have the same dtype"
         )
 
@@ -63,22 +60,3 @@ def check_eps(op: str, eps: float) -> None:
         raise TypeError(f"{op}: eps must be a float, got {type(eps).__name__}")
     if not math.isfinite(eps) or eps < 0 or eps > FP32_MAX:
         raise ValueError(f"{op}: eps must be finite in fp32 and >= 0, got {eps}")
-
-
-def register_no_backward(qualname: str, op: str) -> None:
-    """Make backward through ``qualname`` raise instead of silently returning no gradients.
-
-    Without an autograd registration, a custom op's outputs would not require grad and
-    ``.backward()`` would leave the inputs' ``.grad`` at None with only a warning.
-    """
-
-    def setup_context(ctx, inputs, output):
-        del ctx, inputs, output
-
-    def backward(ctx, *grads):
-        raise NotImplementedError(
-            f"{op}: backward is not implemented (an inference-only op); run it under "
-            f"torch.no_grad(). For training, bik.attention_varlen has a batch-invariant backward"
-        )
-
-    torch.library.register_autograd(qualname, backward, setup_context=setup_context)

@@ -1,12 +1,22 @@
-"""Backend names, how ``backend=None`` resolves, and the errors for a backend that cannot run.
+"""The (op, backend) table: which backends implement each ``torch.ops.bik`` op, and its gradient.
 
-Nothing here falls back silently: an explicit backend either runs or raises
-:class:`BackendUnavailableError` naming the op, the backend and the device.
+One row per registered op. A row lists the backends that implement the op (each a module of the
+op's slice, imported at first use so that bik imports without triton and TRITON_INTERPRET is
+read when a Triton kernel first runs) and the op's gradient status: a batch-invariant backward
+(registered by the op's op.py) or an explicit refusal (registered here, so ``.backward()`` raises
+NotImplementedError naming the op instead of leaving ``.grad`` at None).
+
+Nothing falls back silently: a backend the row does not list raises
+:class:`BackendUnavailableError` naming the op and the backends it has; a listed backend that
+cannot run on this device or build raises it too, saying why.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -14,17 +24,99 @@ from bik._arch import interpreter_active
 
 __all__ = [
     "BACKENDS",
+    "DEFAULT_BACKEND",
+    "TABLE",
     "BackendUnavailableError",
+    "OpRow",
+    "backend_doc",
+    "default_backend",
+    "define",
+    "documented",
+    "implementation",
     "require_backend",
     "resolve_backend",
 ]
 
 BACKENDS = ("triton", "cpu", "cuda")
+# backend=None picks by the tensors' device. "cuda" (the CUDA C++ kernels) is opt-in until it
+# has run on a GPU; the batch-invariant mode routes with the same choice.
+DEFAULT_BACKEND = {"cuda": "triton", "cpu": "cpu"}
 
 
 class BackendUnavailableError(RuntimeError):
-    """An explicitly requested backend cannot run here (wrong device, missing build, ...)."""
+    """An explicitly requested backend cannot run here (not implemented for the op, wrong
+    device, missing build, ...)."""
 
+
+@dataclass(frozen=True)
+class OpRow:
+    """One op: its backends (name -> module of the slice that implements it), the function of
+    those modules that runs it, and its gradient status."""
+
+    backends: dict[str, str]  # {} for an op without a backend argument (data movement)
+    entry: str  # every listed module defines it, with one signature per op (see its op.py)
+    backward: bool  # True: a registered backward; False: backward raises NotImplementedError
+    refusal: str = ""  # the hint a refused backward gives
+
+
+def _slice(op: str, *names: str) -> dict[str, str]:
+    return {name: f"bik.ops.{op}.{name}" for name in names}
+
+
+_INFERENCE_ONLY = ("an inference-only op; run it under torch.no_grad(). For training, "
+                   "bik.attention_varlen has a batch-invariant backward")
+
+_ALL = ("triton", "cpu", "cuda")
+_NOT_DIFFERENTIABLE = "sampling is not differentiable"
+
+TABLE: dict[str, OpRow] = {
+    "matmul": OpRow(_slice("matmul", *_ALL), "launch_matmul", backward=True),
+    "bmm": OpRow(_slice("matmul", *_ALL), "launch_matmul", backward=True),
+    "rms_norm": OpRow(_slice("rms_norm", *_ALL), "launch_rms_norm", backward=True),
+    "fused_add_rms_norm": OpRow(_slice("rms_norm", *_ALL), "launch_rms_norm", backward=True),
+    "softmax": OpRow(_slice("reductions", "triton", "cpu"), "launch_softmax", backward=True),
+    "log_softmax": OpRow(_slice("reductions", "triton", "cpu"), "launch_softmax", backward=True),
+    "mean": OpRow(_slice("reductions", "triton", "cpu"), "launch_mean", backward=True),
+    "attention": OpRow(_slice("attention", *_ALL), "run_attention", backward=False,
+                       refusal=_INFERENCE_ONLY),
+    "attention_varlen": OpRow(_slice("attention", *_ALL), "run_attention", backward=True),
+    # Built from bik::bmm, so it runs wherever bmm does (one module for every backend).
+    "attention_varlen_backward": OpRow({b: "bik.ops.attention.backward" for b in _ALL},
+                                       "sequence_grads", backward=False,
+                                       refusal="double backward through attention is not "
+                                               "implemented"),
+    # Pure data movement (index_copy_ into the caches): no backend argument, no gradient.
+    "write_kv_cache": OpRow({}, "", backward=False,
+                            refusal="it writes a KV cache in place; gradients do not flow "
+                                    "through the cache"),
+    "sample": OpRow(_slice("sampling", *_ALL), "sample_rows", backward=False,
+                    refusal=_NOT_DIFFERENTIABLE),
+    "verify_draft": OpRow(_slice("sampling", *_ALL), "sample_rows", backward=False,
+                          refusal=_NOT_DIFFERENTIABLE),
+}
+
+
+# ---- registration ------------------------------------------------------------------------------
+
+def define(op: str, schema: str) -> None:
+    """torch.library.define ``bik::<op>``; a row whose backward is refused gets its refusal."""
+    row = TABLE[op]  # KeyError here: an op without a row cannot be defined
+    torch.library.define(f"bik::{op}", schema)
+    if not row.backward and row.backends:
+        _register_refusal(op, row.refusal)
+
+
+def _register_refusal(op: str, hint: str) -> None:
+    def setup_context(ctx, inputs, output):
+        del ctx, inputs, output
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"bik.{op}: backward is not implemented ({hint})")
+
+    torch.library.register_autograd(f"bik::{op}", backward, setup_context=setup_context)
+
+
+# ---- choosing and checking a backend -----------------------------------------------------------
 
 @functools.cache
 def _triton_import_error() -> str | None:
@@ -35,57 +127,112 @@ def _triton_import_error() -> str | None:
     return None
 
 
-def resolve_backend(op: str, backend: str | None, device: torch.device) -> str:
-    """Turn ``backend=None`` into a concrete name by device, and check that it can run."""
+def _cpu_can_run(label: str, device: torch.device) -> None:
+    if device.type != "cpu":
+        raise BackendUnavailableError(
+            f"{label}: backend='cpu' got tensors on {device}; move them to the CPU or use "
+            f"backend='triton'")
+    from bik.runtime import cpu_ext
+
+    if not cpu_ext.available():
+        raise BackendUnavailableError(f"{label}: backend='cpu' is unavailable: "
+                                      f"{cpu_ext.unavailable_reason()}")
+
+
+def _triton_can_run(label: str, device: torch.device) -> None:
+    err = _triton_import_error()
+    if err is not None:
+        raise BackendUnavailableError(f"{label}: backend='triton' needs triton ({err})")
+    if device.type == "cpu" and not interpreter_active():
+        raise BackendUnavailableError(
+            f"{label}: backend='triton' got CPU tensors; Triton runs CPU tensors only in its "
+            f"interpreter (set TRITON_INTERPRET=1 before the process starts)")
+    if device.type not in ("cpu", "cuda"):
+        raise BackendUnavailableError(f"{label}: backend='triton' cannot run on {device}")
+
+
+def _cuda_can_run(label: str, device: torch.device) -> None:
+    if device.type != "cuda":
+        raise BackendUnavailableError(
+            f"{label}: backend='cuda' (the CUDA C++ kernels) got tensors on {device}; it runs "
+            f"on CUDA tensors only (use backend='cpu' on the CPU)")
+    from bik.runtime import cuda_jit
+
+    if not cuda_jit.available():
+        raise BackendUnavailableError(
+            f"{label}: backend='cuda' is unavailable on {device}: "
+            f"{cuda_jit.unavailable_reason()}")
+
+
+_CAN_RUN: dict[str, Callable[[str, torch.device], None]] = {
+    "triton": _triton_can_run, "cpu": _cpu_can_run, "cuda": _cuda_can_run}
+
+
+def default_backend(device: torch.device) -> str | None:
+    """The backend ``backend=None`` means on ``device`` (None: bik has none there)."""
+    return DEFAULT_BACKEND.get(device.type)
+
+
+def require_backend(op: str, backend: str, device: torch.device, *,
+                    label: str | None = None) -> None:
+    """Raise unless ``op``'s row lists ``backend`` and it can run on tensors of ``device``.
+
+    ``label`` names the public function in the message (default ``bik.<op>``)."""
+    label = label or f"bik.{op}"
+    if backend not in BACKENDS:
+        raise ValueError(f"{label}: unknown backend {backend!r}; expected one of {BACKENDS} "
+                         f"or None")
+    have = TABLE[op].backends
+    if backend not in have:
+        raise BackendUnavailableError(
+            f"{label}: backend={backend!r} does not implement this op; its backends are "
+            f"{', '.join(map(repr, have))} (or None for the device's default)")
+    _CAN_RUN[backend](label, device)
+
+
+def resolve_backend(op: str, backend: str | None, device: torch.device, *,
+                    label: str | None = None) -> str:
+    """Turn ``backend=None`` into the device's default, and check that it can run ``op``."""
     if backend is None:
-        if device.type == "cuda":
-            backend = "triton"
-        elif device.type == "cpu":
-            backend = "cpu"
-        else:
+        backend = default_backend(device)
+        if backend is None:
             raise BackendUnavailableError(
-                f"{op}: no bik backend for device {device}; bik runs on 'cuda' and 'cpu' tensors"
-            )
-    require_backend(op, backend, device)
+                f"{label or f'bik.{op}'}: no bik backend for device {device}; bik runs on "
+                f"'cuda' and 'cpu' tensors")
+    require_backend(op, backend, device, label=label)
     return backend
 
 
-def require_backend(op: str, backend: str, device: torch.device) -> None:
-    """Raise unless ``backend`` can run ``op`` on tensors of ``device``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{op}: unknown backend {backend!r}; expected one of {BACKENDS} or None")
-    if backend == "cpu":
-        if device.type != "cpu":
-            raise BackendUnavailableError(
-                f"{op}: backend='cpu' got tensors on {device}; move them to the CPU or use "
-                f"backend='triton'"
-            )
-        from bik.runtime import cpu_ext
+@functools.cache
+def _module(path: str):
+    return importlib.import_module(path)
 
-        if not cpu_ext.available():
-            raise BackendUnavailableError(f"{op}: backend='cpu' is unavailable: "
-                                          f"{cpu_ext.unavailable_reason()}")
-    elif backend == "triton":
-        err = _triton_import_error()
-        if err is not None:
-            raise BackendUnavailableError(f"{op}: backend='triton' needs triton ({err})")
-        if device.type == "cpu" and not interpreter_active():
-            raise BackendUnavailableError(
-                f"{op}: backend='triton' got CPU tensors; Triton runs CPU tensors only in its "
-                f"interpreter (set TRITON_INTERPRET=1 before the process starts)"
-            )
-        if device.type not in ("cpu", "cuda"):
-            raise BackendUnavailableError(f"{op}: backend='triton' cannot run on {device}")
-    else:  # "cuda": the CUDA C++ kernels of csrc/cuda, built by NVRTC at first use
-        if device.type != "cuda":
-            raise BackendUnavailableError(
-                f"{op}: backend='cuda' (the CUDA C++ kernels) got tensors on {device}; it runs "
-                f"on CUDA tensors only (use backend='cpu' on the CPU)"
-            )
-        from bik.runtime import cuda_jit
 
-        if not cuda_jit.available():
-            raise BackendUnavailableError(
-                f"{op}: backend='cuda' is unavailable on {device}: "
-                f"{cuda_jit.unavailable_reason()}"
-            )
+def implementation(op: str, backend: str, device: torch.device, *,
+                   label: str | None = None) -> Callable:
+    """The function that runs ``op`` on ``backend`` (the row's entry in the backend's module),
+    after :func:`require_backend`."""
+    require_backend(op, backend, device, label=label)
+    row = TABLE[op]
+    return getattr(_module(row.backends[backend]), row.entry)
+
+
+# ---- documentation from the table ---------------------------------------------------------------
+
+_BACKEND_WORDS = {"triton": '"triton"', "cpu": '"cpu"', "cuda": '"cuda" (CUDA C++)'}
+
+
+def backend_doc(op: str) -> str:
+    """The ``backend:`` text of a public function's docstring, from ``op``'s row."""
+    names = ", ".join(_BACKEND_WORDS[b] for b in TABLE[op].backends)
+    default = ", ".join(f'"{b}" for {dev.upper()} tensors' for dev, b in DEFAULT_BACKEND.items())
+    return f"{names} or None (by device: {default})."
+
+
+def documented(op: str):
+    """Fill the ``{backends}`` placeholder of a public function's docstring from the table."""
+    def fill(fn):
+        fn.__doc__ = fn.__doc__.replace("{backends}", backend_doc(op))
+        return fn
+
+    return fill

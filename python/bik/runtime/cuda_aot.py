@@ -14,6 +14,7 @@ incremental), otherwise by one nvcc subprocess per file.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-__all__ = ["AOT_ARCHS", "NVCC_FLAGS", "SOURCE_SUFFIXES", "build_fatbins", "nvcc_version",
+__all__ = ["AOT_ARCHS", "NVCC_FLAGS", "SOURCE_SUFFIXES", "build_fatbins", "define_options", "nvcc_version", "read_literal",
            "source_files", "source_hash"]
 
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
@@ -62,9 +63,25 @@ def _gencode(archs) -> list[str]:
     return flags
 
 
-def _nvcc_command(nvcc: str, src: Path, out: Path, src_dir: Path, archs) -> list[str]:
-    return [nvcc, "-fatbin", *NVCC_FLAGS, *_gencode(archs), "-I", str(src_dir), str(src),
-            "-o", str(out)]
+def read_literal(path: Path, name: str):
+    """The value of the module-level assignment ``name = <literal>`` in the Python file ``path``,
+    without running it (setup.py reads bik.configs.CUDA_DEFINES this way: no torch at build)."""
+    for node in ast.parse(Path(path).read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name
+                                                for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"bik: no literal assignment to {name} in {path}")
+
+
+def define_options(defines: dict) -> tuple[str, ...]:
+    """{NAME: value} -> ("-DNAME=value", ...) in name order (the JIT's option spelling)."""
+    return tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
+
+
+def _nvcc_command(nvcc: str, src: Path, out: Path, src_dir: Path, archs,
+                  options: tuple[str, ...]) -> list[str]:
+    return [nvcc, "-fatbin", *NVCC_FLAGS, *options, *_gencode(archs), "-I", str(src_dir),
+            str(src), "-o", str(out)]
 
 
 def _ninja() -> str | None:
@@ -99,15 +116,17 @@ def _build_with_ninja(ninja: str, commands: dict[Path, list[str]], deps: list[Pa
         ninja_log.unlink()
 
 
-def build_fatbins(src_dir: Path, out_dir: Path, *, archs=AOT_ARCHS, nvcc: str = "nvcc",
-                  use_ninja: bool | None = None) -> dict:
-    """Compile every ``src_dir/*.cu`` into ``out_dir/<name>.fatbin``; write and return the
+def build_fatbins(src_dir: Path, out_dir: Path, *, defines: dict | None = None,
+                  archs=AOT_ARCHS, nvcc: str = "nvcc", use_ninja: bool | None = None) -> dict:
+    """Compile every ``src_dir/*.cu`` into ``out_dir/<name>.fatbin``, ``<name>.cu`` with the -D
+    macros ``defines[name]`` ({NAME: value}; bik.configs.CUDA_DEFINES); write and return the
     manifest. Raises CalledProcessError (with nvcc's message on stderr) if a file fails."""
     src_dir, out_dir = Path(src_dir).resolve(), Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     kernels = [p for p in source_files(src_dir) if p.suffix == ".cu"]
+    options = {p.stem: define_options((defines or {}).get(p.stem, {})) for p in kernels}
     commands = {out_dir / f"{p.stem}.fatbin": _nvcc_command(nvcc, p, out_dir / f"{p.stem}.fatbin",
-                                                            src_dir, archs)
+                                                            src_dir, archs, options[p.stem])
                 for p in kernels}
     ninja = _ninja() if use_ninja in (None, True) else None
     if use_ninja and ninja is None:
@@ -121,6 +140,7 @@ def build_fatbins(src_dir: Path, out_dir: Path, *, archs=AOT_ARCHS, nvcc: str = 
         "source_hash": source_hash(src_dir),
         "archs": list(archs),
         "flags": list(NVCC_FLAGS),
+        "options": {name: list(opts) for name, opts in options.items()},
         "nvcc": nvcc_version(nvcc),
         "files": {out.name: hashlib.sha256(out.read_bytes()).hexdigest() for out in commands},
     }

@@ -289,6 +289,15 @@ def device_target(capability: tuple[int, int]) -> str:
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
+def _aot_options(name: str) -> tuple[str, ...] | None:
+    """The options ``<name>.fatbin`` was built with (None: no usable manifest). A fatbin built
+    with other -D macros than the launcher asks for is not used: the JIT builds the right one."""
+    manifest = _aot_manifest()
+    if manifest is None:
+        return None
+    return tuple(manifest.get("options", {}).get(name, ()))
+
+
 def _aot_covers(capability: tuple[int, int]) -> bool:
     manifest = _aot_manifest()
     if manifest is None:
@@ -314,7 +323,7 @@ def _module(name: str, capability: tuple[int, int], options):
             return mod
     core = _core()
     fatbin = _aot_dir() / f"{name}.fatbin"
-    if (not options and _aot_covers(capability) and fatbin.exists()
+    if (_aot_options(name) == tuple(options) and _aot_covers(capability) and fatbin.exists()
             and hasattr(core.ObjectCode, "from_fatbin")):
         mod = core.ObjectCode.from_fatbin(fatbin.read_bytes())
     else:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bik._dtypes import dtype_name
 from bik.testing.harness import (
     InvarianceReport,
     probe_every_position,
@@ -37,7 +38,7 @@ def matmul_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Sequenc
             def fn(a, b=b, bias=bias):
                 return matmul(a, b, bias, backend=backend)
 
-            name = f"matmul {str(dtype)[6:]} N={n} K={k} {layout}"
+            name = f"matmul {dtype_name(dtype)} N={n} K={k} {layout}"
             reports.append(rows_alone_vs_batched(fn, pool, ms, name=name))
             if probe_batch:
                 neighbours = _randn(gen, probe_batch - 1, k, dtype=dtype, device=device)
@@ -57,7 +58,7 @@ def rms_norm_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Seque
     for hidden in hiddens:
         pool = _randn(gen, max(ms), 2, hidden, dtype=dtype, device=device)
         weight = _randn(gen, hidden, dtype=dtype, device=device)
-        name = f"rms_norm {str(dtype)[6:]} H={hidden}"
+        name = f"rms_norm {dtype_name(dtype)} H={hidden}"
         reports.append(rows_alone_vs_batched(
             lambda x, w=weight: rms_norm(x[:, 0], w, backend=backend), pool, ms, name=name))
 
@@ -81,7 +82,7 @@ def bmm_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Sequence[i
     gen = torch.Generator().manual_seed(seed)
     pool = _randn(gen, max(ms), batch, k, dtype=dtype, device=device)  # rows first for the harness
     b = _randn(gen, batch, k, n, dtype=dtype, device=device)
-    name = f"bmm {str(dtype)[6:]} B={batch} N={n} K={k}"
+    name = f"bmm {dtype_name(dtype)} B={batch} N={n} K={k}"
     by_rows = rows_alone_vs_batched(
         lambda x: bmm(x.transpose(0, 1), b, backend=backend).transpose(0, 1), pool, ms,
         name=name)
@@ -104,7 +105,7 @@ def reduction_suite(*, device, dtype: torch.dtype, backend: str | None, ms: Sequ
     gen = torch.Generator().manual_seed(seed)
     reports = []
     for n in lengths:
-        tag = f"{str(dtype)[6:]} n={n}"
+        tag = f"{dtype_name(dtype)} n={n}"
         pool = _randn(gen, max(ms), n, dtype=dtype, device=device) * 3
         pool3 = _randn(gen, max(ms), 3, n, dtype=dtype, device=device)
         checks = [

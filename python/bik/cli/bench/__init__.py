@@ -17,6 +17,7 @@ from rich.progress import track
 from rich.table import Table
 
 import bik
+from bik._dtypes import dtype_name
 from bik.cli.common import DTYPES, make_console, pick_device, run_metadata, write_json
 from bik.cli.timing import time_ms
 from bik.ops._registry import resolve_backend
@@ -65,7 +66,7 @@ def bench_matmul(device, dtype, backend, ms, shapes) -> list[dict]:
                           lambda a, w=weight: bik.linear(a, w, backend=backend),
                           lambda a, w=weight: F.linear(a, w),
                           lambda m, n=n, k=k: ("tflops", 2.0 * m * n * k / 1e9),
-                          {"op": "matmul", "N": n, "K": k, "dtype": str(dtype)[6:]})
+                          {"op": "matmul", "N": n, "K": k, "dtype": dtype_name(dtype)})
     return records
 
 
@@ -80,13 +81,13 @@ def bench_rms_norm(device, dtype, backend, ms, hiddens) -> list[dict]:
                           lambda x, w=weight: bik.rms_norm(x, w, backend=backend),
                           lambda x, w=weight, h=hidden: F.rms_norm(x, (h,), w, 1e-6),
                           lambda m, h=hidden, b=itemsize: ("gbps", (2 * m * h + h) * b / 1e6),
-                          {"op": "rms_norm", "H": hidden, "dtype": str(dtype)[6:]})
+                          {"op": "rms_norm", "H": hidden, "dtype": dtype_name(dtype)})
     return records
 
 
 def bench_boundary(device, dtype, backend) -> list[dict]:
     """What the op boundary costs: public wrapper vs registered op vs the bare launcher."""
-    backend = resolve_backend("bik.matmul", backend, device)
+    backend = resolve_backend("matmul", backend, device)
     a = torch.ones(1, 16, dtype=dtype, device=device)
     b = torch.ones(16, 16, dtype=dtype, device=device)
     calls = {
@@ -177,7 +178,7 @@ def _backends(backend: str | None, device) -> list[str]:
     if backend is not None:
         return [backend]
     if device.type != "cuda":
-        return [resolve_backend("bik.matmul", None, device)]
+        return [resolve_backend("matmul", None, device)]
     from bik.runtime import cuda_jit
 
     return ["triton", "cuda"] if cuda_jit.available() else ["triton"]

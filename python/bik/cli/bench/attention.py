@@ -33,6 +33,7 @@ from rich.progress import track
 from rich.table import Table
 
 import bik
+from bik._dtypes import dtype_name
 from bik.cli.timing import time_ms
 from bik.ops._registry import resolve_backend
 from bik.testing.harness import same_bits
@@ -208,7 +209,7 @@ def _one(w: Workload, heads, dtype, device, backend: str, seed: int) -> dict:
 
     out = run(x.q, x.seqlens, x.cu_q, x.table)
     rec = {"op": "attention", "workload": w.kind, "B": w.batch, "context": w.context,
-           "q_len": w.q_len, "Hq": hq, "Hkv": hkv, "D": d, "dtype": str(dtype)[6:],
+           "q_len": w.q_len, "Hq": hq, "Hkv": hkv, "D": d, "dtype": dtype_name(dtype),
            "page_size": PAGE, "bik_rows_identical": _bik_probe_ok(run, w, x, out)}
     rec["bik_ms"] = time_ms(lambda: run(x.q, x.seqlens, x.cu_q, x.table), device)
     rec["bik_kernel_ms"] = None
@@ -241,7 +242,7 @@ def _one(w: Workload, heads, dtype, device, backend: str, seed: int) -> dict:
 def bench_attention(device, dtype, backend, quick: bool, batches=None) -> list[dict]:
     on_gpu = device.type == "cuda"
     heads = LLAMA_HEADS if on_gpu and not quick else CPU_HEADS
-    backend = resolve_backend("bik.attention", backend, device)
+    backend = resolve_backend("attention", backend, device)
     copy = _copy_gbps(device)
     records = []
     item = torch.empty((), dtype=dtype).element_size()

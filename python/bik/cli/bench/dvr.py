@@ -15,6 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bik._dtypes import dtype_name
 from bik.dvr import DVREngine, EngineConfig
 from bik.dvr.kernels import BikKernels, FastKernels
 from bik.dvr.workload import make_workload, run_workload
@@ -77,7 +78,7 @@ def bench_dvr(device, dtype, quick: bool, *, window: int = 16, group: int = 8,
         det_ids = [a.request.request_id for a in arrivals if a.request.deterministic]
         s["_det_tokens"] = {rid: tokens[rid] for rid in det_ids}
         records.append({"op": "dvr", "run": name, "model": model_name,
-                        "dtype": str(dtype).removeprefix("torch."), "requests": num_requests,
+                        "dtype": dtype_name(dtype), "requests": num_requests,
                         "window": window, "group": group, "det_fraction": det,
                         "mismatch_rate": mismatch,
                         "repeats": repeats, "tokens_per_s": s["committed_tokens_per_s"], **s})

@@ -15,6 +15,7 @@ from rich.progress import track
 from rich.table import Table
 
 import bik
+from bik._dtypes import dtype_name
 from bik.cli.timing import time_ms
 
 __all__ = ["bench_sample", "render_sample"]
@@ -51,7 +52,7 @@ def bench_sample(device, dtype, backend, quick: bool, bs=None) -> list[dict]:
             bik_gbps = nbytes / t_bik["p50"] / 1e6
             copy_gbps = 2 * nbytes / t_copy["p50"] / 1e6
             records.append({
-                "op": "sample", "B": b, "V": v, "dtype": str(dtype)[6:], "bik_ms": t_bik,
+                "op": "sample", "B": b, "V": v, "dtype": dtype_name(dtype), "bik_ms": t_bik,
                 "multinomial_ms": t_mult, "argmax_ms": t_argmax, "copy_ms": t_copy,
                 "bik_gbps": bik_gbps, "copy_gbps": copy_gbps, "frac_of_copy": bik_gbps / copy_gbps,
                 "speedup_vs_multinomial": t_mult["p50"] / t_bik["p50"],

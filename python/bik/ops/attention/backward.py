@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import torch
 
-from bik.ops._checks import check_same_device, check_tensor, register_no_backward
+from bik.ops._checks import check_same_device, check_tensor
 from bik.ops._pointwise import exp_f32
+from bik.ops._registry import define, require_backend
 from bik.ops.attention.op import _check_qkv, _int_vector, check_cu_seqlens
 
 __all__ = ["attention_varlen_grads"]
 
-torch.library.define(
-    "bik::attention_varlen_backward",
-    "(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-    "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal, str backend) "
-    "-> (Tensor, Tensor, Tensor)",
-)
+define("attention_varlen_backward",
+       "(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
+       "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal, "
+       "str backend) -> (Tensor, Tensor, Tensor)")
 
 _OP = "bik.attention_varlen_backward"
 
@@ -77,7 +76,7 @@ def _unrows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.reshape(hkv, n, rows // n, d).transpose(0, 1).reshape(n, -1, d)
 
 
-def _sequence_grads(q, k, v, out, lse, grad_out, grad_lse, scale, causal, backend):
+def sequence_grads(q, k, v, out, lse, grad_out, grad_lse, scale, causal, backend):
     """One sequence: q/out/grad_out [t, Hq, D], k/v [L, Hkv, D], lse/grad_lse [t, Hq]."""
     t, length, hkv = q.shape[0], k.shape[0], k.shape[1]
     bmm = torch.ops.bik.bmm
@@ -113,6 +112,7 @@ def _sequence_grads(q, k, v, out, lse, grad_out, grad_lse, scale, causal, backen
 def _backward_impl(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale,
                    causal, backend):
     _check(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    require_backend("attention_varlen_backward", backend, q.device, label=_OP)
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
@@ -123,7 +123,7 @@ def _backward_impl(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqle
         qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
         if qs.stop == qs.start:
             continue  # no queries: this sequence's keys get zero gradients
-        g_q, g_k, g_v = _sequence_grads(
+        g_q, g_k, g_v = sequence_grads(
             q[qs], k[ks], v[ks], out[qs], lse[qs], None if grad_out is None else grad_out[qs],
             None if grad_lse is None else grad_lse[qs], scale, causal, backend)
         dq[qs], dk[ks] = g_q.to(q.dtype), g_k.to(k.dtype)
@@ -168,4 +168,3 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("bik::attention_varlen", _backward, setup_context=_setup)
-register_no_backward("bik::attention_varlen_backward", _OP)

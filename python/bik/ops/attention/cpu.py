@@ -13,9 +13,10 @@ import itertools
 import torch
 
 from bik.configs import CPU_ATTENTION_SPLIT
+from bik.ops.attention._layout import Problem
 from bik.runtime import cpu_ext
 
-__all__ = ["attention_cpu", "attention_f32", "cpu_keys"]
+__all__ = ["attention_cpu", "attention_f32", "cpu_keys", "run_attention"]
 
 LOG2E = 1.4426950408889634
 
@@ -122,3 +123,11 @@ def attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             torch.tensor(cu_k, dtype=torch.int64), out, lse, split=CPU_ATTENTION_SPLIT,
             scale_log2e=scale * LOG2E, causal=causal, num_threads=num_threads)
     return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
+
+
+def run_attention(label: str, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's entry point on this backend (see bik/ops/attention/_layout.py)."""
+    del label  # every head_dim runs on the CPU
+    k32, v32, offsets = cpu_keys(p.k, p.v, p.lens, table=p.layout.table, base=p.layout.base)
+    return attention_cpu(p.q, k32, v32, key_offsets=offsets, cu_q=p.cu, seqlens_k=p.lens,
+                         scale=p.scale, causal=p.causal)

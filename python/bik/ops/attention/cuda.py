@@ -14,12 +14,13 @@ from typing import NamedTuple
 import torch
 
 from bik._arch import device_arch
+from bik._dtypes import info
 from bik.configs import CUDA_ATTENTION_HEAD_DIMS, CudaAttentionConfig, cuda_attention_config
+from bik.ops.attention._layout import Problem, run_on_gpu
 
-__all__ = ["AttentionLaunch", "launch_attention", "plan_attention"]
+__all__ = ["AttentionLaunch", "launch_attention", "plan_attention", "run_attention"]
 
 LOG2E = 1.4426950408889634
-_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class AttentionLaunch(NamedTuple):
@@ -106,6 +107,11 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
         cuda_jit.launch(
             merge, (total_q, hq, 1), (d, 1, 1), 0, pacc, pml, out, lse, cu_q, seqlens_k,
             i32(n_seq), i64(out.stride(0)), i64(out.stride(1)), i32(total_q), i32(hq), i32(d),
-            i32(plan.config.split), i32(int(causal)), i32(_OUT_KIND[out.dtype]),
+            i32(plan.config.split), i32(int(causal)), i32(info(out.dtype).cuda_kind),
             device=q.device)
 
+
+
+def run_attention(label: str, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's entry point on this backend (see bik/ops/attention/_layout.py)."""
+    return run_on_gpu(label, "cuda", CUDA_ATTENTION_HEAD_DIMS, launch_attention, p)

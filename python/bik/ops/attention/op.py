@@ -15,47 +15,27 @@ from typing import NamedTuple
 
 import torch
 
-from bik.ops._checks import (
-    check_float_dtype,
-    check_same_device,
-    check_tensor,
-    register_no_backward,
-)
-from bik.ops._registry import require_backend, resolve_backend
+from bik.ops._checks import check_float_dtype, check_same_device, check_tensor
+from bik.ops._registry import define, documented, implementation, resolve_backend
+from bik.ops.attention._layout import Layout, Problem
 
 __all__ = ["AttentionOutput", "attention", "attention_varlen", "write_kv_cache"]
 
-TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
-
-torch.library.define(
-    "bik::attention",
-    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor cu_seqlens_q, "
-    "Tensor? block_table, float scale, bool causal, str backend) -> Tensor",
-)
-torch.library.define(
-    "bik::attention_varlen",
-    "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, "
-    "bool causal, str backend) -> (Tensor, Tensor)",
-)
-torch.library.define(
-    "bik::write_kv_cache",
-    "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()",
-)
+# Every backend module (triton.py, cuda.py, cpu.py) defines run_attention(label, Problem)
+# (bik/ops/attention/_layout.py).
+define("attention",
+       "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor cu_seqlens_q, "
+       "Tensor? block_table, float scale, bool causal, str backend) -> Tensor")
+define("attention_varlen",
+       "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, "
+       "bool causal, str backend) -> (Tensor, Tensor)")
+define("write_kv_cache",
+       "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()")
 
 
 class AttentionOutput(NamedTuple):
     out: torch.Tensor  # [total_q, Hq, D], q.dtype
     lse: torch.Tensor  # [total_q, Hq], fp32, natural log of the softmax denominator
-
-
-class _Layout(NamedTuple):
-    """Where a sequence's keys live: paged (table) or one contiguous run per sequence (base)."""
-
-    table: torch.Tensor | None  # int32 [B, max_pages]
-    base: torch.Tensor | None  # int64 [B], element offset of key 0 (table is None)
-    block_size: int
-    stride_page: int
-    stride_tok: int
 
 
 def _int_vector(op: str, name: str, t, length: int | None = None) -> None:
@@ -109,40 +89,6 @@ def _host_lengths(op: str, cu_q, seqlens_k, total_q: int, capacity) -> tuple[lis
     return cu, lens
 
 
-def _run(op, backend, q, k, v, layout: _Layout, cu, lens, cu_q, seqlens_k, scale, causal,
-         split_mode=None):
-    total_q, hq, d = q.shape
-    if backend == "cpu":
-        from bik.ops.attention.cpu import attention_cpu, cpu_keys
-
-        k32, v32, offsets = cpu_keys(k, v, lens, table=layout.table, base=layout.base)
-        return attention_cpu(q, k32, v32, key_offsets=offsets, cu_q=cu, seqlens_k=lens,
-                             scale=scale, causal=causal)
-    if backend == "cuda":
-        from bik.configs import CUDA_ATTENTION_HEAD_DIMS
-        from bik.ops.attention.cuda import launch_attention
-
-        if d not in CUDA_ATTENTION_HEAD_DIMS:
-            raise ValueError(f"{op}: backend='cuda' supports head_dim in "
-                             f"{CUDA_ATTENTION_HEAD_DIMS}, got {d}")
-    elif d not in TRITON_HEAD_DIMS:
-        raise ValueError(f"{op}: backend='triton' supports head_dim in {TRITON_HEAD_DIMS}, got {d}")
-    else:
-        from bik.ops.attention.triton import launch_attention
-
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((total_q, hq), dtype=torch.float32, device=q.device)
-    q_lens = [b - a for a, b in itertools.pairwise(cu)]
-    launch_attention(
-        q, k, v, out, lse, cu_q=cu_q.to(torch.int32), seqlens_k=seqlens_k.to(torch.int32),
-        table=layout.table, base=layout.base, block_size=layout.block_size,
-        stride_page=layout.stride_page, stride_tok=layout.stride_tok,
-        max_q_len=max(q_lens, default=0), max_k_len=max(lens, default=0), scale=scale,
-        causal=causal, split_mode=split_mode)
-    return out, lse
-
-
 def _scale(scale: float | None, d: int) -> float:
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 
@@ -165,7 +111,7 @@ def _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
                              f"sequence ({n_seq})")
         max_len = k_cache.shape[1]
         base = torch.arange(n_seq, dtype=torch.int64, device=q.device) * k_cache.stride(0)
-        layout = _Layout(None, base, max_len, 0, k_cache.stride(1))
+        layout = Layout(None, base, max_len, 0, k_cache.stride(1))
         capacity = lambda b: max_len
         cu, lens = _host_lengths(op, cu_seqlens_q, cache_seqlens, q.shape[0], capacity)
         return layout, cu, lens
@@ -186,7 +132,7 @@ def _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
         raise ValueError(f"{op}: block_table row {b} points outside the cache's {num_blocks} "
                          f"blocks: {block_table[b, : int(pages[b])].tolist()}")
     table = block_table.to(torch.int32).contiguous()
-    return _Layout(table, None, block_size, k_cache.stride(0), k_cache.stride(1)), cu, lens
+    return Layout(table, None, block_size, k_cache.stride(0), k_cache.stride(1)), cu, lens
 
 
 @torch.library.impl("bik::attention", ("cpu", "cuda"))
@@ -197,10 +143,11 @@ def _attention_impl(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_tabl
     check_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                       cu_seqlens_q=cu_seqlens_q, block_table=block_table)
     _check_scale(op, scale)
-    require_backend(op, backend, q.device)
+    run_attention = implementation("attention", backend, q.device, label=op)
     layout, cu, lens = _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table)
-    return _run(op, backend, q, k_cache, v_cache, layout, cu, lens, cu_seqlens_q, cache_seqlens,
-                scale, causal)[0]
+    problem = Problem(q, k_cache, v_cache, layout, cu, lens, cu_seqlens_q, cache_seqlens, scale,
+                      causal)
+    return run_attention(op, problem)[0]
 
 
 @torch.library.register_fake("bik::attention")
@@ -219,7 +166,7 @@ def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, b
     _check_qkv(op, q, k, v, 3)
     check_same_device(op, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _check_scale(op, scale)
-    require_backend(op, backend, q.device)
+    run_attention = implementation("attention_varlen", backend, q.device, label=op)
     _int_vector(op, "cu_seqlens_k", cu_seqlens_k)
     _int_vector(op, "cu_seqlens_q", cu_seqlens_q, cu_seqlens_k.shape[0])
     if k.stride(-1) != 1:
@@ -229,8 +176,9 @@ def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, b
     seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     cu, lens = _host_lengths(op, cu_seqlens_q, seqlens_k, q.shape[0], None)
     base = cu_seqlens_k[:-1].to(torch.int64) * k.stride(0)
-    layout = _Layout(None, base, 1, 0, k.stride(0))
-    return _run(op, backend, q, k, v, layout, cu, lens, cu_seqlens_q, seqlens_k, scale, causal)
+    layout = Layout(None, base, 1, 0, k.stride(0))
+    return run_attention(op, Problem(q, k, v, layout, cu, lens, cu_seqlens_q, seqlens_k, scale,
+                                     causal))
 
 
 @torch.library.register_fake("bik::attention_varlen")
@@ -257,8 +205,7 @@ def _write_kv_cache_impl(k_cache, v_cache, k, v, slot_mapping):
         flat.index_copy_(0, slots[keep], new[keep])
 
 
-register_no_backward("bik::attention", "bik.attention")
-# bik::attention_varlen's backward: ops/attention_backward.py (built from bik::bmm).
+# bik::attention_varlen's backward: ops/attention/backward.py (built from bik::bmm).
 
 
 def _check_kv_write(op, k_cache, v_cache, k, v, slot_mapping):
@@ -283,6 +230,7 @@ def _write_kv_cache_fake(k_cache, v_cache, k, v, slot_mapping):
     _check_kv_write("bik.write_kv_cache", k_cache, v_cache, k, v, slot_mapping)
 
 
+@documented("attention")
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
               cache_seqlens: torch.Tensor, cu_seqlens_q: torch.Tensor,
               block_table: torch.Tensor | None = None, scale: float | None = None,
@@ -298,7 +246,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         cache_seqlens: int [B], keys per sequence (including the new tokens).
         cu_seqlens_q: int [B + 1].
         scale: default 1/sqrt(D). causal: mask by absolute position.
-        backend: "triton", "cpu" or None (by device).
+        backend: {backends}
 
     Returns:
         [total_q, Hq, D] in q.dtype. The bits for (sequence, absolute position, head) do not
@@ -307,11 +255,12 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     """
     op = "bik.attention"
     check_tensor(op, "q", q, 3)
-    backend = resolve_backend(op, backend, q.device)
+    backend = resolve_backend("attention", backend, q.device)
     return torch.ops.bik.attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
                                    _scale(scale, q.shape[-1]), bool(causal), backend)
 
 
+@documented("attention_varlen")
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      scale: float | None = None, causal: bool = True,
@@ -320,11 +269,15 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     Query i of sequence b sits at absolute position L_k - L_q + i (bottom-right aligned, as in
     :func:`attention`), so a token's output equals the paged path's bit for bit on the same
-    backend. Returns (out [total_q, Hq, D], lse [total_q, Hq] fp32, natural log).
+    backend. Returns (out [total_q, Hq, D], lse [total_q, Hq] fp32, natural log). Its
+    backward (``.backward()`` through out and lse) is batch-invariant too.
+
+    Args:
+        backend: {backends}
     """
     op = "bik.attention_varlen"
     check_tensor(op, "q", q, 3)
-    backend = resolve_backend(op, backend, q.device)
+    backend = resolve_backend("attention_varlen", backend, q.device)
     out, lse = torch.ops.bik.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                               _scale(scale, q.shape[-1]), bool(causal), backend)
     return AttentionOutput(out, lse)

@@ -1,8 +1,7 @@
-"""CPU attention with the fixed KV split size.
+"""The CPU backend's attention contract in torch: :func:`attention_cpu_reference` (tests only).
 
-The spec of the CPU backend's attention (bik/ops/attention/cpu.py runs it in C++,
-csrc/cpu/attention.h): :func:`attention_cpu_reference`, built from bik's fixed-order CPU kernels, whose bits it gives
-(tests/test_cpu_attention_kernel.py). For a sequence, each split [j*SPLIT, (j+1)*SPLIT) of its
+bik/ops/attention/cpu.py runs the same sequence in C++ (csrc/cpu/attention.h) and gives its
+bits; the reference is built from bik's fixed-order CPU matmul. For a sequence, each split [j*SPLIT, (j+1)*SPLIT) of its
 keys is reduced from a fresh state: scores = q @ k^T (fixed-order matmul kernel, fp32), times
 scale*log2(e), masked to -inf where a row cannot see a key; m_j = row max (exact);
 p = exp2(s - m_j) (exp2f, a pure function of each value); l_j = p @ 1 and acc_j = p @ v
@@ -20,7 +19,6 @@ import torch
 
 from bik.configs import CPU_ATTENTION_SPLIT
 from bik.ops._pointwise import unary_f32
-from bik.ops.matmul.cpu import matmul_f32
 
 __all__ = ["attention_cpu_reference", "merge_partial", "reference_keys"]
 
@@ -33,9 +31,8 @@ def _exp2(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32)
-    matmul_f32(a, b, None, out)
-    return out
+    # bik's fixed-order CPU matmul (fp32 in, fp32 out: no rounding beyond the kernel's own)
+    return torch.ops.bik.matmul(a, b, None, torch.float32, "cpu")
 
 
 def merge_partial(m, l, acc, m_j, l_j, acc_j):

@@ -27,9 +27,10 @@ import triton
 import triton.language as tl
 
 from bik._arch import device_arch
-from bik.configs import attention_config
+from bik.configs import TRITON_ATTENTION_HEAD_DIMS, attention_config
+from bik.ops.attention._layout import Problem, run_on_gpu
 
-__all__ = ["attention_kernel", "attention_merge_kernel", "launch_attention"]
+__all__ = ["attention_kernel", "attention_merge_kernel", "launch_attention", "run_attention"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -252,3 +253,8 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
             G=g, G_P2=triton.next_power_of_2(g), D=d, SPLIT=cfg.split, CAUSAL=causal,
             num_warps=4, enable_fp_fusion=False,
         )
+
+
+def run_attention(label: str, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's entry point on this backend (see bik/ops/attention/_layout.py)."""
+    return run_on_gpu(label, "triton", TRITON_ATTENTION_HEAD_DIMS, launch_attention, p)

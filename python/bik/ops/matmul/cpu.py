@@ -6,7 +6,7 @@ import torch
 
 from bik.runtime import cpu_ext
 
-__all__ = ["matmul_f32"]
+__all__ = ["launch_matmul", "matmul_f32"]
 
 
 def matmul_f32(
@@ -47,3 +47,17 @@ def matmul_f32(
         torch.get_num_threads() if num_threads is None else num_threads,
         isa, block_k, block_n,
     )  # fmt: skip
+
+
+def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                  out: torch.Tensor) -> None:
+    """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]), validated by the op, one batch entry
+    at a time. Upcasting bf16/fp16 to fp32 is exact, so the fixed fp32 order of
+    :func:`matmul_f32` is the whole contract; the result is rounded once to out's dtype."""
+    bias32 = None if bias is None else bias.float().contiguous()
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    for i in range(a.shape[0]):
+        out32 = out[i] if direct else torch.empty(out.shape[1:], dtype=torch.float32)
+        matmul_f32(a[i].float(), b[i].float(), bias32, out32)
+        if not direct:
+            out[i].copy_(out32)

@@ -18,11 +18,11 @@ from typing import NamedTuple
 import torch
 
 from bik._arch import device_arch
-from bik.configs import CudaMatmulConfig, cuda_matmul_config
+from bik._dtypes import info
+from bik.configs import CudaMatmulConfig, cuda_matmul_config, cuda_options
 
 __all__ = ["MatmulLaunch", "launch_matmul", "load_flags", "plan_matmul", "use_spread"]
 
-OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # SPREAD while the output tiles alone would not fill one wave of an H200's 132 SMs.
 SPREAD_MAX_TILES = 132
 _REDUCE_THREADS = 256
@@ -105,24 +105,25 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
     nb, m, k = a.shape
     n = b.shape[2]
-    if out.dtype not in OUT_KIND:
-        raise TypeError(f"bik: backend='cuda' matmul cannot write {out.dtype}")
     if nb == 0 or m == 0 or n == 0:
         return
     plan = plan_matmul(a.dtype, nb, m, n, k, device_arch(a.device), spread=spread)
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()  # exact upcast
-    kernel = cuda_jit.get_kernel(plan.config.source, plan.config.kernel, a.device)
+    source = plan.config.source
+    kernel = cuda_jit.get_kernel(source, plan.config.kernel, a.device,
+                                 options=cuda_options(source))
     ws = None
     if plan.spread:
         ws = torch.empty(plan.workspace, dtype=torch.float32, device=a.device)
     i32, i64 = cuda_jit.i32, cuda_jit.i64
     strides = [i64(s) for t in (a, b, out) for s in t.stride()]
-    kind = i32(OUT_KIND[out.dtype])
+    kind = i32(info(out.dtype).cuda_kind)
     cuda_jit.launch(kernel, plan.grid, plan.block, 0, a, b, bias32, out, ws, i32(m), i32(n),
                     i32(k), *strides, i32(plan.config.split_k), i32(int(plan.spread)), kind,
                     i32(load_flags(a, b)), device=a.device)
     if plan.spread:
-        reduce = cuda_jit.get_kernel("matmul", "bik_matmul_reduce", a.device)
+        reduce = cuda_jit.get_kernel("matmul", "bik_matmul_reduce", a.device,
+                                     options=cuda_options("matmul"))
         blocks = min(_cdiv(nb * m * n, _REDUCE_THREADS), 1 << 20)  # grid-stride beyond
         cuda_jit.launch(reduce, (blocks, 1, 1), (_REDUCE_THREADS, 1, 1), 0, ws, bias32, out,
                         i32(nb), i32(m), i32(n), i32(plan.n_splits), *strides[6:], kind,

@@ -18,17 +18,15 @@ from bik.ops._checks import (
     check_same_dtype,
     check_tensor,
 )
-from bik.ops._registry import require_backend, resolve_backend
+from bik.ops._registry import define, documented, implementation, resolve_backend
 
 __all__ = ["bmm", "linear", "matmul"]
 
-torch.library.define(
-    "bik::matmul",
-    "(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype, str backend) -> Tensor",
-)
-torch.library.define(
-    "bik::bmm", "(Tensor a, Tensor b, ScalarType? out_dtype, str backend) -> Tensor"
-)
+# Every backend module (triton.py, cuda.py, cpu.py) defines
+#   launch_matmul(a [B, M, K], b [B, K, N], bias [N] | None, out [B, M, N]) -> None
+# for inputs this module has validated; ``out`` (any supported dtype) is written, not read.
+define("matmul", "(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype, str backend) -> Tensor")
+define("bmm", "(Tensor a, Tensor b, ScalarType? out_dtype, str backend) -> Tensor")
 
 
 def _check_mm(op: str, a, b, bias, out_dtype, a_rank: int = 2) -> torch.dtype:
@@ -55,29 +53,12 @@ def _check_mm(op: str, a, b, bias, out_dtype, a_rank: int = 2) -> torch.dtype:
     return check_out_dtype(op, out_dtype, a.dtype)
 
 
-def _cpu_mm_into(a, b, bias, out32) -> None:
-    from bik.ops.matmul.cpu import matmul_f32
-
-    # Upcasting bf16/fp16 to fp32 is exact, so the fixed fp32 order is the whole contract.
-    matmul_f32(a.float(), b.float(), None if bias is None else bias.float().contiguous(), out32)
-
-
 @torch.library.impl("bik::matmul", ("cpu", "cuda"))
 def _matmul_impl(a, b, bias, out_dtype, backend):
     op = "bik.matmul"
     out_dtype = _check_mm(op, a, b, bias, out_dtype)
-    require_backend(op, backend, a.device)
-    m, n = a.shape[0], b.shape[1]
-    if backend == "cpu":
-        out = torch.empty((m, n), dtype=torch.float32, device=a.device)
-        _cpu_mm_into(a, b, bias, out)
-        return out.to(out_dtype)
-    if backend == "cuda":
-        from bik.ops.matmul.cuda import launch_matmul
-    else:
-        from bik.ops.matmul.triton import launch_matmul
-
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    launch_matmul = implementation("matmul", backend, a.device, label=op)
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
     launch_matmul(a.unsqueeze(0), b.unsqueeze(0), bias, out.unsqueeze(0))
     return out
 
@@ -92,19 +73,8 @@ def _matmul_fake(a, b, bias, out_dtype, backend):
 def _bmm_impl(a, b, out_dtype, backend):
     op = "bik.bmm"
     out_dtype = _check_mm(op, a, b, None, out_dtype, a_rank=3)
-    require_backend(op, backend, a.device)
-    nb, m, n = a.shape[0], a.shape[1], b.shape[2]
-    if backend == "cpu":
-        out = torch.empty((nb, m, n), dtype=torch.float32, device=a.device)
-        for i in range(nb):
-            _cpu_mm_into(a[i], b[i], None, out[i])
-        return out.to(out_dtype)
-    if backend == "cuda":  # one launch: the batch is folded into the grid
-        from bik.ops.matmul.cuda import launch_matmul
-    else:
-        from bik.ops.matmul.triton import launch_matmul
-
-    out = torch.empty((nb, m, n), dtype=out_dtype, device=a.device)
+    launch_matmul = implementation("bmm", backend, a.device, label=op)
+    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype, device=a.device)
     launch_matmul(a, b, None, out)
     return out
 
@@ -179,6 +149,7 @@ torch.library.register_autograd("bik::matmul", _matmul_backward, setup_context=_
 torch.library.register_autograd("bik::bmm", _bmm_backward, setup_context=_bmm_setup)
 
 
+@documented("matmul")
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
            out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
     """Batch-invariant ``a @ b (+ bias)``.
@@ -188,7 +159,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
         b: [K, N], same dtype as a, any strides (``weight.t()`` of an nn.Linear needs no copy).
         bias: optional [N], any supported dtype; added in fp32 before the final cast.
         out_dtype: output dtype (default a.dtype). Accumulation is always fp32.
-        backend: "triton", "cpu" or None (CUDA tensor -> "triton", CPU tensor -> "cpu").
+        backend: {backends}
 
     Returns:
         [..., N]. Each output row's bits depend only on that row of ``a``, on ``b``/``bias``,
@@ -206,7 +177,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
             f"({a.shape[-1]} vs {b.shape[0]})"
         )
     check_out_dtype(op, out_dtype, a.dtype)
-    backend = resolve_backend(op, backend, a.device)
+    backend = resolve_backend("matmul", backend, a.device, label=op)
     if a.dim() == 2:
         return torch.ops.bik.matmul(a, b, bias, out_dtype, backend)
     rows = math.prod(a.shape[:-1])  # not reshape(-1, K): K may be 0
@@ -214,11 +185,15 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     return out.reshape(*a.shape[:-1], b.shape[1])
 
 
+@documented("matmul")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            out_dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
     """Batch-invariant ``F.linear``: x [..., K], weight [N, K] (no copy), bias [N] -> [..., N].
 
     Same contract as :func:`matmul` (it is ``matmul(x, weight.t(), bias)``).
+
+    Args:
+        backend: {backends}
     """
     op = "bik.linear"
     check_tensor(op, "x", x)
@@ -229,12 +204,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return matmul(x, weight.t(), bias, out_dtype=out_dtype, backend=backend)
 
 
+@documented("bmm")
 def bmm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None,
         backend: str | None = None) -> torch.Tensor:
     """Batch-invariant ``torch.bmm``: a [B, M, K] @ b [B, K, N] -> [B, M, N].
 
     Every row of every batch entry has bits independent of M and of B.
+
+    Args:
+        backend: {backends}
     """
     check_tensor("bik.bmm", "a", a, 3)
-    backend = resolve_backend("bik.bmm", backend, a.device)
+    backend = resolve_backend("bmm", backend, a.device)
     return torch.ops.bik.bmm(a, b, out_dtype, backend)

@@ -6,7 +6,7 @@ import torch
 
 from bik.runtime import cpu_ext
 
-__all__ = ["mean_f32", "softmax_f32"]
+__all__ = ["launch_mean", "launch_softmax", "mean_f32", "softmax_f32"]
 
 
 def softmax_f32(x: torch.Tensor, out: torch.Tensor, *, log: bool = False,
@@ -42,3 +42,24 @@ def mean_f32(x: torch.Tensor, out: torch.Tensor, *, num_threads: int | None = No
     assert x.stride(1) == 1 or N == 1
     ext.mean_f32(x.data_ptr(), x.stride(0), out.data_ptr(), M, N,
                  torch.get_num_threads() if num_threads is None else num_threads)
+
+
+def _fp32_target(out: torch.Tensor) -> torch.Tensor:
+    return out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
+
+
+def launch_softmax(x: torch.Tensor, out: torch.Tensor, *, log: bool) -> None:
+    """The op's launcher on the CPU: x [M, N] with unit stride along N (upcast to fp32, exact),
+    out [M, N] contiguous in the output dtype (rounded once)."""
+    out32 = _fp32_target(out)
+    softmax_f32(x.float(), out32, log=log)
+    if out32 is not out:
+        out.copy_(out32)
+
+
+def launch_mean(x: torch.Tensor, out: torch.Tensor) -> None:
+    """The op's launcher on the CPU: x [M, N] (N >= 1) with unit stride along N, out [M]."""
+    out32 = _fp32_target(out)
+    mean_f32(x.float(), out32)
+    if out32 is not out:
+        out.copy_(out32)

@@ -15,16 +15,17 @@ from collections.abc import Sequence
 import torch
 
 from bik.ops._checks import SUPPORTED_DTYPES, check_float_dtype, check_tensor
-from bik.ops._registry import require_backend, resolve_backend
+from bik.ops._registry import define, documented, implementation, resolve_backend
 
 __all__ = ["log_softmax", "mean", "softmax"]
 
-torch.library.define(
-    "bik::softmax", "(Tensor x, int dim, ScalarType? dtype, str backend) -> Tensor")
-torch.library.define(
-    "bik::log_softmax", "(Tensor x, int dim, ScalarType? dtype, str backend) -> Tensor")
-torch.library.define(
-    "bik::mean", "(Tensor x, int[] dim, bool keepdim, ScalarType? dtype, str backend) -> Tensor")
+# Every backend module (triton.py, cpu.py) defines, for validated rows with unit stride:
+#   launch_softmax(x [M, N], out [M, N], *, log: bool) -> None
+#   launch_mean(x [M, N >= 1], out [M]) -> None
+# ``out`` is contiguous in the output dtype (written, not read).
+define("softmax", "(Tensor x, int dim, ScalarType? dtype, str backend) -> Tensor")
+define("log_softmax", "(Tensor x, int dim, ScalarType? dtype, str backend) -> Tensor")
+define("mean", "(Tensor x, int[] dim, bool keepdim, ScalarType? dtype, str backend) -> Tensor")
 
 
 # ---- checks (shared by the public functions, the kernels' impls and the fake impls) ----------
@@ -74,25 +75,17 @@ def _unit_stride_rows(x2: torch.Tensor) -> torch.Tensor:
 # ---- softmax / log_softmax -------------------------------------------------------------------
 
 def _softmax(x, dim, dtype, backend, log: bool):
-    op = "bik.log_softmax" if log else "bik.softmax"
+    key = "log_softmax" if log else "softmax"
+    op = f"bik.{key}"
     out_dtype = _check_x_and_dtype(op, x, dtype)
     d = _norm_dim(op, x, dim)
-    require_backend(op, backend, x.device)
+    launch_softmax = implementation(key, backend, x.device, label=op)
     xm = x.reshape(1) if x.dim() == 0 else x.movedim(d, -1)
     n = xm.shape[-1]
     rows = math.prod(xm.shape[:-1])  # not reshape(-1, n): n may be 0
     x2 = _unit_stride_rows(xm.reshape(rows, n))
-    if backend == "cpu":
-        from bik.ops.reductions.cpu import softmax_f32
-
-        out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
-        softmax_f32(_unit_stride_rows(x2.float()), out, log=log)
-        out = out.to(out_dtype)
-    else:
-        from bik.ops.reductions.triton import launch_softmax
-
-        out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
-        launch_softmax(x2, out, log=log)
+    out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    launch_softmax(x2, out, log=log)
     if x.dim() == 0:
         return out.reshape(())
     return out.reshape(xm.shape).movedim(-1, d).contiguous()
@@ -132,7 +125,7 @@ def _mean_impl(x, dim, keepdim, dtype, backend):
     op = "bik.mean"
     out_dtype = _check_x_and_dtype(op, x, dtype)
     dims = _norm_dims(op, x, dim)
-    require_backend(op, backend, x.device)
+    launch_mean = implementation("mean", backend, x.device, label=op)
     shape = _mean_shape(x, dims, keepdim)
     kept = [d for d in range(x.dim()) if d not in dims]
     rows = math.prod(x.shape[d] for d in kept)
@@ -143,17 +136,8 @@ def _mean_impl(x, dim, keepdim, dtype, backend):
         return torch.full(shape, float("nan"), dtype=out_dtype, device=x.device)
     # Reduced dims last, in ascending order, flattened into one row of n elements.
     x2 = _unit_stride_rows(x.permute(kept + dims).reshape(rows, n))
-    if backend == "cpu":
-        from bik.ops.reductions.cpu import mean_f32
-
-        out = torch.empty(rows, dtype=torch.float32, device=x.device)
-        mean_f32(_unit_stride_rows(x2.float()), out)
-        out = out.to(out_dtype)
-    else:
-        from bik.ops.reductions.triton import launch_mean
-
-        out = torch.empty(rows, dtype=out_dtype, device=x.device)
-        launch_mean(x2, out)
+    out = torch.empty(rows, dtype=out_dtype, device=x.device)
+    launch_mean(x2, out)
     return out.reshape(shape)
 
 
@@ -167,6 +151,7 @@ def _mean_fake(x, dim, keepdim, dtype, backend):
 
 # ---- the public functions --------------------------------------------------------------------
 
+@documented("softmax")
 def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
             backend: str | None = None) -> torch.Tensor:
     """Batch-invariant softmax along ``dim``.
@@ -177,7 +162,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
         dtype: output dtype (bf16/fp16/fp32), default x's. Computed in fp32 from x's values
             either way (x is never rounded to ``dtype`` first); ``dtype=torch.float32`` on half
             input is aten's ``_softmax(x, dim, half_to_float=True)``.
-        backend: "triton", "cpu" or None (by device).
+        backend: {backends}
 
     Returns:
         x's shape, contiguous. Each row's bits depend only on that row and
@@ -186,10 +171,11 @@ def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
     op = "bik.softmax"
     _check_x_and_dtype(op, x, dtype)
     _norm_dim(op, x, dim)
-    backend = resolve_backend(op, backend, x.device)
+    backend = resolve_backend("softmax", backend, x.device)
     return torch.ops.bik.softmax(x, dim, dtype, backend)
 
 
+@documented("log_softmax")
 def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
                 backend: str | None = None) -> torch.Tensor:
     """Batch-invariant log_softmax along ``dim``: ``(x - max) - log(sum(exp(x - max)))``.
@@ -200,10 +186,11 @@ def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = N
     op = "bik.log_softmax"
     _check_x_and_dtype(op, x, dtype)
     _norm_dim(op, x, dim)
-    backend = resolve_backend(op, backend, x.device)
+    backend = resolve_backend("log_softmax", backend, x.device)
     return torch.ops.bik.log_softmax(x, dim, dtype, backend)
 
 
+@documented("mean")
 def mean(x: torch.Tensor, dim: int | Sequence[int] | None = None, keepdim: bool = False, *,
          dtype: torch.dtype | None = None, backend: str | None = None) -> torch.Tensor:
     """Batch-invariant mean over one or several dims.
@@ -215,7 +202,7 @@ def mean(x: torch.Tensor, dim: int | Sequence[int] | None = None, keepdim: bool 
             ascending dim order, into one row per position of the kept dims.
         keepdim: keep reduced dims with size 1.
         dtype: output dtype, default x's; the sum is fp32 either way.
-        backend: "triton", "cpu" or None (by device).
+        backend: {backends}
 
     Returns:
         The mean, rounded once to the output dtype. Each output element's bits depend only on
@@ -232,5 +219,5 @@ def mean(x: torch.Tensor, dim: int | Sequence[int] | None = None, keepdim: bool 
         dims = list(dim)
     else:
         raise TypeError(f"{op}: dim must be an int, a tuple/list of ints or None, got {dim!r}")
-    backend = resolve_backend(op, backend, x.device)
+    backend = resolve_backend("mean", backend, x.device)
     return torch.ops.bik.mean(x, dims, bool(keepdim), dtype, backend)

@@ -6,7 +6,7 @@ import torch
 
 from bik.runtime import cpu_ext
 
-__all__ = ["rms_norm_f32"]
+__all__ = ["launch_rms_norm", "rms_norm_f32"]
 
 
 def rms_norm_f32(
@@ -36,3 +36,20 @@ def rms_norm_f32(
         torch.get_num_threads() if num_threads is None else num_threads,
         isa,
     )  # fmt: skip
+
+
+def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                    residual: torch.Tensor | None = None,
+                    h_out: torch.Tensor | None = None) -> None:
+    """The op's launcher on the CPU: x, residual [M, H] with unit stride along H, weight [H]
+    contiguous, out / h_out [M, H] contiguous in x's dtype. Inputs are upcast to fp32 (exact)
+    and the result is rounded once to out's dtype."""
+    if residual is not None:
+        # Elementwise, so batch-invariant; rounded to x.dtype exactly as the GPU kernels do.
+        h_out.copy_(x.float() + residual.float())
+        x = h_out
+    direct = out.dtype == torch.float32
+    out32 = out if direct else torch.empty(x.shape, dtype=torch.float32)
+    rms_norm_f32(x.float(), weight.float().contiguous(), float(eps), out32)
+    if not direct:
+        out.copy_(out32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from bik._dtypes import info
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_jit import f32, i64
 
@@ -16,7 +17,6 @@ __all__ = ["ROWS_PER_BLOCK", "launch_rms_norm"]
 
 ROWS_PER_BLOCK = 8
 _THREADS = 128
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
@@ -38,7 +38,7 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     if not weight.is_contiguous() or weight.shape != (hidden,):
         raise ValueError("cuda rms_norm: weight must be a contiguous [H] tensor")
     kernel = cuda_jit.get_kernel("rms_norm",
-                                 f"bik_rms_norm_{_SUFFIX[x.dtype]}_{_SUFFIX[weight.dtype]}",
+                                 f"bik_rms_norm_{info(x.dtype).cuda}_{info(weight.dtype).cuda}",
                                  x.device)
     has_res = residual is not None
     grid = ((m + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, 1, 1)

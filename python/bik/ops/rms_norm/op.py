@@ -18,15 +18,17 @@ from bik.ops._checks import (
     check_same_device,
     check_tensor,
 )
-from bik.ops._registry import require_backend, resolve_backend
+from bik.ops._registry import define, documented, implementation, resolve_backend
 
 __all__ = ["rms_norm"]
 
-torch.library.define("bik::rms_norm", "(Tensor x, Tensor weight, float eps, str backend) -> Tensor")
-torch.library.define(
-    "bik::fused_add_rms_norm",
-    "(Tensor x, Tensor residual, Tensor weight, float eps, str backend) -> (Tensor, Tensor)",
-)
+# Every backend module (triton.py, cuda.py, cpu.py) defines
+#   launch_rms_norm(x [M, H], weight [H], eps, out [M, H], residual=None, h_out=None) -> None
+# for validated inputs with unit stride along H (weight contiguous); with a residual it also
+# writes h_out = x + residual rounded to x's dtype, and normalises h_out.
+define("rms_norm", "(Tensor x, Tensor weight, float eps, str backend) -> Tensor")
+define("fused_add_rms_norm",
+       "(Tensor x, Tensor residual, Tensor weight, float eps, str backend) -> (Tensor, Tensor)")
 
 
 def _check_norm(op: str, x, weight, eps, residual=None) -> None:
@@ -49,45 +51,15 @@ def _check_norm(op: str, x, weight, eps, residual=None) -> None:
     check_same_device(op, x=x, weight=weight, residual=residual)
 
 
-def _add_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    # Elementwise, so batch-invariant; rounded to x.dtype exactly as the Triton kernel does.
-    # contiguous: the returned h must match the fake's layout whatever x's strides are.
-    return (x.float() + residual.float()).to(x.dtype).contiguous()
-
-
-def _cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from bik.ops.rms_norm.cpu import rms_norm_f32
-
-    x32 = x.float()
-    if x32.shape[1] > 1 and x32.stride(1) != 1:
-        x32 = x32.contiguous()
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    rms_norm_f32(x32, weight.float().contiguous(), float(eps), out)
-    return out.to(x.dtype)
-
-
 def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
-
-
-def _gpu_launcher(backend: str):
-    """The launcher of backend "triton" or "cuda" (the CUDA C++ kernel, whose bits equal the
-    CPU backend's); both take (x, weight, eps, out, residual=None, h_out=None)."""
-    if backend == "cuda":
-        from bik.ops.rms_norm.cuda import launch_rms_norm
-    else:
-        from bik.ops.rms_norm.triton import launch_rms_norm
-    return launch_rms_norm
 
 
 @torch.library.impl("bik::rms_norm", ("cpu", "cuda"))
 def _rms_norm_impl(x, weight, eps, backend):
     op = "bik.rms_norm"
     _check_norm(op, x, weight, eps)
-    require_backend(op, backend, x.device)
-    if backend == "cpu":
-        return _cpu_rms_norm(x, weight, eps)
-    launch_rms_norm = _gpu_launcher(backend)
+    launch_rms_norm = implementation("rms_norm", backend, x.device, label=op)
     x = _unit_stride_rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     launch_rms_norm(x, weight.contiguous(), float(eps), out)
@@ -104,11 +76,7 @@ def _rms_norm_fake(x, weight, eps, backend):
 def _fused_add_rms_norm_impl(x, residual, weight, eps, backend):
     op = "bik.rms_norm"
     _check_norm(op, x, weight, eps, residual)
-    require_backend(op, backend, x.device)
-    if backend == "cpu":
-        h = _add_residual(x, residual)
-        return _cpu_rms_norm(h, weight, eps), h
-    launch_rms_norm = _gpu_launcher(backend)
+    launch_rms_norm = implementation("fused_add_rms_norm", backend, x.device, label=op)
     x, residual = _unit_stride_rows(x), _unit_stride_rows(residual)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -189,6 +157,7 @@ torch.library.register_autograd("bik::fused_add_rms_norm", _fused_backward,
                                 setup_context=_fused_setup)
 
 
+@documented("rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
              residual: torch.Tensor | None = None, backend: str | None = None):
     """Batch-invariant RMSNorm over the last dim, optionally fused with the residual add.
@@ -198,8 +167,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         weight: [H], any supported dtype (used in fp32).
         eps: finite, >= 0.
         residual: optional, same shape and dtype as x.
-        backend: "triton", "cpu", "cuda" (CUDA C++, bit-identical to "cpu") or None (by
-            device).
+        backend: {backends} "cuda" gives the bits of "cpu".
 
     Returns:
         ``out`` (x's shape and dtype) without a residual; ``(out, h)`` with one, where
@@ -211,7 +179,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     check_tensor(op, "x", x)
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least 1 dim, got a 0-D tensor")
-    backend = resolve_backend(op, backend, x.device)
+    backend = resolve_backend("rms_norm", backend, x.device, label=op)
     rows = math.prod(x.shape[:-1])  # not reshape(-1, H): H may be 0
     x2 = x.reshape(rows, x.shape[-1])
     if residual is None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from bik.ops.sampling.noise import STREAM_SAMPLE
 from bik.runtime import cpu_ext
 
-__all__ = ["bik_log", "gumbel_from_unit", "philox4x32_10", "sample_cpu"]
+__all__ = ["bik_log", "gumbel_from_unit", "philox4x32_10", "sample_cpu", "sample_rows"]
 
 
 def sample_cpu(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
@@ -67,3 +68,9 @@ def gumbel_from_unit(u: torch.Tensor) -> torch.Tensor:
     u = u.contiguous()
     assert u.dtype == torch.float32
     return _elementwise("gumbel", u, torch.empty_like(u), u.numel())
+
+
+def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p):
+    """The op's entry point on this backend (see bik/ops/sampling/op.py)."""
+    return sample_cpu(x.float(), seed, position, temperature, top_k, top_p, log_min_p,
+                      stream=STREAM_SAMPLE)

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import torch
 
+from bik._dtypes import info
+from bik.ops.sampling.split_vocab import sample_split_vocab
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_jit import i32, i64
 
-__all__ = ["SPLIT", "THREADS", "launch_sample"]
+__all__ = ["SPLIT", "THREADS", "launch_sample", "sample_rows"]
 
 THREADS = 512
 SPLIT = 16384  # vocabulary entries per pick block
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
@@ -49,7 +50,7 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
             raise ValueError(f"cuda sample: {name} must be a contiguous {dtype} tensor per row")
     if n_splits > 65535:
         raise ValueError(f"cuda sample: V = {v} needs more than 65535 splits of {SPLIT}")
-    suffix = _SUFFIX[logits.dtype]
+    suffix = info(logits.dtype).cuda
     stats = cuda_jit.get_kernel("sampling", f"bik_sample_stats_{suffix}", dev)
     pick = cuda_jit.get_kernel("sampling", f"bik_gumbel_pick_{suffix}", dev)
     stride = i64(logits.stride(0))
@@ -59,3 +60,9 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
                     temperature, vk, ik, v_lo, m, part_val, part_idx, i32(n_splits), i32(SPLIT),
                     device=dev)
     return m, log_s, bad, part_val, part_idx
+
+
+def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p):
+    """The op's entry point on this backend (see bik/ops/sampling/op.py)."""
+    return sample_split_vocab(launch_sample, x, seed, position, temperature, top_k, top_p,
+                              log_min_p)

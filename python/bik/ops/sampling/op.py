@@ -15,25 +15,25 @@ from typing import NamedTuple
 
 import torch
 
-from bik.ops._checks import check_float_dtype, check_same_device, check_tensor, register_no_backward
-from bik.ops._registry import require_backend, resolve_backend
+from bik._dtypes import dtype_name
+from bik.ops._checks import check_float_dtype, check_same_device, check_tensor
+from bik.ops._registry import define, documented, implementation, resolve_backend
+from bik.ops.sampling.noise import bik_log_torch, log_min_p
 
 __all__ = ["SampleOutput", "VerifyOutput", "bik_log_torch", "sample", "verify_draft"]
 
-torch.library.define(
-    "bik::sample",
-    "(Tensor logits, Tensor seed, Tensor position, Tensor temperature, Tensor top_k, "
-    "Tensor top_p, Tensor min_p, str backend) -> (Tensor, Tensor)",
-)
-torch.library.define(
-    "bik::verify_draft",
-    "(Tensor draft_tokens, Tensor num_drafts, Tensor logits, Tensor seed, Tensor position, "
-    "Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, str backend) "
-    "-> (Tensor, Tensor, Tensor)",
-)
-
-STREAM_SAMPLE = 0  # Philox counter word 3; other values are reserved for future draws
-FLT_MIN = 1.1754943508222875e-38
+# Every backend module (triton.py, cuda.py, cpu.py) defines
+#   sample_rows(x [B, V], seed, position, temperature, top_k, top_p, log_min_p)
+#       -> (tokens int64 [B], logprobs fp32 [B])
+# for validated, contiguous per-row parameters (log_min_p from noise.log_min_p); x has unit
+# stride along V and any supported dtype.
+define("sample",
+       "(Tensor logits, Tensor seed, Tensor position, Tensor temperature, Tensor top_k, "
+       "Tensor top_p, Tensor min_p, str backend) -> (Tensor, Tensor)")
+define("verify_draft",
+       "(Tensor draft_tokens, Tensor num_drafts, Tensor logits, Tensor seed, Tensor position, "
+       "Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, str backend) "
+       "-> (Tensor, Tensor, Tensor)")
 
 
 class SampleOutput(NamedTuple):
@@ -47,38 +47,14 @@ class VerifyOutput(NamedTuple):
     logprobs: torch.Tensor  # fp32 [B, K+1]; -inf past the emitted tokens (token -1)
 
 
-_LOG_COEFFS = (-0.07866687327623367, 0.12821781635284424, -0.13101640343666077,
-               0.14188995957374573, -0.1662759929895401, 0.2000196874141693,
-               -0.2500077188014984, 0.33333322405815125, -0.4999999701976776)
-
-
-def bik_log_torch(x: torch.Tensor) -> torch.Tensor:
-    """bik_log (csrc/cpu/sampling.h) with torch's elementwise ops, bit for bit, on any device:
-    for fp32 positive normal x. Each op is a separate rounded fp32 op (eager torch, no fusion)."""
-    b = x.contiguous().view(torch.int32)
-    e = (b >> 23) - 127
-    mb = (b & 0x007FFFFF) | 0x3F800000
-    big = mb > 0x3FB504F3
-    mb = torch.where(big, mb - 0x00800000, mb)
-    e = torch.where(big, e + 1, e)
-    f = mb.view(torch.float32) - 1.0
-    q = f * _LOG_COEFFS[0] + _LOG_COEFFS[1]
-    for c in _LOG_COEFFS[2:]:
-        q = q * f + c
-    p = q * f + 1.0
-    lg = f * p
-    ef = e.to(torch.float32)
-    return ef * 0.693145751953125 + (ef * 1.428606765330187e-06 + lg)
-
-
 # ---- validation ------------------------------------------------------------------------------
 
 def _row_tensor(op: str, name: str, t, rows: int, dtypes: tuple, device) -> None:
     check_tensor(op, name, t, 1)
     if t.dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        names = ", ".join(dtype_name(d) for d in dtypes)
         raise TypeError(f"{op}: {name} must have dtype {names}; got "
-                        f"{str(t.dtype).removeprefix('torch.')}")
+                        f"{dtype_name(t.dtype)}")
     if t.shape[0] != rows:
         raise ValueError(f"{op}: {name} {list(t.shape)} must have one entry per row ({rows})")
     if t.device != device:
@@ -120,87 +96,19 @@ def _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p, 
 
 # ---- the two backends ------------------------------------------------------------------------
 
-def _log_min_p(min_p: torch.Tensor) -> torch.Tensor:
-    """bik_log(min_p) (identical on every backend); -inf where min_p == 0 (off). min_p below the
-    smallest normal fp32 is raised to it."""
-    lg = bik_log_torch(min_p.clamp(min=FLT_MIN))
-    return torch.where(min_p > 0, lg, torch.full_like(lg, float("-inf")))
-
-
-def _topk_threshold(x: torch.Tensor, t_safe: torch.Tensor, greedy: torch.Tensor,
-                    top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(vk, ik) per row: the k-th token in the order (z desc, index asc); a token is kept iff
-    z > vk or (z == vk and index <= ik). Exact operations only (IEEE division, sorting,
-    counting), so the kept set is the CPU kernel's. Rows with top-k off keep everything."""
-    rows, v = x.shape
-    vk = torch.full((rows,), float("-inf"), dtype=torch.float32, device=x.device)
-    ik = torch.full((rows,), v, dtype=torch.int32, device=x.device)
-    on = (top_k > 0) & (top_k < v)
-    sel = on.nonzero().flatten()
-    if sel.numel() == 0:
-        return vk, ik
-    xs = x[sel].float()
-    zs = torch.where(greedy[sel, None], xs, xs / t_safe[sel, None])
-    ks = top_k[sel]
-    kth = torch.topk(zs, int(ks.max()), dim=1, sorted=True).values.gather(1, (ks - 1)[:, None])
-    ahead = ks - (zs > kth).sum(1)  # tokens of value kth to keep, lowest index first
-    eq_count = (zs == kth).to(torch.int32).cumsum(1)
-    vk[sel] = kth[:, 0]
-    ik[sel] = (eq_count < ahead[:, None]).sum(1).to(torch.int32)
-    return vk, ik
-
-
 def _sample_rows(backend, logits, seed, position, temperature, top_k, top_p, min_p):
+    sample_rows = implementation("sample", backend, logits.device)  # verify_draft's row: same
     x = logits
     if x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
-    log_min_p = _log_min_p(min_p)
-    if backend == "cpu":
-        from bik.ops.sampling.cpu import sample_cpu
-
-        return sample_cpu(x.float(), seed.contiguous(), position.contiguous(),
-                          temperature.contiguous(), top_k.contiguous(), top_p.contiguous(),
-                          log_min_p.contiguous(), stream=STREAM_SAMPLE)
-    if backend == "cuda":  # the CUDA C++ kernels: same interface and outputs as Triton's
-        from bik.ops.sampling.cuda import launch_sample
-    else:
-        from bik.ops.sampling.triton import launch_sample
-
-    rows = x.shape[0]
-    greedy = temperature == 0
-    t_safe = torch.where(greedy, torch.ones_like(temperature), temperature)
-    vk, ik = _topk_threshold(x, t_safe, greedy, top_k)
-    key = torch.stack([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, position & 0xFFFFFFFF,
-                       (position >> 32) & 0xFFFFFFFF,
-                       torch.full_like(seed, STREAM_SAMPLE)], dim=1).contiguous()
-    # The kernels read the logits in their own dtype and upcast in registers (exact).
-    m, log_s, bad, part_val, part_idx = launch_sample(
-        x, key, temperature.contiguous(), vk, ik, top_p.contiguous(), log_min_p.contiguous())
-    if rows == 0:
-        return (torch.empty(0, dtype=torch.int64, device=x.device),
-                torch.empty(0, dtype=torch.float32, device=x.device))
-    # Merge the splits' winners: the highest value, then the lowest index (a total order).
-    top = part_val.max(dim=1).values
-    big = torch.full_like(part_idx, 2**31 - 1)
-    idx = torch.where(part_val == top[:, None], part_idx, big).min(dim=1).values.to(torch.int64)
-    invalid = (bad != 0) | (top == float("-inf"))
-    tokens = torch.where(invalid, torch.full_like(idx, -1), idx)
-    x_c = x.gather(1, tokens.clamp(min=0)[:, None])[:, 0].float()
-    z_c = torch.where(greedy, x_c, x_c / t_safe)  # the kernel's z at the chosen token
-    logprobs = (z_c - m) - log_s
-    logprobs = torch.where(invalid, torch.full_like(logprobs, float("nan")), logprobs)
-    return tokens, logprobs
-
-
-register_no_backward("bik::sample", "bik.sample")
-register_no_backward("bik::verify_draft", "bik.verify_draft")
+    return sample_rows(x, seed.contiguous(), position.contiguous(), temperature.contiguous(),
+                       top_k.contiguous(), top_p.contiguous(), log_min_p(min_p).contiguous())
 
 
 @torch.library.impl("bik::sample", ("cpu", "cuda"))
 def _sample_impl(logits, seed, position, temperature, top_k, top_p, min_p, backend):
     op = "bik.sample"
     _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p)
-    require_backend(op, backend, logits.device)
     return _sample_rows(backend, logits, seed, position, temperature, top_k, top_p, min_p)
 
 
@@ -239,7 +147,7 @@ def _verify_impl(draft_tokens, num_drafts, logits, seed, position, temperature, 
     op = "bik.verify_draft"
     params = (seed, position, temperature, top_k, top_p, min_p)
     _check_verify(op, draft_tokens, num_drafts, logits, params)
-    require_backend(op, backend, logits.device)
+    implementation("verify_draft", backend, logits.device, label=op)  # raises if it cannot run
     rows, window, vocab = logits.shape
     k = window - 1
     # Target tokens at positions p .. p+K, each exactly as bik.sample would draw it alone.
@@ -296,6 +204,7 @@ def _params(op, rows, device, seed, position, temperature, top_k, top_p, min_p):
             _per_row(op, "min_p", min_p, rows, device, torch.float32, 0.0))
 
 
+@documented("sample")
 def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None, top_p=None,
            min_p=None, backend: str | None = None) -> SampleOutput:
     """Draw one token per row by Gumbel-max, keyed by (seed, position, token id).
@@ -307,7 +216,7 @@ def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None
             default 1.
         top_k: int or int64 [B] (<= 0 or >= V: off). top_p: (0, 1] (1: off). min_p: [0, 1]
             (0: off). Applied per row in the order top-k, top-p, min-p.
-        backend: "triton", "cpu", "cuda" (CUDA C++) or None (by device).
+        backend: {backends}
 
     Returns:
         SampleOutput(tokens int64 [B], logprobs fp32 [B]): the log-probability of each token
@@ -318,12 +227,13 @@ def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None
     """
     op = "bik.sample"
     check_tensor(op, "logits", logits, 2)
-    backend = resolve_backend(op, backend, logits.device)
+    backend = resolve_backend("sample", backend, logits.device)
     params = _params(op, logits.shape[0], logits.device, seed, position, temperature, top_k,
                      top_p, min_p)
     return SampleOutput(*torch.ops.bik.sample(logits, *params, backend))
 
 
+@documented("verify_draft")
 def verify_draft(draft_tokens: torch.Tensor, num_drafts, logits: torch.Tensor, *, seed,
                  position, temperature=None, top_k=None, top_p=None, min_p=None,
                  backend: str | None = None) -> VerifyOutput:
@@ -333,7 +243,8 @@ def verify_draft(draft_tokens: torch.Tensor, num_drafts, logits: torch.Tensor, *
         draft_tokens: [B, K] int; the first num_drafts[b] of row b are real.
         num_drafts: int or int [B] in [0, K].
         logits: [B, K+1, V], the target's logits for positions position[b] ... position[b] + K.
-        seed, position, temperature, top_k, top_p, min_p, backend: as :func:`sample`, per row.
+        seed, position, temperature, top_k, top_p, min_p: as :func:`sample`, per row.
+        backend: {backends}
 
     Returns:
         VerifyOutput(num_accepted int64 [B], tokens int64 [B, K+1], logprobs fp32 [B, K+1]):
@@ -345,7 +256,7 @@ def verify_draft(draft_tokens: torch.Tensor, num_drafts, logits: torch.Tensor, *
     op = "bik.verify_draft"
     check_tensor(op, "logits", logits, 3)
     check_tensor(op, "draft_tokens", draft_tokens, 2)
-    backend = resolve_backend(op, backend, logits.device)
+    backend = resolve_backend("verify_draft", backend, logits.device)
     rows = logits.shape[0]
     if not isinstance(num_drafts, torch.Tensor):
         num_drafts = _per_row(op, "num_drafts", num_drafts, rows, logits.device, torch.int64,

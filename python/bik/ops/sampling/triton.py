@@ -25,9 +25,10 @@ import triton.language as tl
 
 from bik._arch import device_arch
 from bik.configs import sampling_config
+from bik.ops.sampling.split_vocab import sample_split_vocab
 
 __all__ = ["bik_log", "gumbel_pick_kernel", "launch_sample", "noise_parts_kernel",
-           "philox4x32_10", "sample_stats_kernel", "unit_gumbel"]
+           "philox4x32_10", "sample_rows", "sample_stats_kernel", "unit_gumbel"]
 
 INT32_MAX = tl.constexpr(2**31 - 1)
 # The noise's exact extremes over all 2^23 u (fp32): a token with fl(z + G_MAX) < fl(m + G_MIN)
@@ -286,3 +287,9 @@ def run_noise_part(fn: str, x: torch.Tensor, n: int) -> torch.Tensor:
     if code == 0:
         return out.to(torch.int64) & 0xFFFFFFFF
     return out
+
+
+def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p):
+    """The op's entry point on this backend (see bik/ops/sampling/op.py)."""
+    return sample_split_vocab(launch_sample, x, seed, position, temperature, top_k, top_p,
+                              log_min_p)

@@ -1,0 +1,71 @@
+"""The host side of the split-vocabulary GPU samplers (Triton and CUDA C++ share it).
+
+The kernels return, per row, the max m, log of the kept mass, an invalid flag and each
+vocabulary split's winner; here the top-k threshold is found with exact operations before the
+launch, and the splits' winners are merged after it under (value desc, index asc), a total
+order, so any split gives the same token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from bik.ops.sampling.noise import STREAM_SAMPLE
+
+__all__ = ["sample_split_vocab"]
+
+
+def _topk_threshold(x: torch.Tensor, t_safe: torch.Tensor, greedy: torch.Tensor,
+                    top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(vk, ik) per row: the k-th token in the order (z desc, index asc); a token is kept iff
+    z > vk or (z == vk and index <= ik). Exact operations only (IEEE division, sorting,
+    counting), so the kept set is the CPU kernel's. Rows with top-k off keep everything."""
+    rows, v = x.shape
+    vk = torch.full((rows,), float("-inf"), dtype=torch.float32, device=x.device)
+    ik = torch.full((rows,), v, dtype=torch.int32, device=x.device)
+    on = (top_k > 0) & (top_k < v)
+    sel = on.nonzero().flatten()
+    if sel.numel() == 0:
+        return vk, ik
+    xs = x[sel].float()
+    zs = torch.where(greedy[sel, None], xs, xs / t_safe[sel, None])
+    ks = top_k[sel]
+    kth = torch.topk(zs, int(ks.max()), dim=1, sorted=True).values.gather(1, (ks - 1)[:, None])
+    ahead = ks - (zs > kth).sum(1)  # tokens of value kth to keep, lowest index first
+    eq_count = (zs == kth).to(torch.int32).cumsum(1)
+    vk[sel] = kth[:, 0]
+    ik[sel] = (eq_count < ahead[:, None]).sum(1).to(torch.int32)
+    return vk, ik
+
+
+def sample_split_vocab(launch_sample: Callable, x: torch.Tensor, seed: torch.Tensor,
+                       position: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor, log_min_p: torch.Tensor):
+    """(tokens, logprobs) of bik::sample with a GPU ``launch_sample`` (the Triton or the CUDA
+    C++ one: same interface and outputs). Arguments as ``sample_rows`` receives them."""
+    rows = x.shape[0]
+    greedy = temperature == 0
+    t_safe = torch.where(greedy, torch.ones_like(temperature), temperature)
+    vk, ik = _topk_threshold(x, t_safe, greedy, top_k)
+    key = torch.stack([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, position & 0xFFFFFFFF,
+                       (position >> 32) & 0xFFFFFFFF,
+                       torch.full_like(seed, STREAM_SAMPLE)], dim=1).contiguous()
+    # The kernels read the logits in their own dtype and upcast in registers (exact).
+    m, log_s, bad, part_val, part_idx = launch_sample(x, key, temperature, vk, ik, top_p,
+                                                      log_min_p)
+    if rows == 0:
+        return (torch.empty(0, dtype=torch.int64, device=x.device),
+                torch.empty(0, dtype=torch.float32, device=x.device))
+    # Merge the splits' winners: the highest value, then the lowest index (a total order).
+    top = part_val.max(dim=1).values
+    big = torch.full_like(part_idx, 2**31 - 1)
+    idx = torch.where(part_val == top[:, None], part_idx, big).min(dim=1).values.to(torch.int64)
+    invalid = (bad != 0) | (top == float("-inf"))
+    tokens = torch.where(invalid, torch.full_like(idx, -1), idx)
+    x_c = x.gather(1, tokens.clamp(min=0)[:, None])[:, 0].float()
+    z_c = torch.where(greedy, x_c, x_c / t_safe)  # the kernel's z at the chosen token
+    logprobs = (z_c - m) - log_s
+    logprobs = torch.where(invalid, torch.full_like(logprobs, float("nan")), logprobs)
+    return tokens, logprobs
