@@ -9,11 +9,11 @@ fp64 autograd within a bound measured against stock fp32 autograd; opcheck passe
 
 from __future__ import annotations
 
-import backward_cases as bc
 import bik
 import pytest
 import torch
 from bik.testing import probe_every_position, rows_alone_vs_batched, split_by_m_mean
+from checks import grad_rows
 from targets import targets
 from torch.library import opcheck
 
@@ -43,7 +43,7 @@ def test_grad_x_rows_invariant(target, op, dtype, gen):
     for n in lengths:
         width = n + (1 if op == "mean" else n)  # per row: x, then its upstream gradient
         pool = torch.randn(max(ms), width, generator=gen).to(dtype)
-        fn = bc.grad_rows(_bik(op, target.backend), n)
+        fn = grad_rows(_bik(op, target.backend), n)
         rep = rows_alone_vs_batched(fn, pool, ms, name=f"{op} grad_x {target} {dtype} n={n}")
         assert rep.ok, rep.summary()
         probe = probe_every_position(fn, pool[:1], pool[1:9], name=f"{op} grad_x probe n={n}")
