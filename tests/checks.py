@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ACCURACY_FLOOR", "ACCURACY_RATIO", "DTYPES", "accuracy_bound", "assert_invariant",
-           "grad_rows", "max_err", "randn"]
+__all__ = ["ACCURACY_FLOOR", "ACCURACY_RATIO", "DTYPES", "EVERY_M", "GPU_M_MAX", "accuracy_bound",
+           "alone_rows", "assert_invariant", "check_grads_against_stock", "first_bad_m",
+           "grad_rows", "grads_of", "max_err", "randn", "sequential_row_sum"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,3 +51,59 @@ def grad_rows(forward, k: int):
         return x.grad
 
     return fn
+
+
+def grads_of(fn, inputs, upstream) -> list:
+    """The .grad of fresh leaf copies of ``inputs`` after backpropagating ``upstream`` (a
+    sequence, one per output of ``fn``)."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(out, upstream)
+    return [t.grad for t in leaves]
+
+
+def check_grads_against_stock(bik_fn, stock_fn, inputs, upstream, *, ratio: float,
+                              floor: float) -> None:
+    """bik's gradients have the inputs' dtypes and shapes, and a normalised max error against
+    fp64 autograd of ``stock_fn`` (max |grad - ref| / max |ref|) of at most ``ratio`` x stock
+    autograd's own error in the same dtype, or ``floor`` x eps(dtype)."""
+    ref = grads_of(stock_fn, [t.double() for t in inputs], [u.double() for u in upstream])
+    got = grads_of(bik_fn, inputs, upstream)
+    stock = grads_of(stock_fn, inputs, upstream)
+    eps = torch.finfo(inputs[0].dtype).eps
+    for i, (g, s, r) in enumerate(zip(got, stock, ref)):
+        assert g.dtype == inputs[i].dtype and g.shape == inputs[i].shape
+        scale = r.abs().max().clamp_min(1e-30)
+        err = ((g.double() - r).abs().max() / scale).item()
+        err_stock = ((s.double() - r).abs().max() / scale).item()
+        assert err <= max(ratio * err_stock, floor * eps), (i, err, err_stock)
+
+
+def sequential_row_sum(terms: torch.Tensor) -> torch.Tensor:
+    """sum over dim 0 as acc = acc + terms[m], m ascending, in fp32 (the CPU backend's order)."""
+    acc = torch.zeros_like(terms[0])
+    for m in range(terms.shape[0]):
+        acc = acc + terms[m]
+    return acc
+
+
+# GPU sweeps: every M up to 128, then powers of two, their odd neighbours and a few others.
+GPU_M_MAX = 4096
+EVERY_M = sorted(set(range(1, 129)) | {p + d for p in (256, 512, 1024, 2048) for d in (-1, 0, 1)}
+                 | {1000, 3000, GPU_M_MAX - 1, GPU_M_MAX})
+
+
+def alone_rows(fn, pool: torch.Tensor) -> torch.Tensor:
+    """fn applied to each row of ``pool`` alone, concatenated."""
+    return torch.cat([fn(pool[i:i + 1]) for i in range(pool.shape[0])])
+
+
+def first_bad_m(fn, pool: torch.Tensor, alone: torch.Tensor) -> int | None:
+    """The first M of EVERY_M whose batch of pool[:M] differs from the rows alone (None: none)."""
+    from bik.testing.harness import same_bits
+
+    for m in EVERY_M:
+        if not same_bits(fn(pool[:m]), alone[:m]):
+            return m
+    return None

@@ -66,6 +66,24 @@ def test_bench_boundary():
     assert main(["bench", "boundary"]) == 0
 
 
+@pytest.mark.parametrize("name", ["boundary", "sample", "dvr"])
+def test_plot_is_refused_where_a_bench_has_none(name, tmp_path):
+    with pytest.raises(SystemExit, match=f"bik bench {name}: --plot is not available"):
+        main(["bench", name, "--quick", "--plot", str(tmp_path / "x.png")])
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_every_bench_module_defines_run_render_plot():
+    import importlib
+
+    from bik.cli.bench import BENCHES
+
+    for name, module in BENCHES.items():
+        mod = importlib.import_module(module)
+        assert callable(mod.run) and callable(mod.render), name
+        assert mod.plot is None or callable(mod.plot), name
+
+
 def test_python_dash_m_entry_point():
     res = subprocess.run([sys.executable, "-m", "bik", "--help"], capture_output=True, text=True,
                          check=False)

@@ -53,9 +53,10 @@ print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version_
 PYEOF
 if part triton; then
   stage gpu_tests 90 env BIK_GPU_RECORD="$OUT/torch_mm_variance.json" \
-    $PY -m pytest -q -x tests/test_gpu.py --junitxml "$OUT/gpu_tests.xml"
+    $PY -m pytest -q -x tests/matmul/test_matmul_gpu.py tests/rms_norm/test_rms_norm_gpu.py \
+      tests/reductions/test_reductions.py -m gpu --junitxml "$OUT/gpu_tests.xml"
   stage gpu_attention_tests 180 env BIK_GPU_RECORD_ATTN="$OUT/sdpa_variance.json" \
-    $PY -m pytest -q -x tests/test_attention_gpu.py --junitxml "$OUT/gpu_attention_tests.xml"
+    $PY -m pytest -q -x tests/attention/test_attention_gpu.py --junitxml "$OUT/gpu_attention_tests.xml"
   stage check 90 $PY -m bik check --json "$OUT/check.json"
   stage bench_rmsnorm 20 $PY -m bik bench rmsnorm --json "$OUT/bench_rmsnorm.json"
   stage bench_attention 150 $PY -m bik bench attention --json "$OUT/bench_attention.json" \
@@ -66,22 +67,22 @@ if part triton; then
   stage bench_boundary 10 $PY -m bik bench boundary --json "$OUT/bench_boundary.json"
 fi
 if part dvr; then
-  stage gpu_dvr_tests 60 $PY -m pytest -q -x tests/test_dvr_gpu.py --junitxml "$OUT/gpu_dvr_tests.xml"
+  stage gpu_dvr_tests 60 $PY -m pytest -q -x tests/dvr/test_dvr_gpu.py --junitxml "$OUT/gpu_dvr_tests.xml"
   stage bench_dvr 120 $PY -m bik bench dvr --json "$OUT/bench_dvr.json"
 fi
 if part cuda; then
   # The CUDA C++ backend (NVRTC JIT at first use): its invariance/accuracy suites, not the Triton
   # params (the stages above cover Triton).
-  stage gpu_cuda_tests 150 $PY -m pytest -q -k "not triton" tests/test_cuda_matmul_gpu.py \
-    tests/test_cuda_attention_gpu.py --junitxml "$OUT/gpu_cuda_tests.xml"
+  stage gpu_cuda_tests 150 $PY -m pytest -q -k "not triton" tests/matmul/test_matmul_cuda_gpu.py \
+    tests/attention/test_attention_gpu_backends.py --junitxml "$OUT/gpu_cuda_tests.xml"
   # RMSNorm and sampler on the CUDA backend (bits vs the CPU backend, tokens vs CPU and Triton, a
   # CUDA-graph capture, the AOT fatbin path), then compute-sanitizer memcheck over a subset.
-  stage gpu_cuda_norm_sample_tests 120 $PY -m pytest -q tests/test_cuda_gpu.py \
+  stage gpu_cuda_norm_sample_tests 120 $PY -m pytest -q tests/cuda/test_cuda_gpu.py \
     --junitxml "$OUT/gpu_cuda_norm_sample_tests.xml"
   SANITIZER=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
   if [ -x "$SANITIZER" ]; then
     stage cuda_memcheck 120 "$SANITIZER" --tool memcheck --error-exitcode 99 \
-      --target-processes all $PY -m pytest -q -x tests/test_cuda_gpu.py \
+      --target-processes all $PY -m pytest -q -x tests/cuda/test_cuda_gpu.py \
       -k "bits_equal_cpu_backend and 111 or tokens_equal_cpu_and_triton and 1000 or graph_capture"
   else
     echo '{"stage": "cuda_memcheck", "rc": null, "note": "no compute-sanitizer"}' >> "$OUT/stages.jsonl"

@@ -1,7 +1,7 @@
 """Every Triton kernel configuration bik can launch on sm_90 / sm_80, compiled without a GPU.
 
-Used by tests/test_triton_compile.py (limits) and tools/triton_compile_report.py (a JSON record of
-shared memory, registers and spills per config).
+Used by tests/test_triton_compile.py (limits) and tools/triton_compile_report.py (a JSON
+record of shared memory, registers and spills per config).
 """
 
 from __future__ import annotations

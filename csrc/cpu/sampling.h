@@ -79,7 +79,7 @@ static inline std::uint32_t bits_of(float f) {
 }
 
 // Natural log of a positive normal fp32 (max error 2 ulp vs fp64 over the sampler's domain,
-// measured in tests/test_sampling.py). Only exactly rounded ops, so every backend that follows
+// measured in tests/sampling/test_sampling_noise.py). Only exactly rounded ops, so every backend that follows
 // this sequence gets the same bits.
 static inline float bik_log(float x) {
   std::uint32_t b = bits_of(x);

@@ -15,11 +15,12 @@ import torch
 
 from bik._dtypes import info
 
-__all__ = ["AttentionConfig", "CudaAttentionConfig", "CudaMatmulConfig", "MatmulConfig",
-           "RMSNormConfig", "ReductionConfig", "SamplingConfig", "arch_family",
-           "attention_config", "cuda_attention_config", "cuda_matmul_config", "cuda_sm90a_matmul_enabled",
-           "matmul_config",
-           "reduction_config", "rms_norm_config", "sampling_config"]
+__all__ = ["CUDA_ATTENTION_HEAD_DIMS", "CUDA_DEFINES", "TRITON_ATTENTION_HEAD_DIMS",
+           "AttentionConfig", "CudaAttentionConfig", "CudaMatmulConfig", "MatmulConfig",
+           "RMSNormConfig", "ReductionConfig", "SamplingConfig", "arch_family", "attention_config",
+           "cuda_attention_config", "cuda_matmul_config", "cuda_options",
+           "cuda_sm90a_matmul_enabled", "matmul_config", "reduction_config", "rms_norm_config",
+           "sampling_config"]
 
 
 @dataclass(frozen=True)
@@ -258,8 +259,8 @@ _CUDA_SPLIT_MIN_K = {"sm90": 2048, "sm80": 2048}
 _CUDA_ATTENTION_SPLIT = {"sm90": 256, "sm80": 256}
 # The opt-in sm_90a path (csrc/cuda/matmul_sm90.cu: wgmma, one warpgroup per 64 x 128 tile),
 # for 16-bit inputs on compute capability 9.0 only, and only with BIK_CUDA_SM90A=1. Untested
-# on a GPU so far: it stays off by default until tests/test_cuda_matmul_gpu.py has passed with
-# the switch on on an H200. Its bits are its own (not the mma.sync kernel's); the switch is
+# on a GPU so far: it stays off by default until tests/matmul/test_matmul_cuda_gpu.py has passed
+# with the switch on on an H200. Its bits are its own (not the mma.sync kernel's); the switch is
 # part of cuda_config_table(), hence of bik.fingerprint().
 SM90A_MATMUL_ENV = "BIK_CUDA_SM90A"
 _CUDA_MATMUL_TILE_SM90A = {

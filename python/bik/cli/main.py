@@ -16,8 +16,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="time bik against torch and check rows stay identical")
-    bench.add_argument("op", choices=("matmul", "rmsnorm", "attention", "sample",
-                                        "boundary", "dvr"))
+    from bik.cli.bench import BENCHES
+
+    bench.add_argument("op", choices=tuple(BENCHES))
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     bench.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"))
     bench.add_argument("--backend", default=None, help="bik backend (default: by device)")

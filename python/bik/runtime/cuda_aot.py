@@ -22,8 +22,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-__all__ = ["AOT_ARCHS", "NVCC_FLAGS", "SOURCE_SUFFIXES", "build_fatbins", "define_options", "nvcc_version", "read_literal",
-           "source_files", "source_hash"]
+__all__ = ["AOT_ARCHS", "NVCC_FLAGS", "SOURCE_SUFFIXES", "build_fatbins", "define_options",
+           "nvcc_version", "read_literal", "source_files", "source_hash"]
 
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
 AOT_ARCHS = ("sm_80", "sm_90a")

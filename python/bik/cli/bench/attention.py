@@ -34,11 +34,13 @@ from rich.table import Table
 
 import bik
 from bik._dtypes import dtype_name
+from bik.cli.bench.sweep import backends_for
 from bik.cli.timing import time_ms
 from bik.ops._registry import resolve_backend
 from bik.testing.harness import same_bits
 
-__all__ = ["attention_workloads", "bench_attention", "plot_attention", "render_attention"]
+__all__ = ["attention_workloads", "bench_attention", "plot", "plot_attention", "render",
+           "render_attention", "run"]
 
 PAGE = 16
 KV_LIMIT_BYTES = 40e9  # skip decode shapes whose K + V cache would exceed this
@@ -317,3 +319,12 @@ def plot_attention(records: list[dict], plt, path: str) -> None:
     fig.suptitle(f"bik attention vs torch SDPA ({records[0]['dtype']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def run(device, dtype, args) -> list[dict]:
+    return [r | {"backend": be} for be in backends_for("attention", args.backend, device)
+            for r in bench_attention(device, dtype, be, args.quick, args.ms)]
+
+
+render = render_attention
+plot = plot_attention

@@ -20,7 +20,7 @@ from bik.dvr import DVREngine, EngineConfig
 from bik.dvr.kernels import BikKernels, FastKernels
 from bik.dvr.workload import make_workload, run_workload
 
-__all__ = ["bench_dvr", "render_dvr"]
+__all__ = ["bench_dvr", "plot", "render", "render_dvr", "run"]
 
 RUNS = (  # (name, decode kernels, verify, deterministic fraction, forced mismatch rate)
     ("fast path alone", "fast", False, 1.0, 0.0),
@@ -104,3 +104,11 @@ def render_dvr(records: list[dict], console: Console) -> None:
                       f"{r['recompute_fraction']:.3f}", f"{r['rollback_rate']:.3f}",
                       f"{r['verify_rows_per_committed']:.2f}")
     console.print(table)
+
+
+def run(device, dtype, args) -> list[dict]:
+    return bench_dvr(device, dtype, args.quick)
+
+
+render = render_dvr
+plot = None  # six runs: the table and --json hold them

@@ -16,9 +16,10 @@ from rich.table import Table
 
 import bik
 from bik._dtypes import dtype_name
+from bik.cli.bench.sweep import backends_for
 from bik.cli.timing import time_ms
 
-__all__ = ["bench_sample", "render_sample"]
+__all__ = ["bench_sample", "plot", "render", "render_sample", "run"]
 
 GPU_BS = (1, 8, 64, 256, 1024)
 GPU_VOCABS = (32000, 128256, 262144)
@@ -71,8 +72,18 @@ def render_sample(records: list[dict], console: Console) -> None:
                 "of copy", "row 0 same"):
         table.add_column(col, justify="right")
     for r in records:
-        table.add_row(*([r["backend"]] if with_backend else []), str(r["V"]), str(r["B"]), f"{r['bik_ms']['p50']:.3f}",
+        table.add_row(*([r["backend"]] if with_backend else []), str(r["V"]), str(r["B"]),
+                      f"{r['bik_ms']['p50']:.3f}",
                       f"{r['multinomial_ms']['p50']:.3f}", f"{r['argmax_ms']['p50']:.3f}",
                       f"{r['bik_gbps']:.1f}", f"{r['frac_of_copy']:.2f}",
                       "yes" if r["bik_rows_identical"] else "[red]NO")
     console.print(table)
+
+
+def run(device, dtype, args) -> list[dict]:
+    return [r | {"backend": be} for be in backends_for("sample", args.backend, device)
+            for r in bench_sample(device, dtype, be, args.quick, args.ms)]
+
+
+render = render_sample
+plot = None  # a handful of rates per vocabulary: the table and --json hold them

@@ -1,8 +1,8 @@
 """The CPU backend's attention contract in torch: :func:`attention_cpu_reference` (tests only).
 
 bik/ops/attention/cpu.py runs the same sequence in C++ (csrc/cpu/attention.h) and gives its
-bits; the reference is built from bik's fixed-order CPU matmul. For a sequence, each split [j*SPLIT, (j+1)*SPLIT) of its
-keys is reduced from a fresh state: scores = q @ k^T (fixed-order matmul kernel, fp32), times
+bits; the reference is built from bik's fixed-order CPU matmul. For a sequence, each split
+[j*SPLIT, (j+1)*SPLIT) of its keys is reduced from a fresh state: scores = q @ k^T (fixed-order matmul kernel, fp32), times
 scale*log2(e), masked to -inf where a row cannot see a key; m_j = row max (exact);
 p = exp2(s - m_j) (exp2f, a pure function of each value); l_j = p @ 1 and acc_j = p @ v
 (fixed-order matmul kernels). Splits are folded in ascending j by :func:`merge_partial` and

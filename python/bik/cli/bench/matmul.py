@@ -1,0 +1,43 @@
+"""`bik bench matmul`: bik.linear vs F.linear over an M sweep (2*M*N*K flops, TFLOP/s)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from rich.progress import track
+
+import bik
+from bik._dtypes import dtype_name
+from bik.cli.bench.sweep import backends_for, default_ms, plot_sweep, render_sweep, sweep
+
+__all__ = ["bench_matmul", "plot", "render", "run"]
+
+# Llama-3-8B: qkv, o, gate/up, down, LM head (N x K of the weight [N, K]).
+LLAMA_MATMUL = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
+CPU_MATMUL = LLAMA_MATMUL[:2] + ((1024, 1024),)  # the big ones take minutes on two cores
+
+
+def bench_matmul(device, dtype, backend, ms, shapes) -> list[dict]:
+    records = []
+    for n, k in track(list(shapes), description="matmul", transient=True):
+        gen = torch.Generator().manual_seed(n * 7 + k)
+        weight = torch.randn(n, k, generator=gen).to(dtype=dtype, device=device) / k**0.5
+        pool = torch.randn(max(ms), k, generator=gen).to(dtype=dtype, device=device)
+        records += sweep(device, pool, ms,
+                         lambda a, w=weight: bik.linear(a, w, backend=backend),
+                         lambda a, w=weight: F.linear(a, w),
+                         lambda m, n=n, k=k: ("tflops", 2.0 * m * n * k / 1e9),
+                         {"op": "matmul", "N": n, "K": k, "dtype": dtype_name(dtype)})
+    return records
+
+
+def run(device, dtype, args) -> list[dict]:
+    on_gpu = device.type == "cuda"
+    shapes = ((256, 128), (96, 33)) if args.quick else (LLAMA_MATMUL if on_gpu else CPU_MATMUL)
+    ms = default_ms(args, device)
+    return [r | {"backend": be} for be in backends_for("matmul", args.backend, device)
+            for r in bench_matmul(device, dtype, be, ms, shapes)]
+
+
+render = render_sweep
+plot = plot_sweep

@@ -1,0 +1,69 @@
+"""The CUDA C++ host-test infrastructure: builds a tests/cuda/cuda_host/*.cpp shim with g++ and
+loads it (ctypes); the kernels-on-the-host fixture (``host``: backend="cuda" on CPU tensors, every
+launch checked against the kernel's C signature and run by the g++ build); the host checks of the
+CUDA sources (test_cuda_plan_host.py, test_cuda_sm90_host.py, test_cuda_kernels_host.py).
+
+Every shim is built the same way: ``-O2 -ffp-contract=off`` (no FMA contraction, so each float
+op is rounded like the device's ``__fadd_rn`` / ``__fmul_rn``) with warnings as errors. A
+machine without g++ skips the test that asked for the shim.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+__all__ = ["HOST_DIR", "SRC", "arg_kind", "build_shim", "force", "kernel_signature"]
+
+HOST_DIR = Path(__file__).resolve().parent / "cuda_host"
+SRC = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
+
+
+def build_shim(tmp_path_factory, source: str, *, std: str = "c++17",
+               flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """``tests/cuda_host/<source>`` built as a shared library in a fresh temporary directory
+    and loaded; ``flags`` go after the common ones (e.g. warnings a source needs off)."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip(f"needs g++ to build {source}")
+    so = tmp_path_factory.mktemp("cuda_host") / f"{Path(source).stem}.so"
+    subprocess.run([gxx, "-O2", f"-std={std}", "-ffp-contract=off", "-Wall", "-Wextra", *flags,
+                    "-Werror", "-shared", "-fPIC", "-o", str(so), str(HOST_DIR / source)],
+                   check=True)
+    return ctypes.CDLL(str(so))
+
+
+def kernel_signature(source: str, kernel: str) -> list[str]:
+    """Parameter kinds of ``kernel`` in csrc/cuda/<source>.cu: 'ptr', 'i32', 'i64', 'f32'."""
+    text = (SRC / f"{source}.cu").read_text().replace("\\\n", "\n")
+    if kernel.startswith("bik_attention_") and kernel != "bik_attention_merge":
+        match = re.search(r"#define BIK_ATTENTION_ENTRY\(NAME, KIND, D\).*?NAME\((.*?)\)\s*\{",
+                          text, re.DOTALL)
+    else:
+        match = re.search(rf"\b{kernel}\((.*?)\)\s*\{{", text, re.DOTALL)
+    assert match, kernel
+    kinds = []
+    for param in match.group(1).split(","):
+        decl = " ".join(param.split())
+        kinds.append("ptr" if "*" in decl else {"int": "i32", "i64": "i64", "float": "f32"}[
+            decl.rsplit(" ", 1)[0].replace("const ", "")])
+    return kinds
+
+
+def arg_kind(arg) -> str:
+    if arg is None or isinstance(arg, torch.Tensor):
+        return "ptr"
+    return {np.int32: "i32", np.int64: "i64", np.float32: "f32"}[type(arg)]
+
+
+def force(monkeypatch, module, name, value):
+    """Pin ``module.name`` (a schedule choice such as use_spread) to ``value``; None: leave it."""
+    if value is not None:
+        monkeypatch.setattr(module, name, lambda *args: value)

@@ -1,0 +1,204 @@
+"""The CUDA kernels' element math, compiled for the host (g++), against bik's CPU path, bit for bit.
+
+csrc/cuda/*.cuh put the index and per-element math in __host__ __device__ helpers, so a machine
+without a GPU runs the very code the kernels inline: Philox, u, bik_log and the Gumbel noise
+(against csrc/cpu/sampling.h, in another translation unit so nothing is folded), the storage
+conversions (against torch's), and RMSNorm's lane/fold order (against the CPU backend's rows).
+A build with FMA contraction is the negative control: it must disagree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import bik
+import pytest
+import torch
+from bik.runtime import cpu_ext, cuda_jit
+from bik.testing import same_bits
+
+HERE = Path(__file__).resolve().parent / "cuda_host"
+CPU_SRC = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
+GXX = shutil.which("g++") or shutil.which("c++")
+
+pytestmark = pytest.mark.skipif(GXX is None, reason="no host C++ compiler")
+
+
+def _build(out: Path, *cuda_flags: str) -> ctypes.CDLL:
+    """host_check.cpp (the CPU path) always without contraction; host_cuda.cpp (the CUDA
+    helpers) with ``cuda_flags``."""
+    common = [GXX, "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
+              "-fPIC", "-I", str(CPU_SRC), "-I", str(cuda_jit.source_dir())]
+    objs = []
+    for src, flags in (("host_check.cpp", ["-ffp-contract=off"]), ("host_cuda.cpp", cuda_flags)):
+        obj = out.with_name(f"{out.stem}_{src}.o")
+        subprocess.run([*common, *flags, "-c", str(HERE / src), "-o", str(obj)], check=True)
+        objs.append(str(obj))
+    subprocess.run([GXX, "-shared", *objs, "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.bik_host_noise_mismatches.restype = ctypes.c_int64
+    lib.bik_host_noise_mismatches.argtypes = [ctypes.c_int64, ctypes.c_uint64]
+    lib.bik_host_unit_mismatches.restype = ctypes.c_int64
+    lib.bik_host_philox_word0.restype = ctypes.c_uint32
+    lib.bik_host_philox_word0.argtypes = [ctypes.c_uint32] * 6
+    lib.bik_host_rms_norm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    lib.bik_cuda_emulate_sample.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                            *[ctypes.c_void_p] * 5, ctypes.c_int64,
+                                            ctypes.c_int64, ctypes.c_void_p]
+    for name in ("bik_host_f32_to_bf16", "bik_host_f32_to_f16", "bik_host_f16_to_f32"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    return lib
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("cuda_host") / "host.so", "-ffp-contract=off")
+
+
+def test_noise_matches_cpu_path(host):
+    assert host.bik_host_noise_mismatches(1_000_000, 20261130) == 0
+
+
+def test_every_unit_value_matches_cpu_path(host):
+    """All 2^23 u (and their Gumbel values) and bik_log over ~28M fp32 inputs."""
+    assert host.bik_host_unit_mismatches() == 0
+
+
+def test_fma_contraction_is_detected(tmp_path):
+    """Negative control: the same helpers built with contraction (a*b+c -> fma) disagree with
+    the CPU path, so the comparisons above can fail, and the no-FMA policy is needed."""
+    info = Path("/proc/cpuinfo")
+    if " fma " not in (info.read_text() if info.exists() else ""):
+        pytest.skip("the host CPU has no FMA")
+    lib = _build(tmp_path / "fma.so", "-ffp-contract=fast", "-mfma")
+    assert lib.bik_host_unit_mismatches() > 0
+
+
+@pytest.mark.parametrize(("counter", "key", "word0"), [
+    ((0, 0, 0, 0), (0, 0), 0x6627E8D5),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, 0x408F276D),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0), 0xD16CFE09),
+])
+def test_philox_known_answers(host, counter, key, word0):
+    assert host.bik_host_philox_word0(*counter, *key) == word0
+
+
+def _special_f32(gen) -> torch.Tensor:
+    bits = torch.randint(-(2**31), 2**31, (1 << 20,), generator=gen, dtype=torch.int64)
+    edge = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 65519.99,
+                         65520.0, 6.1035156e-05, 6.0e-08, 2.9802322e-08, 1e-45, 3.4e38,
+                         -1.5, 0.33333334], dtype=torch.float32)
+    return torch.cat([bits.to(torch.int32).view(torch.float32), edge])
+
+
+def test_conversions_match_torch(host, gen):
+    x = _special_f32(gen)
+    n = x.numel()
+    for fn, dtype in (("bik_host_f32_to_bf16", torch.bfloat16),
+                      ("bik_host_f32_to_f16", torch.float16)):
+        got = torch.empty(n, dtype=torch.int16)
+        getattr(host, fn)(x.data_ptr(), n, got.data_ptr())
+        want = x.to(dtype)
+        # NaN payloads are not promised (torch's own differ by CPU instruction set): NaN -> NaN.
+        assert torch.isnan(got.view(dtype)).equal(torch.isnan(want))
+        keep = ~torch.isnan(want)
+        assert torch.equal(got[keep], want.view(torch.int16)[keep]), fn
+    halves = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    up = torch.empty(halves.numel(), dtype=torch.float32)
+    host.bik_host_f16_to_f32(halves.data_ptr(), halves.numel(), up.data_ptr())
+    want = halves.view(torch.float16).float()
+    keep = ~torch.isnan(want)
+    assert torch.isnan(up).equal(~keep)
+    assert torch.equal(up.view(torch.int32)[keep], want.view(torch.int32)[keep])
+
+
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _host_rms(host, x, w, eps, residual=None):
+    rows, hidden = x.shape
+    y = torch.empty_like(x)
+    h = torch.empty_like(x)
+    host.bik_host_rms_norm(_CODES[x.dtype], x.data_ptr(),
+                           None if residual is None else residual.data_ptr(), rows, hidden,
+                           w.data_ptr(), eps, y.data_ptr(), h.data_ptr())
+    return y, h
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="CPU backend not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [1, 7, 16, 111, 500, 4096])
+def test_rms_norm_order_equals_cpu_backend(host, gen, dtype, hidden):
+    """The kernel's lane chains and fold, run on the host, give the CPU backend's bits."""
+    scale = torch.logspace(-3, 3, 19)[:, None]
+    x = (torch.randn(19, hidden, generator=gen) * scale).to(dtype)
+    r = torch.randn(19, hidden, generator=gen).to(dtype)
+    w = torch.randn(hidden, generator=gen)
+    eps = 1e-6
+    y, _ = _host_rms(host, x, w, eps)
+    assert torch.equal(y.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       bik.rms_norm(x, w, eps, backend="cpu").view(y.view(
+                           torch.int16 if dtype != torch.float32 else torch.int32).dtype))
+    y2, h2 = _host_rms(host, x, w, eps, residual=r)
+    out, h = bik.rms_norm(x, w, eps, residual=r, backend="cpu")
+    assert torch.equal(h2, h) and same_bits(y2, out)
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="CPU backend not built")
+def test_rms_norm_order_is_visible(host, gen):
+    """Negative control: one sequential chain (a different order) differs from the 16 lanes on
+    some rows, so the equality above tests the order, not just the formula."""
+    x = torch.randn(64, 4096, generator=gen)
+    w = torch.ones(4096)
+    y, _ = _host_rms(host, x, w, 1e-6)
+    exact = (x.double() ** 2).sum(1).float()  # another order: the exact sum, rounded once
+    other = (x * (1.0 / torch.sqrt(exact / 4096 + 1e-6))[:, None]) * w
+    assert not torch.equal(other, y)
+
+
+def _emulated_tokens(host, table, split, threads):
+    """The CUDA sampler's tokens computed on the host by the kernels' helpers, with the inputs
+    the ops layer prepares for the kernels (top-k threshold, log min-p, Philox key)."""
+    from bik.ops.sampling import noise, split_vocab
+
+    x = table["logits"].float().contiguous()
+    temp, top_k = table["temperature"], table["top_k"]
+    greedy = temp == 0
+    t_safe = torch.where(greedy, torch.ones_like(temp), temp)
+    vk, ik = split_vocab._topk_threshold(x, t_safe, greedy, top_k)
+    seed, pos = table["seed"], table["position"]
+    key = torch.stack([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, pos & 0xFFFFFFFF,
+                       (pos >> 32) & 0xFFFFFFFF, torch.full_like(seed, noise.STREAM_SAMPLE)],
+                      dim=1).contiguous()
+    log_min_p = noise.log_min_p(table["min_p"]).contiguous()
+    tokens = torch.empty(x.shape[0], dtype=torch.int64)
+    host.bik_cuda_emulate_sample(x.data_ptr(), x.shape[0], x.shape[1], key.data_ptr(),
+                                 temp.contiguous().data_ptr(), vk.contiguous().data_ptr(),
+                                 ik.contiguous().data_ptr(), log_min_p.data_ptr(), split,
+                                 threads, tokens.data_ptr())
+    return tokens
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="CPU backend not built")
+@pytest.mark.parametrize(("v", "split", "threads"), [(50, 16384, 512), (1000, 64, 16),
+                                                     (3001, 16384, 512), (3001, 100, 32)])
+@pytest.mark.parametrize("near_ties", [False, True])
+def test_sampler_kernel_logic_gives_cpu_tokens(host, v, split, threads, near_ties):
+    """The pick kernel's loop body and the stats kernel's exact pass, in the kernels' work split
+    (splits x threads, then the (value desc, index asc) merge), give the CPU backend's tokens
+    with top-k, min-p, temperatures and greedy rows (top-p off)."""
+    import sampler_inputs
+
+    table = sampler_inputs.requests(300, v, torch.Generator().manual_seed(v + split),
+                                    near_ties=near_ties, filters="no_top_p")
+    table["logits"][7, 3] = float("nan")  # an invalid row
+    want = bik.sample(table["logits"], backend="cpu",
+                      **{k: table[k] for k in sampler_inputs.PARAM_NAMES}).tokens
+    got = _emulated_tokens(host, table, split, threads)
+    assert got[7] == -1
+    assert torch.equal(got, want), (got != want).nonzero().flatten()[:10].tolist()

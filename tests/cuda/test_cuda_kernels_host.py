@@ -1,0 +1,216 @@
+"""bik's real CUDA kernel sources, run on the CPU through the real launchers and ops.
+
+tests/cuda_host/kernels_host.cpp compiles csrc/cuda/matmul.cu and attention.cu with g++ against
+tests/cuda_host/cuda_on_cpu.h (one CTA at a time, its threads as fibers, __syncthreads and warp
+shuffles as barriers, -ffp-contract=off); ``cuda_jit.launch`` is routed there, each call's
+arguments checked against the kernel's C signature and passed like cuLaunchKernel's. So the ops
+layer, the launchers (plans, strides, workspaces, both launch modes) and the kernels' own index
+math, loops, skips and reduction orders run as written, on CPU tensors: every matmul kernel
+(fp32, and bf16/fp16 with the warp's mma.sync emulated from the PTX fragment table and cp.async
+as a synchronous copy) and the split reduce, and the attention kernels for fp32, bf16 and fp16.
+Not covered here: the tensor core's own bits, real concurrency (races), the GPU's exp2f/log2f —
+the GPU tests (test_cuda_*_gpu.py) cover those. The split sizes are shrunk (matmul 64,
+attention 32: contract knobs from the config tables) so that small problems cross many splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import attention_checks as ac
+import bik
+import bik.ops._registry
+import bik.ops.attention
+import bik.ops.matmul
+import pytest
+import torch
+from bik import configs
+from bik.ops.attention import cuda as cuda_attention
+from bik.ops.matmul import cuda as cuda_matmul
+from bik.testing.attention import make_request, pack_paged
+from bik.testing.harness import rows_alone_vs_batched, same_bits
+from bik.testing.suites import bmm_suite, matmul_suite
+from checks import assert_invariant
+from cuda_host_build import force
+
+HEADS = (4, 2, 64)
+from attention_checks import check_neighbours, check_page_sizes, check_schedules
+
+# ---- matmul (fp32 kernel + split reduce) -----------------------------------------------------
+
+@pytest.mark.parametrize("spread", [None, True, False])
+def test_matmul_suite_on_the_real_kernel(host, monkeypatch, spread):
+    force(monkeypatch, cuda_matmul, "use_spread", spread)
+    assert_invariant(matmul_suite(device="cpu", dtype=torch.float32, backend="cuda",
+                                  ms=(1, 2, 3, 7, 64, 65), shapes=[(70, 300), (33, 47)],
+                                  probe_batch=9 if spread is None else 0))
+    assert "bik_matmul_f32" in host and ("bik_matmul_reduce" in host) == (spread is not False)
+
+
+def test_bmm_suite_on_the_real_kernel(host):
+    assert_invariant(bmm_suite(device="cpu", dtype=torch.float32, backend="cuda",
+                               ms=(1, 2, 5, 17), n=20, k=100, batch=3))
+
+
+def _contract(a, b, bias, split):
+    total = None
+    for lo in range(0, max(a.shape[1], 1), split):
+        acc = torch.zeros(a.shape[0], b.shape[1])
+        for kk in range(lo, min(lo + split, a.shape[1])):
+            acc = acc + a[:, kk:kk + 1] * b[kk:kk + 1, :]
+        total = acc if total is None else total + acc
+    return total if bias is None else total + bias
+
+
+@pytest.mark.parametrize("k", [0, 1, 64, 65, 300])
+def test_matmul_is_the_literal_split_contract(host, monkeypatch, k):
+    gen = torch.Generator().manual_seed(k)
+    a, w = torch.randn(21, k, generator=gen), torch.randn(37, k, generator=gen)
+    bias = torch.randn(37, generator=gen)
+    split = configs.cuda_matmul_config(torch.float32, 37, k, "sm90").split_k
+    expected = _contract(a, w.t(), bias, split)
+    for spread in (True, False):
+        force(monkeypatch, cuda_matmul, "use_spread", spread)
+        assert same_bits(bik.matmul(a, w.t(), bias, backend="cuda"), expected)
+        assert same_bits(bik.matmul(a, w.t().contiguous(), None, backend="cuda"),
+                         _contract(a, w.t(), None, split))
+
+
+def test_matmul_one_split_equals_the_cpu_backend(host, monkeypatch):
+    monkeypatch.setattr(configs, "_CUDA_SPLIT_MIN_K", {"sm90": 2048, "sm80": 2048})
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(30, 500, generator=gen), torch.randn(500, 70, generator=gen)
+    bias = torch.randn(70, generator=gen)
+    assert same_bits(bik.matmul(a, b, bias, backend="cuda"), bik.matmul(a, b, bias, backend="cpu"))
+    assert same_bits(bik.matmul(a[:, ::3], b[::3], backend="cuda"),
+                     bik.matmul(a[:, ::3], b[::3], backend="cpu"))
+
+
+def test_matmul_split_by_m_is_caught(host, monkeypatch):
+    """Negative control: the same kernel with its split length picked by M fails the suite."""
+    original = cuda_matmul.plan_matmul
+
+    def plan_by_m(dtype, batch, m, n, k, arch, *, spread=None):
+        plan = original(dtype, batch, m, n, k, arch, spread=spread)
+        if m > 1:
+            plan = plan._replace(config=dataclasses.replace(plan.config, split_k=128))
+        return plan
+
+    monkeypatch.setattr(cuda_matmul, "plan_matmul", plan_by_m)
+    gen = torch.Generator().manual_seed(4)
+    pool, b = torch.randn(8, 300, generator=gen), torch.randn(300, 16, generator=gen)
+    report = rows_alone_vs_batched(lambda x: bik.matmul(x, b, backend="cuda"), pool, (1, 8))
+    assert not report.ok
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_core_kernel_suite(host, monkeypatch, dtype):
+    """The bf16/fp16 kernel (mma.sync emulated on the host: the fragment plumbing, loaders,
+    cp.async pipeline, splits and epilogues are the kernel's own) keeps rows invariant."""
+    for spread in (True, False):
+        force(monkeypatch, cuda_matmul, "use_spread", spread)
+        assert_invariant(matmul_suite(device="cpu", dtype=dtype, backend="cuda",
+                                      ms=(1, 2, 9), shapes=[(24, 130), (136, 40)]))
+    assert f"bik_matmul_{'bf16' if dtype == torch.bfloat16 else 'f16'}" in host
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_core_kernel_load_paths_agree(host, dtype):
+    """cp.async (both operands k-contiguous), 16-byte register loads (row-major B) and element
+    loads (strided, misaligned) move the same values: the bits agree, and match fp64."""
+    gen = torch.Generator().manual_seed(8)
+    a = torch.randn(70, 208, generator=gen).to(dtype)
+    w = torch.randn(136, 208, generator=gen).to(dtype)
+    ref = a.double() @ w.double().t()
+    a_buf, w_buf = torch.empty(70, 209, dtype=dtype), torch.empty(136, 209, dtype=dtype)
+    a_buf[:, 1:], w_buf[:, 1:] = a, w
+    flags, outs = {}, []
+    for name, x, b in (("cp.async", a, w.t()), ("vector", a, w.t().contiguous()),
+                       ("elements", a.t().contiguous().t(), w.t()),
+                       ("misaligned", a_buf[:, 1:], w_buf[:, 1:].t())):
+        flags[name] = cuda_matmul.load_flags(x[None], b[None])
+        outs.append(bik.matmul(x, b, out_dtype=torch.float32, backend="cuda"))
+    assert flags["cp.async"] == cuda_matmul.VEC_A | cuda_matmul.VEC_B_K
+    assert flags["vector"] == cuda_matmul.VEC_A | cuda_matmul.VEC_B_N
+    assert flags["elements"] == cuda_matmul.VEC_B_K and flags["misaligned"] == 0
+    assert all(same_bits(o, outs[0]) for o in outs[1:])
+    assert (outs[0].double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", [None, True, False])
+def test_attention_schedules_on_the_real_kernel(host, monkeypatch, mode):
+    """One prefill vs chunks vs verify windows vs decode steps (split 32: four splits)."""
+    force(monkeypatch, cuda_attention, "use_split_mode", mode)
+    check_schedules(ac.bik_attn("cuda"), torch.float32, 110, device="cpu", heads=HEADS,
+                    chunks=(7, 40), windows=(4,), tail=16, last=6)
+    assert "bik_attention_f32_d64" in host
+    assert ("bik_attention_merge" in host) == (mode is not False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_half_schedules_and_page_sizes(host, dtype):
+    attn = ac.bik_attn("cuda")
+    check_schedules(attn, dtype, 75, device="cpu", heads=HEADS, chunks=(9,), windows=(4,),
+                    tail=8, last=4)
+    check_page_sizes(attn, dtype, 70, (16, 1, 7), device="cpu", heads=HEADS)
+
+
+@pytest.mark.parametrize("heads", [(2, 2, 64), (6, 2, 128), (40, 2, 64)])
+def test_attention_gqa_packings(host, heads):
+    """G = 1, 3 and 20 (two head slices of at most 16 rows per program), D = 64 and 128."""
+    check_schedules(ac.bik_attn("cuda"), torch.float32, 40, device="cpu", heads=heads,
+                    chunks=(5,), windows=(), tail=4, last=3)
+
+
+def test_attention_neighbours_layouts_accuracy(host):
+    check_neighbours(ac.bik_attn("cuda"), torch.float32, 80, 3, n_neighbours=4, max_len=100,
+                     device="cpu", heads=HEADS)
+    ac.check_layouts_agree("cuda", torch.float32, [5, 70, 33])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ac.check_accuracy("cuda", dtype, [1, 60, 100], [1, 17, 100])
+
+
+def test_attention_split_by_length_is_caught(host, monkeypatch):
+    """Negative control: the same kernels with SPLIT picked by the call's q_len fail."""
+    original = cuda_attention.plan_attention
+
+    def plan_by_length(dtype, **kw):
+        plan = original(dtype, **kw)
+        if kw["max_q_len"] > 1:
+            plan = plan._replace(config=dataclasses.replace(plan.config, split=64))
+        return plan
+
+    monkeypatch.setattr(cuda_attention, "plan_attention", plan_by_length)
+    with pytest.raises(AssertionError, match="differ"):
+        check_schedules(ac.bik_attn("cuda"), torch.float32, 90, device="cpu", heads=HEADS,
+                        chunks=(), windows=(), tail=4, last=30)
+
+
+def test_edge_shapes_dtypes_and_opcheck(host):
+    """Empty M/N, K = 0 (bias only), a 16-bit bias with fp32 output, and opcheck of both ops on
+    the CUDA backend path."""
+    from torch.library import opcheck
+
+    gen = torch.Generator().manual_seed(9)
+    a = torch.randn(5, 40, generator=gen).to(torch.bfloat16)
+    b = torch.randn(40, 7, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(7, generator=gen).to(torch.float16)
+    out32 = bik.matmul(a, b, bias, out_dtype=torch.float32, backend="cuda")
+    ref = a.double() @ b.double() + bias.double()
+    assert out32.dtype == torch.float32 and (out32.double() - ref).abs().max() < 1e-4
+    assert bik.matmul(a[:0], b, backend="cuda").shape == (0, 7)
+    assert bik.matmul(a, b[:, :0], backend="cuda").shape == (5, 0)
+    k0 = bik.matmul(a[:, :0], b[:0], bias, backend="cuda")
+    assert same_bits(k0, bias.float().expand(5, 7).to(torch.bfloat16).contiguous())
+    opcheck(torch.ops.bik.matmul.default, (a, b, bias, None, "cuda"))
+    opcheck(torch.ops.bik.bmm.default, (a[None].expand(2, 5, 40), b[None].expand(2, 40, 7),
+                                        torch.float32, "cuda"))
+    reqs = [make_request(gen, n, 4, 2, 64, torch.float32) for n in (5, 40)]
+    cache = pack_paged(reqs, [5, 40], 16, gen)
+    q = torch.cat([reqs[0].q[3:], reqs[1].q[39:]])
+    cu_q = torch.tensor([0, 2, 3], dtype=torch.int32)
+    opcheck(torch.ops.bik.attention.default,
+            (q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cu_q, cache.block_table, 0.125,
+             True, "cuda"))

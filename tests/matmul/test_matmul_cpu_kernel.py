@@ -1,0 +1,179 @@
+"""Low-level tests of bik's fixed-order CPU matmul kernel (bik/ops/matmul/cpu.py over
+bik.runtime.cpu_ext, csrc/cpu), and of the CPU extension's build (no FMA in the object code).
+
+Exactness against the literal reference of the contract (bik/ops/matmul/reference.py, the spec
+in csrc/cpu/contract.h) for every ISA the CPU runs, blockings, strides and threads; bitwise
+batch invariance with torch.equal; a negative control showing the same comparison catches stock
+torch.mm; and a loose fp64 accuracy sanity check. The rms_norm kernel's:
+tests/rms_norm/test_rms_norm_cpu_kernel.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+from bik.ops.matmul.cpu import matmul_f32
+from bik.ops.matmul.reference import matmul_cpu_reference
+from bik.runtime import cpu_ext
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason=cpu_ext.unavailable_reason())
+
+ISAS = [i for i in ("avx512", "avx2", "generic")
+        if cpu_ext.available() and cpu_ext._ext.isa_supported(i)]
+SIZES = (1, 3, 17, 33, 64, 100)
+BATCHES = (2, 3, 4, 7, 8, 16, 31, 64, 127, 128, 255, 256)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def mm(a, b, bias=None, **kw) -> torch.Tensor:
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"))
+    matmul_f32(a, b, bias, out, **kw)
+    return out
+
+
+# ---- exactness against the contract ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("M", SIZES)
+@pytest.mark.parametrize("N", SIZES)
+def test_matmul_matches_contract(isa, M, N):
+    for K in SIZES:
+        g = _gen(M * 10007 + N * 101 + K)
+        a = torch.randn(M, K, generator=g)
+        w = torch.randn(N, K, generator=g)  # nn.Linear layout; b = w.t() (K contiguous)
+        bias = torch.randn(N, generator=g)
+        for b in (w.t(), w.t().contiguous()):
+            for bb in (None, bias):
+                want = matmul_cpu_reference(a, b, bb)
+                assert torch.equal(mm(a, b, bb, isa=isa), want), (M, N, K, bb)
+
+
+def test_matmul_blocking_and_odd_k_match_contract():
+    # K blocks of every size (store/reload of the fp32 acc) and N blocks keep the order exactly.
+    g = _gen(1)
+    M, N, K = 13, 77, 1000
+    a, b, bias = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g), torch.randn(N)
+    want = matmul_cpu_reference(a, b, bias)
+    for bk, bn in ((0, 0), (1, 1), (7, 33), (64, 64), (256, 512), (999, 32), (4096, 4096)):
+        for isa in ISAS:
+            assert torch.equal(mm(a, b, bias, isa=isa, block_k=bk, block_n=bn), want), (bk, bn)
+            assert torch.equal(mm(a, b.t().contiguous().t(), bias, isa=isa, block_k=bk), want)
+
+
+def test_matmul_empty_and_k0():
+    for M, N in ((0, 5), (5, 0), (0, 0)):
+        out = torch.empty(M, N)
+        matmul_f32(torch.empty(M, 3), torch.empty(3, N), None, out)
+    bias = torch.tensor([1.5, -0.0, float("inf")])
+    assert torch.equal(mm(torch.empty(2, 0), torch.empty(0, 3)), torch.zeros(2, 3))
+    got = mm(torch.empty(2, 0), torch.empty(0, 3), bias)
+    assert torch.equal(got, (torch.zeros(2, 3) + bias))  # 0.0f + bias: -0.0 becomes +0.0
+    assert not torch.signbit(got[:, 1]).any()
+
+
+# ---- batch invariance (bitwise) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N,K", [(100, 333), (515, 64), (64, 1030)])
+def test_matmul_row_alone_equals_row_in_batch(N, K):
+    g = _gen(N + K)
+    pool = torch.randn(max(BATCHES), K, generator=g)
+    w = torch.randn(N, K, generator=g)
+    bias = torch.randn(N, generator=g)
+    alone = torch.cat([mm(pool[i : i + 1], w.t(), bias) for i in range(pool.shape[0])])
+    for M in BATCHES:
+        for start in (0, max(BATCHES) - M):  # rows at different positions
+            assert torch.equal(mm(pool[start : start + M], w.t(), bias), alone[start : start + M])
+
+
+def test_matmul_threads_isa_and_layouts_are_bit_identical():
+    g = _gen(7)
+    M, N, K = 70, 300, 257
+    a, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    want = mm(a, w.t().contiguous(), num_threads=1)
+    for t in (1, 2, 3, 8):
+        for isa in ISAS:
+            assert torch.equal(mm(a, w.t(), num_threads=t, isa=isa), want), (t, isa)
+    a_t = a.t().contiguous().t()  # column-major a
+    a_s = torch.randn(M, 2 * K, generator=g)[:, ::2]  # non-contiguous: stride 2 along K
+    a_s_want = mm(a_s.contiguous(), w.t())
+    b_s = torch.randn(2 * K, N + 5, generator=g)[::2, 3 : N + 3]  # strided rows, sliced cols
+    assert torch.equal(mm(a_t, w.t()), want)
+    assert torch.equal(mm(a_s, w.t()), a_s_want)
+    assert torch.equal(mm(a, b_s), mm(a, b_s.contiguous()))
+    # zero strides (expanded views) on either side
+    a_e = a[:1].expand(M, K)
+    assert torch.equal(mm(a_e, w.t()), want[:1].expand(M, N))
+    b_e = w.t()[:, :1].expand(K, N)
+    assert torch.equal(mm(a, b_e), mm(a, b_e.contiguous()))
+
+
+def test_caller_flush_denormal_does_not_change_bits():
+    # Products here are denormal; the kernels honour them whatever the caller's FTZ/DAZ.
+    a = torch.full((64, 512), 1e-20)
+    b = torch.full((512, 256), 1e-20)
+    want = matmul_cpu_reference(a[:1], b, None)
+    assert want.abs().max() > 0
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got1 = mm(a[:1], b, num_threads=1)
+        got = mm(a, b, num_threads=2)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(got1, want) and torch.equal(got, want.expand(64, 256))
+
+
+# ---- negative control: the same comparison catches stock torch.mm -----------------------------
+
+
+def test_negative_control_torch_mm_is_not_batch_invariant():
+    # toolchain notes: CPU fp32 torch.mm gives a row at M=1 other bits than at M>=4.
+    g = _gen(5)
+    found = []
+    for N, K in ((256, 512), (1024, 1024), (4096, 256)):
+        pool = torch.randn(64, K, generator=g)
+        w = torch.randn(N, K, generator=g)
+        alone = torch.cat([torch.mm(pool[i : i + 1], w.t()) for i in range(pool.shape[0])])
+        if not torch.equal(torch.mm(pool, w.t()), alone):
+            found.append((N, K))
+        assert torch.equal(mm(pool, w.t()), torch.cat([mm(p[None], w.t()) for p in pool]))
+    assert found, "torch.mm was batch-invariant on every shape: the control cannot fail here"
+
+
+# ---- accuracy sanity vs fp64 ---------------------------------------------------------------
+
+
+def test_matmul_accuracy_vs_fp64():
+    g = _gen(9)
+    M, N, K = 33, 200, 2048
+    a, w, bias = (torch.randn(M, K, generator=g), torch.randn(N, K, generator=g),
+                  torch.randn(N, generator=g))  # fmt: skip
+    exact = a.double() @ w.t().double() + bias.double()
+    err = (mm(a, w.t(), bias).double() - exact).abs().max().item()
+    scale = (a.double().abs() @ w.t().double().abs()).max().item()
+    assert err <= 4 * K * 2**-24 * scale, err  # loose sequential-sum bound
+
+
+def test_no_fused_multiply_add_in_binary():
+    # -ffp-contract=off must hold in every ISA clone: an FMA would change the bits.
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump not found")
+    dis = subprocess.run([objdump, "-d", cpu_ext._ext.__file__], capture_output=True, text=True,
+                         check=False)
+    assert dis.returncode == 0
+    for mnemonic in ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub", "fmla", "fmadd"):
+        assert f"\t{mnemonic}" not in dis.stdout, mnemonic
+
+
+def test_unavailable_reason_is_empty_when_built():
+    assert cpu_ext.available() and cpu_ext.unavailable_reason() == ""
+    assert cpu_ext.isa() in ISAS

@@ -1,0 +1,83 @@
+"""Low-level tests of bik's fixed-order CPU rms_norm kernel (bik/ops/rms_norm/cpu.py over
+bik.runtime.cpu_ext, csrc/cpu).
+
+Exactness against the literal reference of the contract (bik/ops/rms_norm/reference.py, the spec
+in csrc/cpu/contract.h) for every ISA the CPU runs, H around the 16-lane width, eps and row
+strides; bitwise batch invariance and thread-count independence with torch.equal; a loose fp64
+accuracy sanity check. The matmul kernel's (and the extension's no-FMA check):
+tests/matmul/test_matmul_cpu_kernel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bik.ops.rms_norm.cpu import rms_norm_f32
+from bik.ops.rms_norm.reference import rms_norm_cpu_reference
+from bik.runtime import cpu_ext
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason=cpu_ext.unavailable_reason())
+
+ISAS = [i for i in ("avx512", "avx2", "generic")
+        if cpu_ext.available() and cpu_ext._ext.isa_supported(i)]
+BATCHES = (2, 3, 4, 7, 8, 16, 31, 64, 127, 128, 255, 256)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rms(x, w, eps=1e-6, **kw) -> torch.Tensor:
+    out = torch.full(x.shape, float("nan"))
+    rms_norm_f32(x, w, eps, out, **kw)
+    return out
+
+
+# ---- exactness against the contract ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("H", (1, 15, 16, 17, 111, 500))
+@pytest.mark.parametrize("isa", ISAS)
+def test_rms_norm_matches_contract(H, isa):
+    g = _gen(H)
+    x = torch.randn(9, H, generator=g) * 3
+    w = torch.randn(H, generator=g)
+    for eps in (1e-6, 1e-5, 0.1):
+        assert torch.equal(rms(x, w, eps, isa=isa), rms_norm_cpu_reference(x, w, eps)), (H, eps)
+
+
+def test_rms_norm_row_stride_and_empty():
+    g = _gen(3)
+    big = torch.randn(8, 300, generator=g)
+    x = big[:, 10:121]  # row stride 300, unit stride along H
+    w = torch.randn(111, generator=g)
+    assert torch.equal(rms(x, w), rms_norm_cpu_reference(x.contiguous(), w, 1e-6))
+    rms_norm_f32(torch.empty(0, 4), torch.ones(4), 1e-6, torch.empty(0, 4))
+    rms_norm_f32(torch.empty(3, 0), torch.ones(0), 1e-6, torch.empty(3, 0))
+
+
+# ---- batch invariance (bitwise) --------------------------------------------------------------
+
+
+def test_rms_norm_row_alone_equals_row_in_batch_and_threads():
+    g = _gen(11)
+    H = 4096
+    pool = torch.randn(300, H, generator=g)
+    w = torch.randn(H, generator=g)
+    alone = torch.cat([rms(pool[i : i + 1], w) for i in range(pool.shape[0])])
+    for M in BATCHES:
+        assert torch.equal(rms(pool[:M], w), alone[:M])
+    for t in (1, 2, 5):
+        for isa in ISAS:
+            assert torch.equal(rms(pool, w, num_threads=t, isa=isa), alone), (t, isa)
+
+
+# ---- accuracy sanity vs fp64 ---------------------------------------------------------------
+
+
+def test_rms_norm_accuracy_vs_fp64():
+    g = _gen(9)
+    x = torch.randn(17, 4096, generator=g)
+    wn = torch.rand(4096, generator=g) + 0.5
+    exact = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * wn
+    assert (rms(x, wn).double() - exact).abs().max().item() < 1e-4
