@@ -1,6 +1,6 @@
 // bik CUDA attention: the position/split index math and the per-row arithmetic that decide the
 // bits, as __host__ __device__ helpers. CPU tests compile this header with g++
-// (tests/cuda_host/plan_shim.cpp) and check the schedule and a host replica of the kernel.
+// (tests/cuda/cuda_host/plan_shim.cpp) and check the schedule and a host replica of the kernel.
 // No CUDA or C++ standard headers (NVRTC has none); host builds include <cmath> first.
 //
 // Contract (docs/design.md#attention, the Triton kernel's): a query at absolute position p sees

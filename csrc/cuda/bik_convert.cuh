@@ -30,7 +30,7 @@ __device__ __forceinline__ unsigned short f32_to_f16(float f) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
 }
-#else  // host builds of the kernels for CPU tests (tests/cuda_host): the same roundings
+#else  // host builds of the kernels for CPU tests (tests/cuda/cuda_host): the same roundings
 __device__ __forceinline__ float f16_to_f32(unsigned short h) {
   _Float16 x;
   __builtin_memcpy(&x, &h, 2);

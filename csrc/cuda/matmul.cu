@@ -68,7 +68,7 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
-#else  // host builds for CPU tests: tests/cuda_host/cuda_on_cpu.h emulates the warp instruction
+#else  // host builds for CPU tests: tests/cuda/cuda_host/cuda_on_cpu.h emulates the warp instruction
   host_cuda_mma_m16n8k16(d, a, b, KIND == bik_cvt::kBF16);
 #endif
 }

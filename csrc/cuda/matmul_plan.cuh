@@ -1,6 +1,6 @@
 // bik CUDA matmul: the index math and the per-element arithmetic that decide the bits, as
 // __host__ __device__ helpers so CPU tests compile this header with g++ and check them
-// (tests/cuda_host/plan_shim.cpp). No CUDA or C++ standard headers on the device: NVRTC has
+// (tests/cuda/cuda_host/plan_shim.cpp). No CUDA or C++ standard headers on the device: NVRTC has
 // none. The rounded float ops are common.cuh's (its numerics policy: no FMA on either side).
 //
 // Contract for output element (m, n) of C[M, N] = A[M, K] @ B[K, N] (+ bias[N]):

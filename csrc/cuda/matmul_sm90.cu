@@ -43,7 +43,7 @@ struct Smem {  // two stages of the K-major no-swizzle tiles (matmul_sm90_plan.c
 
 // Shared-window address of p (what a descriptor holds). The host build has no shared window:
 // there the address is p's byte offset in the CTA's Smem, and the emulated wgmma is given its
-// base (tests/cuda_host/cuda_on_cpu.h).
+// base (tests/cuda/cuda_host/cuda_on_cpu.h).
 __device__ __forceinline__ unsigned smem_addr(const void* p, const Smem* base) {
 #if defined(__CUDA_ARCH__)
   (void)base;

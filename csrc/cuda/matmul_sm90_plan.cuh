@@ -1,6 +1,6 @@
 // bik CUDA matmul, sm_90a path (opt-in): the shared-memory tile layout, the wgmma matrix
 // descriptor and the accumulator fragment map, as __host__ __device__ helpers so that CPU tests
-// compile this header with g++ and check them (tests/cuda_host/sm90_shim.cpp). The K-split
+// compile this header with g++ and check them (tests/cuda/cuda_host/sm90_shim.cpp). The K-split
 // plan, the fold and the epilogue are matmul_plan.cuh's, unchanged.
 //
 // One CTA = one warpgroup (128 threads) computes a 64 x 128 output tile with

@@ -28,7 +28,7 @@ SRC = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
 
 def build_shim(tmp_path_factory, source: str, *, std: str = "c++17",
                flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """``tests/cuda_host/<source>`` built as a shared library in a fresh temporary directory
+    """``tests/cuda/cuda_host/<source>`` built as a shared library in a fresh temporary directory
     and loaded; ``flags`` go after the common ones (e.g. warnings a source needs off)."""
     gxx = shutil.which("g++")
     if gxx is None:

@@ -1,7 +1,7 @@
 """bik's real CUDA kernel sources, run on the CPU through the real launchers and ops.
 
-tests/cuda_host/kernels_host.cpp compiles csrc/cuda/matmul.cu and attention.cu with g++ against
-tests/cuda_host/cuda_on_cpu.h (one CTA at a time, its threads as fibers, __syncthreads and warp
+tests/cuda/cuda_host/kernels_host.cpp compiles csrc/cuda/matmul.cu and attention.cu with g++ against
+tests/cuda/cuda_host/cuda_on_cpu.h (one CTA at a time, its threads as fibers, __syncthreads and warp
 shuffles as barriers, -ffp-contract=off); ``cuda_jit.launch`` is routed there, each call's
 arguments checked against the kernel's C signature and passed like cuLaunchKernel's. So the ops
 layer, the launchers (plans, strides, workspaces, both launch modes) and the kernels' own index

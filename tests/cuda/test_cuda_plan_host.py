@@ -1,7 +1,7 @@
 """The CUDA kernels' index math and reduction schedule, checked on the CPU (no GPU needed).
 
 csrc/cuda/matmul_plan.cuh and attention_plan.cuh are compiled on the host with g++
-(-ffp-contract=off) together with tests/cuda_host/plan_shim.cpp, which replays the kernels'
+(-ffp-contract=off) together with tests/cuda/cuda_host/plan_shim.cpp, which replays the kernels'
 programs (grid walk, split and block loops, skips, per-element operation order, warp butterfly
 trees) from the headers' functions. These tests show, without a GPU:
 

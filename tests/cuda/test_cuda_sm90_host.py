@@ -1,13 +1,13 @@
 """The opt-in sm_90a matmul (csrc/cuda/matmul_sm90.cu, matmul_sm90_plan.cuh) without a GPU.
 
-* The plan header on the host (g++, tests/cuda_host/sm90_shim.cpp): the wgmma matrix
+* The plan header on the host (g++, tests/cuda/cuda_host/sm90_shim.cpp): the wgmma matrix
   descriptor's fields sit where the PTX ISA puts them and round-trip; the no-swizzle K-major
   shared-memory layout gives every (row, k) of a tile its own 2-byte slot inside the buffer,
   16-byte chunks stay contiguous, and what a descriptor addresses (the hardware's reading)
   is what the loaders wrote (the kernel's writing); the accumulator map covers the 64 x 128 tile
   once and matches the ISA's fragment table; every output element meets the same
   (split, k16) sequence at every M in both launch modes.
-* The real kernel on the CPU (tests/cuda_host/kernels_host.cpp with wgmma emulated from the
+* The real kernel on the CPU (tests/cuda/cuda_host/kernels_host.cpp with wgmma emulated from the
   descriptors and the fragment table, cp.async as a copy), through the real ops and launcher
   with BIK_CUDA_SM90A=1 on a pretend sm90: the invariance suites in both launch modes, the load
   paths agree, accuracy against fp64; and since the emulated wgmma and the emulated mma.sync

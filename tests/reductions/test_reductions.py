@@ -27,7 +27,7 @@ import bik
 import pytest
 import torch
 from bik import configs
-from bik.testing import rows_alone_vs_batched, split_by_m_mean, split_by_m_softmax
+from bik.testing import rows_alone_vs_batched, same_bits, split_by_m_mean, split_by_m_softmax
 from bik.testing.harness import M_SWEEP
 from bik.testing.suites import reduction_suite
 from checks import ACCURACY_FLOOR, ACCURACY_RATIO, DTYPES, assert_invariant, max_err, randn
@@ -393,3 +393,14 @@ def test_gpu_rows_invariant_and_accurate(target, dtype):
                      getattr(torch, op)(x.float(), -1)).to(dtype)
             scale = x.abs().max().item() if op == "mean" else ref.abs().max().item()
             assert max_err(got, ref) <= _bound(indep, ref, dtype, scale), (op, n)
+
+
+@pytest.mark.parametrize("target", targets("cpu"))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_overlapping_half_rows_give_the_bits_of_a_copy(target, dtype, gen):
+    # x.unfold gives rows that overlap (strides (1, 1)); their fp32 upcast comes back with
+    # strides (1, 3), which the CPU kernels must not be handed as is.
+    x = torch.randn(10, generator=gen).to(dtype).unfold(0, 8, 1)
+    for fn in (bik.softmax, bik.log_softmax, bik.mean):
+        assert same_bits(fn(x, -1, backend=target.backend),
+                         fn(x.contiguous(), -1, backend=target.backend))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bik
 import pytest
 import torch
-from bik.testing.harness import M_SWEEP
+from bik.testing.harness import M_SWEEP, same_bits
 from bik.testing.suites import rms_norm_suite
 from checks import DTYPES, accuracy_bound, assert_invariant, max_err, randn
 from targets import targets
@@ -95,3 +95,14 @@ def test_opcheck(target, gen):
     x, r, w = randn(gen, 3, 40, dtype=dtype), randn(gen, 3, 40, dtype=dtype), randn(gen, 40)
     opcheck(torch.ops.bik.rms_norm.default, (x, w, 1e-6, backend))
     opcheck(torch.ops.bik.fused_add_rms_norm.default, (x, r, w, 1e-5, backend))
+
+
+@pytest.mark.parametrize("target", targets("cpu"))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_overlapping_half_rows_give_the_bits_of_a_copy(target, dtype, gen):
+    # x.unfold gives rows that overlap (strides (1, 1)); their fp32 upcast comes back with
+    # strides (1, 3), which the CPU kernel must not be handed as is.
+    x = torch.randn(10, generator=gen).to(dtype).unfold(0, 8, 1)
+    w = torch.randn(8, generator=gen).to(dtype)
+    assert same_bits(bik.rms_norm(x, w, backend=target.backend),
+                     bik.rms_norm(x.contiguous(), w, backend=target.backend))

@@ -232,7 +232,8 @@ def backend_doc(op: str) -> str:
 def documented(op: str):
     """Fill the ``{backends}`` placeholder of a public function's docstring from the table."""
     def fill(fn):
-        fn.__doc__ = fn.__doc__.replace("{backends}", backend_doc(op))
+        if fn.__doc__:  # None under python -OO
+            fn.__doc__ = fn.__doc__.replace("{backends}", backend_doc(op))
         return fn
 
     return fill

@@ -57,7 +57,8 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     bias32 = None if bias is None else bias.float().contiguous()
     direct = out.dtype == torch.float32 and out.is_contiguous()
     for i in range(a.shape[0]):
-        out32 = out[i] if direct else torch.empty(out.shape[1:], dtype=torch.float32)
+        out32 = out[i] if direct else torch.empty(out.shape[1:], dtype=torch.float32,
+                                                  device=out.device)
         matmul_f32(a[i].float(), b[i].float(), bias32, out32)
         if not direct:
             out[i].copy_(out32)

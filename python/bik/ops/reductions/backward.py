@@ -12,8 +12,8 @@ The row sums <., .> are bik::matmul against a column of ones: the products by 1 
 the sum runs in bik::matmul's fixed K order, so the row's bits cannot follow the batch. p is
 recomputed by bik's softmax rather than exp(y): torch's vectorised CPU exp may round a SIMD body
 and its tail differently, and a registered op stays traceable (opcheck, torch.compile). The
-rest is + - * /, correctly rounded wherever an element sits. The result is rounded once to x's
-dtype, as torch's backward is.
+rest is elementwise (+ - * /), each element a function of its own values only, wherever it
+sits. The result is rounded once to x's dtype, as torch's backward is.
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ def _as_rows(t: torch.Tensor, d: int) -> torch.Tensor:
     return tm.float().reshape(math.prod(tm.shape[:-1]), tm.shape[-1])
 
 
-def _from_rows(r: torch.Tensor, like: torch.Tensor, d: int) -> torch.Tensor:
-    if like.dim() == 0:
-        return r.reshape(()).to(like.dtype)
-    shape = list(like.movedim(d, -1).shape)
-    return r.reshape(shape).movedim(-1, d).to(like.dtype).contiguous()
+def _from_rows(r: torch.Tensor, shape: torch.Size, dtype: torch.dtype, d: int) -> torch.Tensor:
+    """Inverse of _as_rows for a tensor of ``shape``, rounded once to ``dtype``."""
+    if len(shape) == 0:
+        return r.reshape(()).to(dtype)
+    moved = [*shape[:d], *shape[d + 1:], shape[d]]
+    return r.reshape(moved).movedim(-1, d).to(dtype).contiguous()
 
 
 def _setup(ctx, x, dim, backend, saved):
@@ -66,10 +67,9 @@ def _log_softmax_setup(ctx, inputs, output):
 def _softmax_backward(ctx, grad):
     (y,) = ctx.saved_tensors
     d = ctx.dim
-    like = torch.empty(ctx.x_shape, dtype=ctx.x_dtype, device=y.device)
     y2, g2 = _as_rows(y, d), _as_rows(grad, d)
     dx = y2 * (g2 - row_sums(g2 * y2, ctx.backend))
-    return _from_rows(dx, like, d), None, None, None
+    return _from_rows(dx, ctx.x_shape, ctx.x_dtype, d), None, None, None
 
 
 def _log_softmax_backward(ctx, grad):
@@ -78,7 +78,7 @@ def _log_softmax_backward(ctx, grad):
     p = torch.ops.bik.softmax(x, d, torch.float32, ctx.backend)
     p2, g2 = _as_rows(p, d), _as_rows(grad, d)
     dx = g2 - p2 * row_sums(g2, ctx.backend)
-    return _from_rows(dx, x, d), None, None, None
+    return _from_rows(dx, x.shape, x.dtype, d), None, None, None
 
 
 def _mean_setup(ctx, inputs, output):

@@ -45,14 +45,23 @@ def mean_f32(x: torch.Tensor, out: torch.Tensor, *, num_threads: int | None = No
 
 
 def _fp32_target(out: torch.Tensor) -> torch.Tensor:
-    return out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
+    if out.dtype == torch.float32:
+        return out
+    return torch.empty(out.shape, dtype=torch.float32, device=out.device)
+
+
+def _fp32_rows(x: torch.Tensor) -> torch.Tensor:
+    """x upcast to fp32 (exact) with unit stride along the row: the upcast of overlapping or
+    strided 16-bit rows may come back with other strides."""
+    x32 = x.float()
+    return x32 if x32.shape[1] <= 1 or x32.stride(1) == 1 else x32.contiguous()
 
 
 def launch_softmax(x: torch.Tensor, out: torch.Tensor, *, log: bool) -> None:
     """The op's launcher on the CPU: x [M, N] with unit stride along N (upcast to fp32, exact),
     out [M, N] contiguous in the output dtype (rounded once)."""
     out32 = _fp32_target(out)
-    softmax_f32(x.float(), out32, log=log)
+    softmax_f32(_fp32_rows(x), out32, log=log)
     if out32 is not out:
         out.copy_(out32)
 
@@ -60,6 +69,6 @@ def launch_softmax(x: torch.Tensor, out: torch.Tensor, *, log: bool) -> None:
 def launch_mean(x: torch.Tensor, out: torch.Tensor) -> None:
     """The op's launcher on the CPU: x [M, N] (N >= 1) with unit stride along N, out [M]."""
     out32 = _fp32_target(out)
-    mean_f32(x.float(), out32)
+    mean_f32(_fp32_rows(x), out32)
     if out32 is not out:
         out.copy_(out32)

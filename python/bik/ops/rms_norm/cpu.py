@@ -49,7 +49,10 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
         h_out.copy_(x.float() + residual.float())
         x = h_out
     direct = out.dtype == torch.float32
-    out32 = out if direct else torch.empty(x.shape, dtype=torch.float32)
-    rms_norm_f32(x.float(), weight.float().contiguous(), float(eps), out32)
+    out32 = out if direct else torch.empty(x.shape, dtype=torch.float32, device=out.device)
+    x32 = x.float()  # exact; an upcast of strided 16-bit rows may come back with other strides
+    if x32.shape[1] > 1 and x32.stride(1) != 1:
+        x32 = x32.contiguous()
+    rms_norm_f32(x32, weight.float().contiguous(), float(eps), out32)
     if not direct:
         out.copy_(out32)

@@ -18,7 +18,7 @@ from bik.ops._checks import (
     check_same_device,
     check_tensor,
 )
-from bik.ops._registry import define, documented, implementation, resolve_backend
+from bik.ops._registry import TABLE, define, documented, implementation, resolve_backend
 
 __all__ = ["rms_norm"]
 
@@ -96,17 +96,24 @@ def _fused_add_rms_norm_fake(x, residual, weight, eps, backend):
 # grad_x depends only on that row, its upstream gradient and the weight. With xhat = x * rstd:
 #   grad_x = rstd * (g*w - xhat * mean(g*w*xhat)) = rstd * (g*w - x * rstd^2 * mean(g*w*x))
 #   grad_w = sum over rows of g * xhat   (ones[1, M] @ ...: fixed order, not batch-invariant)
-# rstd is recomputed with bik::mean (its last bit may differ from the forward kernel's).
+# rstd is recomputed with bik::mean (its last bit may differ from the forward kernel's). The
+# CUDA C++ backend has no mean kernel: its backward's two row means run on Triton (CUDA tensors).
+
+
+def _mean_backend(backend: str) -> str:
+    return backend if backend in TABLE["mean"].backends else "triton"
+
 
 def _rms_norm_grads(x, weight, eps, backend, grad, need_x, need_w):
     x32, g32, w32 = x.float(), grad.float(), weight.float()
+    mean_backend = _mean_backend(backend)
     mean = torch.ops.bik.mean
-    rstd = 1.0 / torch.sqrt(mean(x32 * x32, [1], True, torch.float32, backend) + eps)
+    rstd = 1.0 / torch.sqrt(mean(x32 * x32, [1], True, torch.float32, mean_backend) + eps)
     xhat = x32 * rstd
     grad_x = grad_w = None
     if need_x:
         gw = g32 * w32
-        dot = mean(gw * xhat, [1], True, torch.float32, backend)  # [M, 1]
+        dot = mean(gw * xhat, [1], True, torch.float32, mean_backend)  # [M, 1]
         grad_x = rstd * (gw - xhat * dot)
     if need_w:
         terms = (g32 * xhat).contiguous()

@@ -96,8 +96,8 @@ def _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p, 
 
 # ---- the two backends ------------------------------------------------------------------------
 
-def _sample_rows(backend, logits, seed, position, temperature, top_k, top_p, min_p):
-    sample_rows = implementation("sample", backend, logits.device)  # verify_draft's row: same
+def _sample_rows(op, backend, logits, seed, position, temperature, top_k, top_p, min_p):
+    sample_rows = implementation(op, backend, logits.device)
     x = logits
     if x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
@@ -109,7 +109,8 @@ def _sample_rows(backend, logits, seed, position, temperature, top_k, top_p, min
 def _sample_impl(logits, seed, position, temperature, top_k, top_p, min_p, backend):
     op = "bik.sample"
     _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p)
-    return _sample_rows(backend, logits, seed, position, temperature, top_k, top_p, min_p)
+    return _sample_rows("sample", backend, logits, seed, position, temperature, top_k, top_p,
+                        min_p)
 
 
 @torch.library.register_fake("bik::sample")
@@ -147,13 +148,13 @@ def _verify_impl(draft_tokens, num_drafts, logits, seed, position, temperature, 
     op = "bik.verify_draft"
     params = (seed, position, temperature, top_k, top_p, min_p)
     _check_verify(op, draft_tokens, num_drafts, logits, params)
-    implementation("verify_draft", backend, logits.device, label=op)  # raises if it cannot run
     rows, window, vocab = logits.shape
     k = window - 1
     # Target tokens at positions p .. p+K, each exactly as bik.sample would draw it alone.
     rep = [t.repeat_interleave(window) for t in params]
     rep[1] = rep[1] + torch.arange(window, device=logits.device).repeat(rows)
-    tokens, logprobs = _sample_rows(backend, logits.reshape(rows * window, vocab), *rep)
+    tokens, logprobs = _sample_rows("verify_draft", backend,
+                                    logits.reshape(rows * window, vocab), *rep)
     tokens, logprobs = tokens.reshape(rows, window), logprobs.reshape(rows, window)
     j = torch.arange(k, device=logits.device)
     match = (draft_tokens.to(torch.int64) == tokens[:, :k]) & (tokens[:, :k] >= 0) \
