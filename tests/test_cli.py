@@ -62,11 +62,25 @@ def test_bench_attention_quick_json(tmp_path):
     assert all(r["bik_ms"]["p50"] > 0 and r["bik_gbps"] > 0 for r in recs)
 
 
-def test_bench_boundary():
-    assert main(["bench", "boundary"]) == 0
+def test_bench_boundary(tmp_path):
+    out = tmp_path / "boundary.json"
+    assert main(["bench", "boundary", "--device", "cpu", "--json", str(out)]) == 0
+    recs = json.loads(out.read_text())["records"]
+    calls = {r["call"]: r for r in recs}
+    assert recs[0]["call"] == "raw kernel call (extension)" and recs[0]["ratio"] == 1.0
+    assert {"torch.mm under bik.enabled()", "x + x under batch_invariant_mode()"} <= set(calls)
+    assert all(r["p20"] <= r["p50"] <= r["p80"] for r in recs)
 
 
-@pytest.mark.parametrize("name", ["boundary", "sample", "dvr"])
+def test_bench_generate_quick(tmp_path):
+    out = tmp_path / "generate.json"
+    assert main(["bench", "generate", "--quick", "--device", "cpu", "--json", str(out)]) == 0
+    recs = json.loads(out.read_text())["records"]
+    assert [r["config"] for r in recs] == ["stock", "bik.enable()", "batch_invariant_mode()"]
+    assert all(r["min_s"] <= r["median_s"] <= r["max_s"] for r in recs)
+
+
+@pytest.mark.parametrize("name", ["boundary", "sample", "dvr", "generate"])
 def test_plot_is_refused_where_a_bench_has_none(name, tmp_path):
     with pytest.raises(SystemExit, match=f"bik bench {name}: --plot is not available"):
         main(["bench", name, "--quick", "--plot", str(tmp_path / "x.png")])

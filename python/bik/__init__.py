@@ -6,7 +6,9 @@ Public API (see docs/api.md):
     bik.attention, bik.attention_varlen              -- fixed-split attention (paged KV, GQA)
     bik.sample, bik.verify_draft                     -- Gumbel-max sampler keyed by (seed, position)
     bik.fingerprint                                  -- what decides the bits, as one digest
-    bik.batch_invariant_mode                         -- stock torch ops on bik's kernels
+    bik.batch_invariant_mode                         -- stock torch code on bik (this thread,
+                                                        eager and torch.compile)
+    bik.enable / bik.disable / bik.enabled           -- the same at the dispatcher, every thread
     bik.testing                                      -- the invariance harness
 """
 
@@ -15,7 +17,11 @@ from bik.mode import (
     BatchInvarianceWarning,
     ModeStats,
     batch_invariant_mode,
+    disable,
+    enable,
+    enabled,
     is_batch_invariant_mode_enabled,
+    is_enabled,
     mode_stats,
     reset_mode_stats,
     set_batch_invariant_mode,
@@ -42,8 +48,12 @@ __all__ = [
     "attention_varlen",
     "batch_invariant_mode",
     "bmm",
+    "disable",
+    "enable",
+    "enabled",
     "fingerprint",
     "is_batch_invariant_mode_enabled",
+    "is_enabled",
     "linear",
     "log_softmax",
     "matmul",

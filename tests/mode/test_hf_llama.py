@@ -30,9 +30,10 @@ SETUPS = [
 ]
 
 
-def make_model(device="cpu", dtype=torch.float32, attention="eager"):
+def make_model(device="cpu", dtype=torch.float32, attention="eager", intermediate_size=128):
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2,
+        num_attention_heads=4,
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
         attn_implementation=attention)
     with torch.random.fork_rng(devices=[]):

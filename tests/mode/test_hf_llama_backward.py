@@ -60,24 +60,39 @@ def _stats(request):
     bik.reset_mode_stats()
 
 
+# What each front end must have routed: under the mode, the function layer maps the model's
+# linear / matmul / softmax / SDPA calls (their backward is bik's own) and the dispatch layer
+# takes cross_entropy's log_softmax; under bik.enabled() the stock backward formulas' aten ops.
+ROUTED = {
+    "mode": ("linear.default", "_log_softmax_backward_data.default"),
+    "enabled": ("mm.default", "sum.dim_IntList", "_log_softmax_backward_data.default"),
+}
+ATTENTION_ROUTED = {
+    ("mode", "sdpa"): "aten.scaled_dot_product_attention.default",
+    ("mode", "eager"): "aten.softmax.int",
+    ("enabled", "sdpa"): "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+    ("enabled", "eager"): "aten._softmax_backward_data.default",
+}
+FRONT_ENDS = {"mode": bik.batch_invariant_mode, "enabled": bik.enabled}
+
+
+@pytest.mark.parametrize("front", FRONT_ENDS)
 @pytest.mark.parametrize("device,dtype,attention", SETUPS)
 @pytest.mark.parametrize("length", [1, 24])
-def test_embedding_grads_alone_and_in_batches(device, dtype, attention, length):
+def test_embedding_grads_alone_and_in_batches(device, dtype, attention, length, front):
     model = make_model(device, dtype, attention)
     fn = embedding_grads(model)
     pool = pool_rows(8, length, device, dtype)
-    with bik.batch_invariant_mode():
+    with FRONT_ENDS[front]():
         batches = rows_alone_vs_batched(fn, pool, (1, 2, 3, 5, 8), name="llama grads")
         probe = probe_every_position(fn, pool[:1], pool[1:], name="llama grads probe")
     assert batches.ok, batches
     assert probe.ok, probe
     stats = bik.mode_stats()
     assert not stats.fallbacks, stats.fallbacks
-    for op in ("mm.default", "sum.dim_IntList", "_log_softmax_backward_data.default"):
-        assert stats.routed.get(f"aten.{op}", 0) > 0, op
-    backward_attention = ("aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
-                          if attention == "sdpa" else "aten._softmax_backward_data.default")
-    assert stats.routed.get(backward_attention, 0) > 0
+    for op in ROUTED[front]:
+        assert stats.routed.get(f"aten.{op}", 0) > 0, (op, stats.routed)
+    assert stats.routed.get(ATTENTION_ROUTED[front, attention], 0) > 0, stats.routed
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])

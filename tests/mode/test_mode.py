@@ -178,16 +178,15 @@ def test_unsupported_dtypes_run_the_original_kernel(gen):
 
 
 def test_inputs_that_require_grad_are_routed_forward_and_backward(gen):
-    """Under grad the forward is routed and autograd's stock MmBackward runs on bik when
-    .backward() is called inside the mode (tests/test_mode_backward.py covers each route)."""
+    """Under grad the function layer routes F.linear to bik::matmul, whose registered backward
+    runs on bik (tests/mode/test_mode_backward.py covers the stock formulas' routes)."""
     x = torch.randn(3, 16, generator=gen)
     w = torch.randn(8, 16, generator=gen, requires_grad=True)
     with bik.batch_invariant_mode():
         y = F.linear(x, w)
         assert same_bits(y.detach(), bik.linear(x, w.detach()))
-        assert y.requires_grad and _routed("aten.mm.default") == 1
+        assert y.requires_grad and _routed("aten.linear.default") == 1
         y.sum().backward()
-        assert _routed("aten.mm.default") == 2  # grad_weight = grad^T @ x on bik
         grad_in_mode = w.grad
         w.grad = None
         # Ops the mode does not route keep stock autograd.
@@ -269,6 +268,48 @@ def test_leaving_under_another_mode_raises():
     bik.set_batch_invariant_mode(False)
 
 
+def test_leaving_under_another_function_mode_raises_and_keeps_both():
+    from torch.overrides import TorchFunctionMode
+
+    class OtherFunctions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    bik.set_batch_invariant_mode(True)
+    other = OtherFunctions()
+    other.__enter__()
+    try:
+        with pytest.raises(RuntimeError, match="OtherFunctions"):
+            bik.set_batch_invariant_mode(False)
+        assert bik.is_batch_invariant_mode_enabled()  # the refused exit changed nothing
+    finally:
+        other.__exit__(None, None, None)
+    bik.set_batch_invariant_mode(False)
+    assert not bik.is_batch_invariant_mode_enabled()
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_exception_inside_a_compiled_function_that_enters_the_mode(gen):
+    w = torch.randn(3, 8, generator=gen)
+
+    def fn(x):
+        with bik.batch_invariant_mode():
+            y = F.linear(x, w)
+            if x.shape[0] > 2:
+                raise ValueError("too many rows")
+        return y
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn)
+    with pytest.raises(ValueError, match="too many rows"):
+        compiled(torch.randn(4, 8, generator=gen))
+    assert torch._C._len_torch_function_stack() == 0
+    assert not bik.is_batch_invariant_mode_enabled()
+    x2 = torch.randn(2, 8, generator=gen)
+    with torch.no_grad():
+        assert same_bits(compiled(x2), bik.linear(x2, w))  # the mode still works afterwards
+
+
 def _numerics():
     from bik.mode._numerics import numerics_snapshot
 
@@ -320,23 +361,6 @@ def test_other_threads_do_not_see_the_mode(gen):
     assert seen["enabled"] is False
     assert seen["routed_after_stock"] == {}
     assert same_bits(seen["own"], bik.matmul(a, b))
-
-
-def test_torch_compile_under_the_mode_runs_eagerly_or_raises(gen):
-    """Dynamo skips frames while a non-infra TorchDispatchMode is active: torch.compile under
-    the mode runs the function eagerly through the mode (bik bits, no inductor), and
-    fullgraph=True raises instead of compiling around the mode."""
-    x, w = torch.randn(5, 32, generator=gen), torch.randn(16, 32, generator=gen)
-    fn = lambda x: torch.relu(F.linear(x, w))
-    torch._dynamo.reset()
-    with torch.no_grad():
-        want = torch.relu(bik.linear(x, w))
-        with bik.batch_invariant_mode():
-            got = torch.compile(fn)(x)
-            assert _routed("aten.mm.default") == 1
-            with pytest.raises(RuntimeError, match="no compiled frames"):
-                torch.compile(fn, fullgraph=True)(x)
-    assert same_bits(got, want)
 
 
 def test_addmm_edge_cases_follow_torch(gen):

@@ -1,8 +1,12 @@
-"""bik.batch_invariant_mode under autograd: the backward's aten ops are routed through bik.
+"""Stock backward formulas on bik: their aten ops (mm, sum, _softmax_backward_data, the CPU
+flash-attention backward) are routed by the handlers of bik/mode/_grad_routes.py.
 
-Each backward route is checked against an explicit bik computation bit for bit, for row
-invariance (with a batch-dependent negative control through the same harness), and for the
-fallback of dtypes bik does not serve (counted in mode_stats).
+They run under bik.enabled() (the dispatcher overrides sit below autograd) and under
+batch_invariant_mode's dispatch layer for ops its function layer did not map; ops the function
+layer maps take bik's own registered backward instead. Each route is checked against an
+explicit bik computation bit for bit, for row invariance under both front ends (with a
+batch-dependent negative control through the same harness), and for the fallback of dtypes bik
+does not serve (counted in mode_stats).
 """
 
 import bik
@@ -21,18 +25,21 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _clean_stats():
     bik.reset_mode_stats()
     yield
-    assert not bik.is_batch_invariant_mode_enabled()
+    assert not bik.is_batch_invariant_mode_enabled() and not bik.is_enabled()
 
 
 def _routed(op: str) -> int:
     return bik.mode_stats().routed.get(op, 0)
 
 
-def _grads(fn, inputs, upstream, mode=True):
-    """Forward and backward of fn, both inside the mode (or both outside)."""
+FRONT_ENDS = {"mode": bik.batch_invariant_mode, "enabled": bik.enabled}
+
+
+def _grads(fn, inputs, upstream, front=bik.enabled):
+    """Forward and backward of fn, both inside the front end (or both outside: None)."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    if mode:
-        with bik.batch_invariant_mode():
+    if front is not None:
+        with front():
             torch.autograd.backward(fn(*leaves), upstream)
     else:
         torch.autograd.backward(fn(*leaves), upstream)
@@ -62,7 +69,7 @@ def test_linear_grads_equal_bik_linear_grads(dtype, gen):
     b, u = torch.randn(24, generator=gen), torch.randn(6, 24, generator=gen).to(dtype)
     w, b = w.to(dtype), b.to(dtype)
     got = _grads(F.linear, [x, w, b], [u])
-    want = _grads(bik.linear, [x, w, b], [u], mode=False)
+    want = _grads(bik.linear, [x, w, b], [u], front=None)
     assert all(same_bits(g, h) for g, h in zip(got, want))
     assert _routed("aten.addmm.default") == 1 and _routed("aten.mm.default") == 2
     assert _routed("aten.sum.dim_IntList") == 1  # the bias gradient
@@ -77,14 +84,15 @@ def test_3d_linear_bias_grad_is_the_row_sum_over_both_leading_dims(gen):
     assert same_bits(gw, bik.matmul(x.reshape(15, 16).t(), u.reshape(15, 8)).t())
 
 
-def test_linear_grad_input_rows_invariant_under_the_mode_and_not_without(gen):
+@pytest.mark.parametrize("front", FRONT_ENDS)
+def test_linear_grad_input_rows_invariant_under_the_mode_and_not_without(front, gen):
     # Measured: stock CPU fp32 mm (F.linear's grad_input) differs at M = 1, 2 from M >= 4.
     k, n = 256, 192
     w = torch.randn(n, k, generator=gen)
     pool = torch.randn(16, k + n, generator=gen)
     fn = _grad_rows(lambda x: F.linear(x, w), k)
     assert not rows_alone_vs_batched(fn, pool, (1, 2, 4, 16)).ok
-    with bik.batch_invariant_mode():
+    with FRONT_ENDS[front]():
         rep = rows_alone_vs_batched(fn, pool, (1, 2, 3, 4, 7, 16))
     assert rep.ok, rep.summary()
 
@@ -117,9 +125,10 @@ def test_sum_is_a_ones_matmul(dtype, gen):
     assert _routed("aten.sum.dim_IntList") == 5 and _routed("aten.sum.default") == 1
 
 
-def test_row_sums_are_row_invariant(gen):
+@pytest.mark.parametrize("front", FRONT_ENDS)
+def test_row_sums_are_row_invariant(front, gen):
     pool = torch.randn(16, 111, generator=gen)
-    with torch.no_grad(), bik.batch_invariant_mode():
+    with torch.no_grad(), FRONT_ENDS[front]():
         rep = rows_alone_vs_batched(lambda x: x.sum(-1, keepdim=True), pool, (1, 2, 5, 16))
     assert rep.ok, rep.summary()
 
@@ -160,8 +169,8 @@ def test_softmax_backward_is_bik(dtype, log, gen):
             want = y * (g - bik.matmul(g * y, _ones_col(3)))
         want = want.reshape(5, 19, 3).movedim(-1, 1).to(dtype)
     assert same_bits(got, want)
-    (ref,) = _grads(fn, [x.double()], [u.double()], mode=False)
-    (stock,) = _grads(fn, [x], [u], mode=False)
+    (ref,) = _grads(fn, [x.double()], [u.double()], front=None)
+    (stock,) = _grads(fn, [x], [u], front=None)
     # Measured (6 seeds, max abs error in eps): fp32 bik 0.8-4.1 vs stock 1.2-3.3 (bik's
     # log_softmax backward takes exp(y) via exp2f, within 1.5 ulp); bf16/fp16 equal to stock.
     err = (got.double() - ref).abs().max().item()
@@ -177,11 +186,12 @@ def test_softmax_half_to_float_backward_has_the_input_dtype(gen):
 
 
 @pytest.mark.parametrize("log", [False, True])
-def test_softmax_grad_rows_invariant_and_a_split_reference_is_caught(log, gen):
+@pytest.mark.parametrize("front", FRONT_ENDS)
+def test_softmax_grad_rows_invariant_and_a_split_reference_is_caught(log, front, gen):
     n = 111
     pool = torch.randn(16, 2 * n, generator=gen)
     fn = _grad_rows((lambda t: F.log_softmax(t, -1)) if log else (lambda t: F.softmax(t, -1)), n)
-    with bik.batch_invariant_mode():
+    with FRONT_ENDS[front]():
         rep = rows_alone_vs_batched(fn, pool, (1, 2, 3, 5, 16))
     assert rep.ok, rep.summary()
     # Stock CPU softmax backward was measured row-invariant here, so the negative control is
@@ -196,7 +206,7 @@ def test_softmax_backward_falls_back_for_float64(log, gen):
     u = torch.randn(3, 7, generator=gen, dtype=torch.float64)
     fn = (lambda t: F.log_softmax(t, -1)) if log else (lambda t: F.softmax(t, -1))
     (got,) = _grads(fn, [x], [u])
-    assert torch.equal(got, _grads(fn, [x], [u], mode=False)[0])
+    assert torch.equal(got, _grads(fn, [x], [u], front=None)[0])
     name = "_log_softmax" if log else "_softmax"
     fb = bik.mode_stats().fallbacks
     assert fb[f"aten.{name}.default: dtype float64"] == 1
@@ -216,7 +226,7 @@ def test_fused_rms_norm_backward_is_bik_rms_norm_backward(dtype, gen):
     with bik.batch_invariant_mode():
         gx, gw = torch.ops.aten._fused_rms_norm_backward(g, x, [40], rstd, w, [True, True])
     assert _routed("aten._fused_rms_norm_backward.default") == 1
-    want_x, want_w = _grads(lambda x, w: bik.rms_norm(x, w, eps), [x, w], [g], mode=False)
+    want_x, want_w = _grads(lambda x, w: bik.rms_norm(x, w, eps), [x, w], [g], front=None)
     assert same_bits(gx, want_x) and same_bits(gw, want_w)
 
 
@@ -230,7 +240,8 @@ def test_fused_rms_norm_backward_falls_back_for_float64():
         "aten._fused_rms_norm_backward.default: dtype float64": 1}
 
 
-def test_hand_written_rms_norm_grads_rows_invariant(gen):
+@pytest.mark.parametrize("front", FRONT_ENDS)
+def test_hand_written_rms_norm_grads_rows_invariant(front, gen):
     """The Llama formula (pow, mean, rsqrt, mul): its backward's row sum (sum over the hidden
     dim) and weight gradient (sum over rows) are routed."""
     h = 111
@@ -240,7 +251,7 @@ def test_hand_written_rms_norm_grads_rows_invariant(gen):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
     pool = torch.randn(16, 2 * h, generator=gen)
-    with bik.batch_invariant_mode():
+    with FRONT_ENDS[front]():
         rep = rows_alone_vs_batched(_grad_rows(norm, h), pool, (1, 2, 3, 16))
     assert rep.ok, rep.summary()
     assert _routed("aten.sum.dim_IntList") > 0
@@ -267,7 +278,7 @@ def test_sdpa_backward_is_bik_attention_backward(gen):
         return out.view(2, 6, 4, 16).transpose(1, 2)
 
     want = [_flat_back(g) for g in _grads(packed, [_flat(q), _flat(k), _flat(v)], [u],
-                                          mode=False)]
+                                          front=None)]
     assert all(same_bits(g.contiguous(), w) for g, w in zip(got, want))
 
 
@@ -286,7 +297,7 @@ def test_stock_flash_backward_agrees_with_bik_lse_convention(gen):
     stock = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         u, q, k, v, out, lse, 0.0, True)
     ref = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True),
-                 [q.double(), k.double(), v.double()], [u.double()], mode=False)
+                 [q.double(), k.double(), v.double()], [u.double()], front=None)
     for s, r in zip(stock, ref):
         torch.testing.assert_close(s.double(), r, rtol=1e-5, atol=1e-5)
 
@@ -297,7 +308,7 @@ def test_sdpa_with_a_mask_falls_back_in_both_directions(gen):
     fn = lambda q: F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
     with pytest.warns(bik.BatchInvarianceWarning):
         (got,) = _grads(fn, [q], [torch.ones_like(q)])
-    torch.testing.assert_close(got, _grads(fn, [q], [torch.ones_like(q)], mode=False)[0])
+    torch.testing.assert_close(got, _grads(fn, [q], [torch.ones_like(q)], front=None)[0])
     stats = bik.mode_stats()
     assert not any("scaled_dot_product" in op for op in stats.routed)
     backward = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"

@@ -1,186 +1,160 @@
-"""bik's batch-invariant mode: stock aten ops run on bik's kernels while it is on.
+"""bik's front ends: stock torch code on bik's batch-invariant kernels.
 
-``with bik.batch_invariant_mode():`` pushes a ``TorchDispatchMode`` onto this thread's mode
-stack. Every aten call below autograd reaches it; the ops in ``HANDLERS`` (matmuls, softmax,
-mean, sum, RMSNorm, plain SDPA, and the reductions of their backward formulas) run on
-``torch.ops.bik.*`` when their dtypes and shapes are ones bik serves, everything else runs the
-original kernel, which a dispatch mode never replaces. Handlers: bik/mode/_routes.py (forward)
-and bik/mode/_grad_routes.py (backward); flags: bik/mode/_numerics.py. Design and limits:
-docs/design.md (the batch-invariant mode), docs/integration.md.
+- ``bik.batch_invariant_mode()`` (this thread): a function layer (TorchFunctionMode,
+  _function_layer.py) that maps torch's Python API to bik ops, which is what torch.compile
+  traces, over a dispatch layer (TorchDispatchMode, _dispatch_layer.py) that in eager code
+  also routes the aten ops the function layer never sees (backward formulas, C++ composites).
+- ``bik.enable()`` (every thread, _enable.py): bik's handlers registered over aten's CPU/CUDA
+  kernels at the dispatcher, the original kernels serving what bik does not.
+
+Both run the handlers of _routes.py / _grad_routes.py and count in :func:`mode_stats`.
+Which to use when: docs/integration.md. Design: docs/design.md#front-ends.
 """
 
 from __future__ import annotations
 
 import threading
-import warnings
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from bik.mode._grad_routes import GRAD_HANDLERS
+from bik.mode._dispatch_layer import BikDispatchMode
+from bik.mode._enable import disable, enable, enabled, is_enabled
+from bik.mode._function_layer import BikFunctionMode
 from bik.mode._numerics import acquire_flags, release_flags
-from bik.mode._routes import HANDLERS as _FORWARD_HANDLERS
-from bik.mode._routes import Fallback
+from bik.mode._stats import BatchInvarianceWarning, ModeStats, mode_stats, reset_mode_stats
 
 __all__ = [
     "BatchInvarianceWarning",
     "ModeStats",
     "batch_invariant_mode",
+    "disable",
+    "enable",
+    "enabled",
     "is_batch_invariant_mode_enabled",
+    "is_enabled",
     "mode_stats",
     "reset_mode_stats",
     "set_batch_invariant_mode",
 ]
 
-_NAME = "bik.batch_invariant_mode"
+_tls = threading.local()  # this thread's eager entries: depth, the dispatch layer, the stack
 
 
-class BatchInvarianceWarning(UserWarning):
-    """An op under the mode ran on a stock kernel that is not batch-invariant (once per reason)."""
-
-
-class ModeStats(NamedTuple):
-    routed: dict[str, int]  # aten op -> calls bik served
-    fallbacks: dict[str, int]  # "aten op: reason" -> calls the original kernel served
-
-
-_routed: Counter = Counter()
-_fallbacks: Counter = Counter()
-_warned: set[str] = set()
-
-
-def mode_stats() -> ModeStats:
-    """Counts (all threads, since the last reset) of calls the mode routed to bik and of calls
-    it gave to the original kernel, with the reason."""
-    return ModeStats(dict(_routed), dict(_fallbacks))
-
-
-def reset_mode_stats() -> None:
-    """Zero the counters of :func:`mode_stats` and re-arm the once-per-reason warnings."""
-    _routed.clear()
-    _fallbacks.clear()
-    _warned.clear()
-
-
-HANDLERS = {**_FORWARD_HANDLERS, **GRAD_HANDLERS}
-_composite: dict = {}
-
-
-def _is_composite(func) -> bool:
-    known = _composite.get(func)
-    if known is None:
-        known = _composite[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
-            func.name(), "CompositeImplicitAutograd")
-    return known
-
-
-class _BikDispatchMode(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = HANDLERS.get(func)
-        if handler is None:
-            if _is_composite(func):
-                # Seen above its decomposition (e.g. under inference_mode): decompose with the
-                # mode on, so its matmuls and reductions reach the handlers as under no_grad.
-                with self:
-                    out = func.decompose(*args, **kwargs)
-                if out is not NotImplemented:
-                    return out
-            return func(*args, **kwargs)
+def _eager_enter() -> None:
+    depth = getattr(_tls, "depth", 0)
+    if depth == 0:
+        layer = BikDispatchMode()
+        acquire_flags()
         try:
-            out = handler(func, *args, **kwargs)
-        except Fallback as fb:
-            key = f"{func}: {fb.reason}"
-            _fallbacks[key] += 1
-            if fb.warn and key not in _warned:
-                _warned.add(key)
-                warnings.warn(f"{_NAME}: {key}; this call ran the stock kernel, which is not "
-                              f"batch-invariant", BatchInvarianceWarning, stacklevel=2)
-            return func(*args, **kwargs)
-        _routed[str(func)] += 1
-        return out
+            layer.__enter__()
+        except BaseException:
+            release_flags()
+            raise
+        _tls.dispatch_layer = layer
+    _tls.depth = depth + 1
 
 
-# ---- the public switch -----------------------------------------------------------------------
+def _check_exit(layer: BikFunctionMode) -> None:
+    """Leaving must pop bik's own layers: refuse while a mode entered after them is active."""
+    stack_len = torch._C._len_torch_function_stack()
+    top = torch._C._get_function_stack_at(stack_len - 1) if stack_len else None
+    if top is not layer:
+        raise RuntimeError(f"bik.batch_invariant_mode: another TorchFunctionMode "
+                           f"({type(top).__name__}) was entered after bik's mode and is still "
+                           f"active; exit it first")
+    if getattr(_tls, "depth", 0) == 1 and _get_current_dispatch_mode() is not _tls.dispatch_layer:
+        raise RuntimeError(
+            f"bik.batch_invariant_mode: another TorchDispatchMode "
+            f"({type(_get_current_dispatch_mode()).__name__}) was entered after bik's mode "
+            f"and is still active; exit it first")
 
-_tls = threading.local()  # depth and mode object of this thread
+
+def _eager_exit() -> None:
+    depth = _tls.depth
+    if depth == 1:
+        layer, _tls.dispatch_layer = _tls.dispatch_layer, None
+        try:
+            layer.__exit__(None, None, None)
+        finally:
+            release_flags()
+    _tls.depth = depth - 1
+
+
+class _BatchInvariantMode(BikFunctionMode):
+    """The function layer; in eager code its first entry in a thread also pushes the dispatch
+    layer and turns TF32 off. Inside a function torch.compile traces, entering it pushes the
+    function layer only (the dispatch layer cannot be traced, and process flags are eager
+    state)."""
+
+    def __enter__(self):
+        if not torch.compiler.is_compiling():
+            _eager_enter()
+        try:
+            return super().__enter__()
+        except BaseException:
+            if not torch.compiler.is_compiling():
+                _eager_exit()
+            raise
+
+    def __exit__(self, exc_type, exc, tb):
+        if not torch.compiler.is_compiling():
+            _check_exit(self)
+        try:
+            super().__exit__(exc_type, exc, tb)
+        finally:
+            if not torch.compiler.is_compiling():
+                _eager_exit()
 
 
 def is_batch_invariant_mode_enabled() -> bool:
-    """True when the mode is on in the calling thread."""
+    """True when the mode is on in the calling thread (eager entries)."""
     return getattr(_tls, "depth", 0) > 0
 
 
 def set_batch_invariant_mode(enabled: bool) -> None:
-    """Turn the mode on (``True``) or leave one level of it (``False``) in the calling thread.
+    """Enter (``True``) or leave one level of (``False``) :func:`batch_invariant_mode` in the
+    calling thread, for code that cannot use a ``with`` block.
 
-    Calls nest: each ``True`` needs one ``False``; the outermost ``True`` pushes bik's dispatch
-    mode and turns TF32 off, the matching ``False`` pops it and restores the flags exactly.
-    ``False`` without a matching ``True`` in this thread raises RuntimeError, as does leaving
-    the mode while a TorchDispatchMode entered after it is still active.
+    Calls nest: each ``True`` needs one ``False`` in the same thread; ``False`` without a
+    matching ``True`` raises RuntimeError, as does leaving while a TorchDispatchMode entered
+    after it is still active.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"bik.set_batch_invariant_mode: enabled must be a bool, got "
                         f"{type(enabled).__name__}")
-    depth = getattr(_tls, "depth", 0)
+    stack = _tls.__dict__.setdefault("set_stack", [])
     if enabled:
-        if depth == 0:
-            mode = _BikDispatchMode()
-            acquire_flags()
-            try:
-                mode.__enter__()
-            except BaseException:
-                release_flags()
-                raise
-            _tls.mode = mode
-        _tls.depth = depth + 1
+        mode = _BatchInvariantMode()
+        mode.__enter__()
+        stack.append(mode)
         return
-    if depth == 0:
+    if not stack:
         raise RuntimeError("bik.set_batch_invariant_mode(False): the mode is not on in this "
                            "thread (each False must match an earlier True in the same thread)")
-    if depth == 1:
-        mode = _tls.mode
-        if _get_current_dispatch_mode() is not mode:
-            raise RuntimeError(
-                f"bik.set_batch_invariant_mode(False): another TorchDispatchMode "
-                f"({type(_get_current_dispatch_mode()).__name__}) was entered after bik's mode "
-                f"and is still active; exit it first")
-        try:
-            mode.__exit__(None, None, None)
-        finally:
-            _tls.mode = None
-            _tls.depth = 0
-            release_flags()
-        return
-    _tls.depth = depth - 1
+    stack[-1].__exit__(None, None, None)  # raises, leaving the stack as it is, if it cannot
+    stack.pop()
 
 
-@contextmanager
-def batch_invariant_mode() -> Iterator[None]:
-    """Run stock PyTorch ops on bik's batch-invariant kernels inside the block (this thread).
+def batch_invariant_mode() -> BikFunctionMode:
+    """Run stock PyTorch code on bik's batch-invariant kernels inside the block (this thread).
 
-    Routed: aten mm, addmm (alpha/beta honoured), bmm (and their .out forms), mv, dot, matmul,
-    linear, _softmax/softmax, _log_softmax/log_softmax, mean (any dims), sum (any dims),
-    rms_norm/_fused_rms_norm, and scaled_dot_product_attention / the CPU flash kernel when there
-    is no mask, no dropout and equal-length sequences (causal with Lq == Lk, or no mask).
-    bf16/fp16/fp32 on CPU and CUDA. Other dtypes and cases run the original kernel (counted in
-    :func:`mode_stats`; attention fallbacks warn once with :class:`BatchInvarianceWarning`).
+    ``with bik.batch_invariant_mode(): ...`` works in eager code, around
+    ``torch.compile(model, fullgraph=True)`` calls, and inside a compiled function.
 
-    Training: under grad, autograd records each op's stock backward formula above the mode;
-    call ``.backward()`` inside the mode and that formula's aten ops are routed too (the
-    matmuls, ``sum``, ``_softmax_backward_data``, ``_log_softmax_backward_data``,
-    ``_fused_rms_norm_backward`` and the CPU flash-attention backward, which runs
-    ``bik::attention_varlen_backward``). A row's input gradients are then batch-invariant and
-    weight gradients are fixed-order sums over the rows (docs/design.md#backward). A backward
-    run outside the mode uses stock kernels (correct, not invariant).
-    Re-entrant and exception-safe; TF32 is off (process-wide) while any thread is in the mode.
+    Routed: torch.mm / addmm (alpha/beta honoured) / bmm / mv / dot (and their ``out=``),
+    matmul and ``@``, F.linear, softmax / log_softmax, mean and sum (any dims, ``dtype=``),
+    F.rms_norm (and the aten ops behind all of them), and scaled_dot_product_attention when
+    there is no mask, no dropout and equal-length sequences (causal with Lq == Lk, or no
+    mask). bf16/fp16/fp32 on CPU and CUDA. Other dtypes and cases, and input torch rejects,
+    run the stock function (so torch's own errors are raised), counted in
+    :func:`mode_stats`; attention fallbacks warn once with :class:`BatchInvarianceWarning`.
+
+    Compiled: the graph holds ``bik::*`` ops where the model called these functions, and
+    Inductor keeps them as extern calls. Autograd: a routed op's backward is bik's registered
+    batch-invariant backward; in eager code, ``.backward()`` inside the mode also routes the
+    aten ops of stock backward formulas (docs/design.md#backward).
+    Re-entrant and exception-safe; TF32 is off (process-wide) while any thread is in the
+    eager mode. Other threads are not affected: see :func:`bik.enable` for engines.
     """
-    set_batch_invariant_mode(True)
-    try:
-        yield
-    finally:
-        set_batch_invariant_mode(False)
+    return _BatchInvariantMode()

@@ -8,6 +8,7 @@ otherwise do are routed here, each through a bik op in a fixed order:
 - ``sum`` (bias and norm-weight gradients, broadcast reductions): a matmul with a ones vector;
 - ``_softmax_backward_data`` / ``_log_softmax_backward_data``: the row sum likewise;
 - ``_fused_rms_norm_backward`` (CUDA's F.rms_norm): bik.mean per row, ones @ for the weight;
+- ``silu_backward``: elementwise, from the same position-independent exp as the forward;
 - ``_scaled_dot_product_flash_attention_for_cpu_backward``: bik::attention_varlen_backward.
 """
 
@@ -17,7 +18,14 @@ import math
 
 import torch
 
-from bik.mode._routes import Fallback, _cast_first, _prepare, attention_layout
+from bik.mode._kernels import bik_ops
+from bik.mode._routes import (
+    Fallback,
+    _cast_first,
+    _prepare,
+    attention_layout,
+    reduced_dims,
+)
 from bik.ops._checks import SUPPORTED_DTYPES
 from bik.ops._pointwise import exp_f32
 
@@ -36,9 +44,9 @@ def ones_sum(x: torch.Tensor, dims: list[int], backend: str, out_dtype=None) -> 
     element one row of the product, so it depends only on its own elements.
     """
     kept = [d for d in range(x.dim()) if d not in dims]
-    n = math.prod(x.shape[d] for d in dims)
-    m = math.prod(x.shape[d] for d in kept)
-    mm = torch.ops.bik.matmul
+    n = math.prod([x.shape[d] for d in dims])  # a list: Dynamo traces no genexpr here
+    m = math.prod([x.shape[d] for d in kept])
+    mm = bik_ops(x).matmul
     if dims == list(range(len(dims))):
         ones = torch.ones((1, n), dtype=x.dtype, device=x.device)
         r = mm(ones, x.reshape(n, m), None, out_dtype, backend)
@@ -49,18 +57,14 @@ def ones_sum(x: torch.Tensor, dims: list[int], backend: str, out_dtype=None) -> 
 
 
 def _sum(func, x, dim=None, keepdim=False, *, dtype=None):
+    dims = reduced_dims(x, dim)
     x = _cast_first(x, dtype)
     backend = _prepare(func, x)
-    nd = x.dim()
-    if nd == 0:
+    if x.dim() == 0:
         raise Fallback("0-D input")
-    dims = list(range(nd)) if not dim else [d + nd if d < 0 else d for d in dim]
-    if len(set(dims)) != len(dims) or any(not 0 <= d < nd for d in dims):
-        raise Fallback("repeated or out-of-range dims (torch raises)")
-    dims = sorted(dims)
     r = ones_sum(x, dims, backend)
     if keepdim:
-        r = r.reshape([1 if d in dims else x.shape[d] for d in range(nd)])
+        r = r.reshape([1 if d in dims else x.shape[d] for d in range(x.dim())])
     return r
 
 
@@ -84,7 +88,7 @@ def _softmax_backward_like(log: bool):
         dim = dim % out.dim()
         g, y = _rows_last(grad, dim), _rows_last(out, dim)
         ones = g.new_ones((g.shape[1], 1))
-        mm = torch.ops.bik.matmul
+        mm = bik_ops(g, y).matmul
         if log:  # d x = g - exp(y) * sum(g)
             r = g - exp_f32(y) * mm(g, ones, None, _F32, backend)
         else:  # d x = y * (g - sum(g * y))
@@ -108,18 +112,27 @@ def _fused_rms_norm_backward(func, grad, x, normalized_shape, rstd, weight, outp
     grad_x = grad_w = None
     if output_mask[0]:  # rstd * (g*w - xhat * mean(g*w*xhat)), every term the row's own
         gw = g2 if weight is None else g2 * weight.float()
-        dot = torch.ops.bik.mean(gw * xhat, [1], True, _F32, backend)
+        dot = bik_ops(gw).mean(gw * xhat, [1], True, _F32, backend)
         grad_x = (rstd.reshape(rows, 1).float() * (gw - xhat * dot)).to(x.dtype).reshape(x.shape)
     if output_mask[1] and weight is not None:
         grad_w = ones_sum(g2 * xhat, [0], backend, weight.dtype).reshape(weight.shape)
     return grad_x, grad_w
 
 
+def _silu_backward(func, grad, x):
+    """d silu(x) = s * (1 + x * (1 - s)) with s = sigmoid(x) = 1 / (1 + exp(-x)), elementwise
+    in fp32 from the same position-independent exp as the forward route."""
+    _prepare(func, grad, x)
+    x32 = x.float()
+    s = 1.0 / (1.0 + torch.exp(-x32))
+    return (grad.float() * (s * (1.0 + x32 * (1.0 - s)))).to(x.dtype)
+
+
 def _sdpa_flash_cpu_backward(func, grad_out, q, k, v, out, lse, dropout_p, is_causal, *,
                              attn_mask=None, scale=None):
     lay = attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale)
     _prepare(func, q, grad_out, out)
-    dq, dk, dv = torch.ops.bik.attention_varlen_backward(
+    dq, dk, dv = bik_ops(q, k, v).attention_varlen_backward(
         lay.pack(grad_out), None, lay.pack(q), lay.pack(k), lay.pack(v), lay.pack(out),
         lay.pack(lse).float(), lay.cu_q, lay.cu_k, lay.scale, lay.causal, lay.backend)
     lq, lk = q.shape[2], k.shape[2]
@@ -132,6 +145,7 @@ _ROUTES = (  # (aten op, overload, handler); ops missing from an older torch are
     ("_softmax_backward_data", "default", _softmax_backward_like(log=False)),
     ("_log_softmax_backward_data", "default", _softmax_backward_like(log=True)),
     ("_fused_rms_norm_backward", "default", _fused_rms_norm_backward),
+    ("silu_backward", "default", _silu_backward),
     ("_scaled_dot_product_flash_attention_for_cpu_backward", "default",
      _sdpa_flash_cpu_backward),
 )

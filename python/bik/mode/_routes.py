@@ -1,9 +1,11 @@
 """The aten ops bik's mode routes, one handler each (docs/api.md#bikbatch_invariant_mode).
 
 A handler gets ``(func, *args, **kwargs)`` as aten passes them and returns what ``func`` would,
-computed by ``torch.ops.bik.*``; it raises :class:`Fallback` to hand the call to the original
-kernel (counted, and warned once where ``warn``). The handlers of the ops that backward
-formulas call are in _grad_routes.py.
+computed by bik's ops (``torch.ops.bik.*`` or their direct launch: _kernels.py); it raises
+:class:`Fallback` to hand the call to the original kernel (counted, and warned once where
+``warn``), which also gives input torch rejects torch's own error. Every front end runs these
+handlers (bik/mode/__init__.py). The handlers of the ops that backward formulas call are in
+_grad_routes.py.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import torch
 import bik.ops  # noqa: F401  (registers torch.ops.bik.*)
 from bik._dtypes import dtype_name
 from bik.configs import TRITON_ATTENTION_HEAD_DIMS as TRITON_HEAD_DIMS
+from bik.mode._kernels import bik_ops
 from bik.ops._checks import SUPPORTED_DTYPES
 from bik.ops._registry import default_backend
 
-__all__ = ["HANDLERS", "AttentionLayout", "Fallback", "attention_layout"]
+__all__ = ["HANDLERS", "AttentionLayout", "Fallback", "WarnedFallback", "attention_layout",
+           "reduced_dims", "silu_f32"]
 
 aten = torch.ops.aten
 
@@ -27,9 +31,19 @@ aten = torch.ops.aten
 class Fallback(Exception):
     """Raised by a handler: this call goes to the original kernel, for ``reason``."""
 
-    def __init__(self, reason: str, warn: bool = False):
-        super().__init__(reason)
-        self.reason, self.warn = reason, warn
+    # No __init__ override: Dynamo traces raising and catching this inside a compiled function
+    # and cannot trace an exception subclass's super().__init__.
+    warn = False
+
+    @property
+    def reason(self) -> str:
+        return self.args[0]
+
+
+class WarnedFallback(Fallback):
+    """A Fallback worth a :class:`bik.BatchInvarianceWarning` (once per reason)."""
+
+    warn = True
 
 
 def _backend(t: torch.Tensor) -> str:
@@ -39,20 +53,32 @@ def _backend(t: torch.Tensor) -> str:
     return backend
 
 
+def _torch_raises(what: str) -> Fallback:
+    """Input torch rejects: the stock op runs, so the caller gets torch's own exception. The
+    reason is a fixed phrase (it keys mode_stats, and is built on every checked call)."""
+    return Fallback(f"{what} (torch raises its own error)")
+
+
+_SERVED = frozenset(SUPPORTED_DTYPES)
+
+
 def _prepare(func, *tensors: torch.Tensor | None) -> str:
     """Check that bik serves these operands; return the backend. Raises Fallback otherwise.
 
-    Inputs that require grad are fine: the mode runs below autograd, which has already
-    recorded the op's stock backward formula; that formula's own aten ops reach the mode when
-    ``.backward()`` runs inside it (the backward ops are routed in _grad_routes.py)."""
-    ts = [t for t in tensors if t is not None]
-    dtype, device = ts[0].dtype, ts[0].device
-    for t in ts:
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise Fallback(f"dtype {dtype_name(t.dtype)}")
-        if t.dtype != dtype or t.device != device:
+    Under the function layer the handlers run above autograd and bik's ops record their own
+    backward; under the dispatch layer and bik.enable() they run below it, where autograd has
+    already recorded the stock backward formula, whose aten ops are routed in turn
+    (_grad_routes.py)."""
+    first = tensors[0]
+    dtype, device = first.dtype, first.device
+    if dtype not in _SERVED:
+        raise Fallback(f"dtype {dtype_name(dtype)}")
+    for t in tensors[1:]:
+        if t is not None and (t.dtype != dtype or t.device != device):
+            if t.dtype not in _SERVED:
+                raise Fallback(f"dtype {dtype_name(t.dtype)}")
             raise Fallback("operands of different dtypes or devices")
-    return _backend(ts[0])
+    return _backend(first)
 
 
 def _cast_first(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -65,10 +91,46 @@ def _cast_first(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return x.to(dtype)
 
 
+def reduced_dims(x: torch.Tensor, dim) -> list[int]:
+    """``dim`` of a reduction (None, an int, or a sequence of ints) as sorted non-negative
+    dims; torch's IndexError / RuntimeError cases (out of range, repeated) raise Fallback."""
+    nd = x.dim()
+    if dim is None:
+        return list(range(nd))
+    if isinstance(dim, int):
+        dim = [dim]
+    if not all(isinstance(d, int) for d in dim):
+        raise Fallback("named or non-integer dims")
+    bound = max(nd, 1)  # torch accepts dim 0 / -1 for a 0-D tensor
+    if any(not -bound <= d < bound for d in dim):
+        raise _torch_raises("dim out of range")
+    dims = sorted({d % bound for d in dim})
+    if len(dims) != len(dim):
+        raise _torch_raises("repeated dims")
+    return list(range(nd)) if not dims else dims
+
+
+def _broadcast(a: tuple, b: tuple) -> tuple:
+    """torch.broadcast_shapes without the exception (so a compiled graph traces it)."""
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        x = a[-i] if i <= len(a) else 1
+        y = b[-i] if i <= len(b) else 1
+        if x != y and x != 1 and y != 1:
+            raise _torch_raises("batch shapes that do not broadcast")
+        out.append(y if x == 1 else x)
+    return tuple(reversed(out))
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise _torch_raises(what)
+
+
 def _matmul_rows(a: torch.Tensor, b: torch.Tensor, bias, backend: str, out_dtype=None):
     """a [..., K] @ b [K, N] (+ bias [N]) on bik::matmul, every leading dim of a a row."""
     rows = math.prod(a.shape[:-1])
-    out = torch.ops.bik.matmul(a.reshape(rows, a.shape[-1]), b, bias, out_dtype, backend)
+    out = bik_ops(a, b, bias).matmul(a.reshape(rows, a.shape[-1]), b, bias, out_dtype, backend)
     return out.reshape(*a.shape[:-1], b.shape[-1])
 
 
@@ -80,101 +142,135 @@ def _write_out(func, out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     return out.copy_(result)
 
 
+def _check_mm(a, b, rank: int = 2) -> None:
+    _need(a.dim() == rank and b.dim() == rank, "operand ranks")
+    _need(a.shape[-1] == b.shape[-2], "operand shapes")
+    _need(rank == 2 or a.shape[0] == b.shape[0], "batch sizes")
+
+
 def _mm(func, a, b, out=None):
-    r = torch.ops.bik.matmul(a, b, None, None, _prepare(func, a, b))
+    backend = _prepare(func, a, b)
+    _check_mm(a, b)
+    r = bik_ops(a, b).matmul(a, b, None, None, backend)
     return r if out is None else _write_out(func, out, r)
 
 
 def _addmm(func, bias, a, b, *, beta=1, alpha=1, out=None):
     backend = _prepare(func, bias, a, b)
+    _check_mm(a, b)
     m, n = a.shape[0], b.shape[-1]
-    try:  # torch's broadcasting rule: bias must expand to [M, N]
-        bias_mn = bias.expand(m, n)
-    except RuntimeError as exc:
-        raise Fallback("bias that does not broadcast to [M, N] (torch raises)") from exc
+    # torch's broadcasting rule: bias must expand to [M, N]
+    _need(bias.dim() <= 2 and _broadcast(tuple(bias.shape), (m, n)) == (m, n),
+          "a bias that does not broadcast to [M, N]")
+    ops = bik_ops(bias, a, b)
     if beta == 1 and alpha == 1 and bias.dim() >= 1 and bias.numel() == n \
             and bias.shape[-1] == n and (bias.dim() < 2 or bias.shape[0] == 1):
-        r = torch.ops.bik.matmul(a, b, bias.reshape(n), None, backend)  # bias added in fp32
+        r = ops.matmul(a, b, bias.reshape(n), None, backend)  # bias added in fp32
     else:  # alpha/beta honoured elementwise on bik's fp32 product (elementwise is invariant)
         if alpha == 0:  # BLAS semantics, as torch: a @ b is ignored (inf/NaN included)
             r = torch.zeros((m, n), dtype=torch.float32, device=a.device)
         else:
-            r = torch.ops.bik.matmul(a, b, None, torch.float32, backend)
+            r = ops.matmul(a, b, None, torch.float32, backend)
             if alpha != 1:
                 r = r * alpha
         if beta != 0:  # beta == 0 ignores bias, NaN included, as torch does
-            r = r + bias_mn.float() * beta if beta != 1 else r + bias_mn.float()
+            bias_mn = bias.expand(m, n).float()
+            r = r + bias_mn * beta if beta != 1 else r + bias_mn
         r = r.to(a.dtype)
     return r if out is None else _write_out(func, out, r)
 
 
 def _mv(func, a, v, out=None):  # [M, K] @ [K]: each output element is one row of a
-    r = torch.ops.bik.matmul(a, v.unsqueeze(1), None, None, _prepare(func, a, v)).squeeze(1)
+    backend = _prepare(func, a, v)
+    _need(a.dim() == 2 and v.dim() == 1 and a.shape[1] == v.shape[0],
+          "operand shapes")
+    r = bik_ops(a, v).matmul(a, v.unsqueeze(1), None, None, backend).squeeze(1)
     return r if out is None else _write_out(func, out, r)
 
 
 def _dot(func, a, b, out=None):
-    r = torch.ops.bik.matmul(a.unsqueeze(0), b.unsqueeze(1), None, None,
-                             _prepare(func, a, b)).reshape(())
+    backend = _prepare(func, a, b)
+    _need(a.dim() == 1 and b.dim() == 1 and a.shape == b.shape,
+          "operand shapes")
+    r = bik_ops(a, b).matmul(a.unsqueeze(0), b.unsqueeze(1), None, None, backend).reshape(())
     return r if out is None else _write_out(func, out, r)
 
 
 def _not_routed(func, *args, **kwargs):
-    raise Fallback("not routed through bik yet (stock kernel, may vary with the batch)",
-                   warn=True)
+    raise WarnedFallback("not routed through bik yet (stock kernel, may vary with the batch)")
 
 
 def _bmm(func, a, b, out=None):
-    r = torch.ops.bik.bmm(a, b, None, _prepare(func, a, b))
+    backend = _prepare(func, a, b)
+    _check_mm(a, b, rank=3)
+    r = bik_ops(a, b).bmm(a, b, None, backend)
     return r if out is None else _write_out(func, out, r)
 
 
 def _matmul(func, a, b):
     backend = _prepare(func, a, b)
-    if a.dim() == 0 or b.dim() == 0:
-        raise Fallback("0-D operand")
+    _need(a.dim() > 0 and b.dim() > 0, "a 0-D operand")
+    k_b = b.shape[0] if b.dim() == 1 else b.shape[-2]
+    _need(a.shape[-1] == k_b, "operand shapes")
     if b.dim() == 2:
         return _matmul_rows(a, b, None, backend)
     if b.dim() == 1:
         return _matmul_rows(a, b.unsqueeze(1), None, backend).squeeze(-1)
     a2 = a.unsqueeze(0) if a.dim() == 1 else a
-    batch = torch.broadcast_shapes(a2.shape[:-2], b.shape[:-2])
+    batch = _broadcast(tuple(a2.shape[:-2]), tuple(b.shape[:-2]))
     m, k, n = a2.shape[-2], a2.shape[-1], b.shape[-1]
-    a3 = a2.expand(*batch, m, k).reshape(-1, m, k)
-    b3 = b.expand(*batch, k, n).reshape(-1, k, n)
-    r = torch.ops.bik.bmm(a3, b3, None, backend).reshape(*batch, m, n)
+    nb = math.prod(batch)  # not -1: a tensor with no elements makes -1 ambiguous
+    a3 = a2.expand(*batch, m, k).reshape(nb, m, k)
+    b3 = b.expand(*batch, k, n).reshape(nb, k, n)
+    r = bik_ops(a, b).bmm(a3, b3, None, backend).reshape(*batch, m, n)
     return r.squeeze(-2) if a.dim() == 1 else r
 
 
 def _linear(func, x, weight, bias=None):
     backend = _prepare(func, x, weight, bias)
-    if bias is not None and bias.dim() != 1:
-        raise Fallback("bias that is not 1-D")
-    if x.dim() == 0:
-        raise Fallback("0-D input")
     if weight.dim() != 2:
         raise Fallback("weight that is not 2-D")
+    if bias is not None and bias.dim() != 1:
+        raise Fallback("bias that is not 1-D")
+    _need(x.dim() > 0 and x.shape[-1] == weight.shape[1],
+          "input and weight shapes")
+    _need(bias is None or bias.shape[0] == weight.shape[0],
+          "bias and weight shapes")
     return _matmul_rows(x, weight.t(), bias, backend)
 
 
 def _softmax_like(log: bool):
-    op = torch.ops.bik.log_softmax if log else torch.ops.bik.softmax
+    name = "log_softmax" if log else "softmax"
+
+    def checked(x, dim) -> int:
+        if not isinstance(dim, int):
+            raise Fallback("a named or missing dim")
+        if x.dim() == 0:
+            raise Fallback("0-D input")
+        (d,) = reduced_dims(x, dim)
+        return d
 
     def internal(func, x, dim, half_to_float):  # aten::_softmax / _log_softmax
         backend = _prepare(func, x)
-        return op(x, dim, torch.float32 if half_to_float else None, backend)
+        op = getattr(bik_ops(x), name)
+        return op(x, checked(x, dim), torch.float32 if half_to_float else None, backend)
 
     def public(func, x, dim, dtype=None):  # aten::softmax.int / log_softmax.int
+        d = checked(x, dim)
         x = _cast_first(x, dtype)
-        return op(x, dim, None, _prepare(func, x))
+        backend = _prepare(func, x)
+        return getattr(bik_ops(x), name)(x, d, None, backend)
 
     return internal, public
 
 
 def _mean(func, x, dim=None, keepdim=False, *, dtype=None):
+    dims = reduced_dims(x, dim)
     x = _cast_first(x, dtype)
     backend = _prepare(func, x)
-    return torch.ops.bik.mean(x, [] if dim is None else list(dim), bool(keepdim), None, backend)
+    if x.dim() == 0:
+        raise Fallback("0-D input")
+    return bik_ops(x).mean(x, dims, bool(keepdim), None, backend)
 
 
 def _rms_norm_args(func, x, normalized_shape, weight, eps):
@@ -184,12 +280,15 @@ def _rms_norm_args(func, x, normalized_shape, weight, eps):
     if len(normalized_shape) != 1 or x.dim() == 0 or normalized_shape[0] != x.shape[-1]:
         raise Fallback("normalized_shape other than the last dim")
     h = x.shape[-1]
+    _need(weight is None or tuple(weight.shape) == (h,),
+          "weight shape")
     if weight is None:
         weight = torch.ones(h, dtype=x.dtype, device=x.device)
     # Stock rms_norm defaults to the fp32 epsilon for every input dtype (bf16's would be 0.0078).
     eps = torch.finfo(torch.float32).eps if eps is None else float(eps)
     x2 = x.reshape(math.prod(x.shape[:-1]), h)
-    return torch.ops.bik.rms_norm(x2, weight, eps, backend).reshape(x.shape), x2, eps, backend
+    out = bik_ops(x2, weight).rms_norm(x2, weight, eps, backend)
+    return out.reshape(x.shape), x2, eps, backend
 
 
 def _rms_norm(func, x, normalized_shape, weight=None, eps=None):
@@ -199,8 +298,22 @@ def _rms_norm(func, x, normalized_shape, weight=None, eps=None):
 def _fused_rms_norm(func, x, normalized_shape, weight=None, eps=None):
     out, x2, eps, backend = _rms_norm_args(func, x, normalized_shape, weight, eps)
     x32 = x2.float()
-    ms = torch.ops.bik.mean(x32 * x32, [1], True, None, backend)
+    ms = bik_ops(x32).mean(x32 * x32, [1], True, None, backend)
     return out, torch.rsqrt(ms + eps).reshape(*x.shape[:-1], 1)
+
+
+def silu_f32(x: torch.Tensor) -> torch.Tensor:
+    """silu(x) = x / (1 + exp(-x)) in fp32: torch.exp is vectorised on every element (a partial
+    vector for the tail) and the rest is correctly rounded, so each output is a pure function
+    of its input. Stock CPU silu rounds its SIMD body and scalar tail differently, so an
+    element's bits moved with its position in the tensor (measured: an intermediate size of
+    176 in a batch of 8)."""
+    return x / (1.0 + torch.exp(-x))
+
+
+def _silu(func, x):
+    _prepare(func, x)
+    return silu_f32(x.float()).to(x.dtype)
 
 
 class AttentionLayout(NamedTuple):
@@ -226,20 +339,20 @@ def attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale) -> A
     """The checks both the SDPA forward and its backward routes make (so a forward that fell
     back pairs with a backward that falls back); raises Fallback for what bik does not serve."""
     if attn_mask is not None:
-        raise Fallback("attn_mask given (padding or a custom mask)", warn=True)
+        raise WarnedFallback("attn_mask given (padding or a custom mask)")
     if dropout_p != 0:
-        raise Fallback("dropout_p > 0", warn=True)
+        raise WarnedFallback("dropout_p > 0")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise Fallback("q/k/v not 4-D [B, H, L, D]", warn=True)
+        raise WarnedFallback("q/k/v not 4-D [B, H, L, D]")
     backend = _prepare(func, q, k, v)
     nb, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     if k.shape[0] != nb or v.shape != k.shape or hkv == 0 or hq % hkv or lq == 0 or lq > lk:
-        raise Fallback("shapes other than equal-batch GQA with 0 < Lq <= Lk", warn=True)
+        raise WarnedFallback("shapes other than equal-batch GQA with 0 < Lq <= Lk")
     if is_causal and lq != lk:
-        raise Fallback("is_causal with Lq != Lk (torch aligns the mask top-left)", warn=True)
+        raise WarnedFallback("is_causal with Lq != Lk (torch aligns the mask top-left)")
     if backend == "triton" and d not in TRITON_HEAD_DIMS:
-        raise Fallback(f"head_dim {d} not in {TRITON_HEAD_DIMS}", warn=True)
+        raise WarnedFallback(f"head_dim {d} not in {TRITON_HEAD_DIMS}")
     # A single query without a mask sees every key: the bottom-right causal case, the same keys.
     causal = bool(is_causal) or lq == 1
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -251,7 +364,7 @@ def attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale) -> A
 def _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale):
     """SDPA on [B, H, L, D] through bik::attention_varlen; (out, lse) or Fallback."""
     lay = attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale)
-    out, lse = torch.ops.bik.attention_varlen(
+    out, lse = bik_ops(q, k, v).attention_varlen(
         lay.pack(q), lay.pack(k), lay.pack(v), lay.cu_q, lay.cu_k, lay.scale, lay.causal,
         lay.backend)
     lq = q.shape[2]
@@ -271,9 +384,9 @@ def _sdpa_flash_cpu(func, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=
 
 
 def _not_routed_cuda_attention(func, *args, **kwargs):
-    raise Fallback("fused CUDA attention below autograd is not routed; run under "
-                    "torch.inference_mode() (the mode then sees scaled_dot_product_attention) "
-                    "or use eager attention", warn=True)
+    raise WarnedFallback("fused CUDA attention below autograd is not routed; run under "
+                         "torch.inference_mode() (the mode then sees "
+                         "scaled_dot_product_attention) or use eager attention")
 
 
 _softmax_internal, _softmax_public = _softmax_like(log=False)
@@ -300,6 +413,7 @@ _ROUTES = (  # (aten op, overload, handler); ops missing from an older torch are
     ("log_softmax", "int", _log_softmax_public),
     ("mean", "dim", _mean),
     ("mean", "default", _mean),
+    ("silu", "default", _silu),
     ("rms_norm", "default", _rms_norm),
     ("_fused_rms_norm", "default", _fused_rms_norm),
     ("scaled_dot_product_attention", "default", _sdpa),

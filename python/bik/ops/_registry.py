@@ -33,6 +33,7 @@ __all__ = [
     "define",
     "documented",
     "implementation",
+    "launcher",
     "require_backend",
     "resolve_backend",
 ]
@@ -213,6 +214,22 @@ def implementation(op: str, backend: str, device: torch.device, *,
     """The function that runs ``op`` on ``backend`` (the row's entry in the backend's module),
     after :func:`require_backend`."""
     require_backend(op, backend, device, label=label)
+    row = TABLE[op]
+    return getattr(_module(row.backends[backend]), row.entry)
+
+
+_CAN_RUN_CHECKED: set[tuple[str, str, str]] = set()
+
+
+def launcher(op: str, backend: str, device: torch.device) -> Callable:
+    """:func:`implementation` with its checks (backend listed, extension built, device type)
+    done once per (op, backend, device type): they cannot change within a process, and the
+    front ends' direct path asks on every call. The entry point itself is looked up each time,
+    so a patched backend module is seen."""
+    key = (op, backend, device.type)
+    if key not in _CAN_RUN_CHECKED:
+        require_backend(op, backend, device)
+        _CAN_RUN_CHECKED.add(key)
     row = TABLE[op]
     return getattr(_module(row.backends[backend]), row.entry)
 

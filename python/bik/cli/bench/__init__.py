@@ -21,6 +21,7 @@ BENCHES = {
     "sample": "bik.cli.bench.sample",
     "boundary": "bik.cli.bench.boundary",
     "dvr": "bik.cli.bench.dvr",
+    "generate": "bik.cli.bench.generate",
 }
 
 

@@ -18,9 +18,10 @@ from bik.ops._checks import (
     check_same_dtype,
     check_tensor,
 )
-from bik.ops._registry import define, documented, implementation, resolve_backend
+from bik.ops._direct import direct_ok
+from bik.ops._registry import define, documented, implementation, launcher, resolve_backend
 
-__all__ = ["bmm", "linear", "matmul"]
+__all__ = ["bmm", "linear", "matmul", "run_bmm", "run_matmul"]
 
 # Every backend module (triton.py, cuda.py, cpu.py) defines
 #   launch_matmul(a [B, M, K], b [B, K, N], bias [N] | None, out [B, M, N]) -> None
@@ -53,14 +54,26 @@ def _check_mm(op: str, a, b, bias, out_dtype, a_rank: int = 2) -> torch.dtype:
     return check_out_dtype(op, out_dtype, a.dtype)
 
 
+def run_matmul(launch, a, b, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    """bik::matmul on validated inputs with ``launch`` (a backend's launch_matmul)."""
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    launch(a.unsqueeze(0), b.unsqueeze(0), bias, out.unsqueeze(0))
+    return out
+
+
+def run_bmm(launch, a, b, out_dtype: torch.dtype) -> torch.Tensor:
+    """bik::bmm on validated inputs with ``launch``."""
+    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype, device=a.device)
+    launch(a, b, None, out)
+    return out
+
+
 @torch.library.impl("bik::matmul", ("cpu", "cuda"))
 def _matmul_impl(a, b, bias, out_dtype, backend):
     op = "bik.matmul"
     out_dtype = _check_mm(op, a, b, bias, out_dtype)
-    launch_matmul = implementation("matmul", backend, a.device, label=op)
-    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    launch_matmul(a.unsqueeze(0), b.unsqueeze(0), bias, out.unsqueeze(0))
-    return out
+    return run_matmul(implementation("matmul", backend, a.device, label=op), a, b, bias,
+                      out_dtype)
 
 
 @torch.library.register_fake("bik::matmul")
@@ -73,10 +86,7 @@ def _matmul_fake(a, b, bias, out_dtype, backend):
 def _bmm_impl(a, b, out_dtype, backend):
     op = "bik.bmm"
     out_dtype = _check_mm(op, a, b, None, out_dtype, a_rank=3)
-    launch_matmul = implementation("bmm", backend, a.device, label=op)
-    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype, device=a.device)
-    launch_matmul(a, b, None, out)
-    return out
+    return run_bmm(implementation("bmm", backend, a.device, label=op), a, b, out_dtype)
 
 
 @torch.library.register_fake("bik::bmm")
@@ -178,11 +188,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
         )
     check_out_dtype(op, out_dtype, a.dtype)
     backend = resolve_backend("matmul", backend, a.device, label=op)
-    if a.dim() == 2:
-        return torch.ops.bik.matmul(a, b, bias, out_dtype, backend)
     rows = math.prod(a.shape[:-1])  # not reshape(-1, K): K may be 0
-    out = torch.ops.bik.matmul(a.reshape(rows, a.shape[-1]), b, bias, out_dtype, backend)
-    return out.reshape(*a.shape[:-1], b.shape[1])
+    a2 = a if a.dim() == 2 else a.reshape(rows, a.shape[-1])
+    if direct_ok(a, b, bias):  # validated once, here; no dispatcher or autograd round trip
+        dtype = _check_mm(op, a2, b, bias, out_dtype)
+        out = run_matmul(launcher("matmul", backend, a.device), a2, b, bias, dtype)
+    else:
+        out = torch.ops.bik.matmul(a2, b, bias, out_dtype, backend)
+    return out if a.dim() == 2 else out.reshape(*a.shape[:-1], b.shape[1])
 
 
 @documented("matmul")

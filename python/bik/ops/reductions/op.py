@@ -17,7 +17,7 @@ import torch
 from bik.ops._checks import SUPPORTED_DTYPES, check_float_dtype, check_tensor
 from bik.ops._registry import define, documented, implementation, resolve_backend
 
-__all__ = ["log_softmax", "mean", "softmax"]
+__all__ = ["log_softmax", "mean", "run_mean", "run_softmax", "softmax"]
 
 # Every backend module (triton.py, cpu.py) defines, for validated rows with unit stride:
 #   launch_softmax(x [M, N], out [M, N], *, log: bool) -> None
@@ -79,13 +79,17 @@ def _softmax(x, dim, dtype, backend, log: bool):
     op = f"bik.{key}"
     out_dtype = _check_x_and_dtype(op, x, dtype)
     d = _norm_dim(op, x, dim)
-    launch_softmax = implementation(key, backend, x.device, label=op)
+    return run_softmax(implementation(key, backend, x.device, label=op), x, d, out_dtype, log)
+
+
+def run_softmax(launch, x, d: int, out_dtype: torch.dtype, log: bool) -> torch.Tensor:
+    """bik::softmax / log_softmax along the normalised dim ``d`` of a validated x."""
     xm = x.reshape(1) if x.dim() == 0 else x.movedim(d, -1)
     n = xm.shape[-1]
     rows = math.prod(xm.shape[:-1])  # not reshape(-1, n): n may be 0
     x2 = _unit_stride_rows(xm.reshape(rows, n))
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
-    launch_softmax(x2, out, log=log)
+    launch(x2, out, log=log)
     if x.dim() == 0:
         return out.reshape(())
     return out.reshape(xm.shape).movedim(-1, d).contiguous()
@@ -125,11 +129,16 @@ def _mean_impl(x, dim, keepdim, dtype, backend):
     op = "bik.mean"
     out_dtype = _check_x_and_dtype(op, x, dtype)
     dims = _norm_dims(op, x, dim)
-    launch_mean = implementation("mean", backend, x.device, label=op)
+    return run_mean(implementation("mean", backend, x.device, label=op), x, dims, keepdim,
+                    out_dtype)
+
+
+def run_mean(launch, x, dims: list[int], keepdim: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """bik::mean over the normalised (sorted, distinct) ``dims`` of a validated x."""
     shape = _mean_shape(x, dims, keepdim)
     kept = [d for d in range(x.dim()) if d not in dims]
-    rows = math.prod(x.shape[d] for d in kept)
-    n = math.prod(x.shape[d] for d in dims)
+    rows = math.prod([x.shape[d] for d in kept])
+    n = math.prod([x.shape[d] for d in dims])
     if rows == 0:
         return torch.empty(shape, dtype=out_dtype, device=x.device)
     if n == 0:  # the mean of nothing is 0/0, as in torch
@@ -137,7 +146,7 @@ def _mean_impl(x, dim, keepdim, dtype, backend):
     # Reduced dims last, in ascending order, flattened into one row of n elements.
     x2 = _unit_stride_rows(x.permute(kept + dims).reshape(rows, n))
     out = torch.empty(rows, dtype=out_dtype, device=x.device)
-    launch_mean(x2, out)
+    launch(x2, out)
     return out.reshape(shape)
 
 

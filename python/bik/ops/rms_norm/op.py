@@ -20,7 +20,7 @@ from bik.ops._checks import (
 )
 from bik.ops._registry import TABLE, define, documented, implementation, resolve_backend
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "run_rms_norm"]
 
 # Every backend module (triton.py, cuda.py, cpu.py) defines
 #   launch_rms_norm(x [M, H], weight [H], eps, out [M, H], residual=None, h_out=None) -> None
@@ -59,10 +59,15 @@ def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
 def _rms_norm_impl(x, weight, eps, backend):
     op = "bik.rms_norm"
     _check_norm(op, x, weight, eps)
-    launch_rms_norm = implementation("rms_norm", backend, x.device, label=op)
+    return run_rms_norm(implementation("rms_norm", backend, x.device, label=op), x, weight,
+                        eps)
+
+
+def run_rms_norm(launch, x, weight, eps: float) -> torch.Tensor:
+    """bik::rms_norm on validated x [M, H] and weight [H]."""
     x = _unit_stride_rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    launch_rms_norm(x, weight.contiguous(), float(eps), out)
+    launch(x, weight.contiguous(), float(eps), out)
     return out
 
 

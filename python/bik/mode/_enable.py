@@ -1,0 +1,157 @@
+"""bik.enable(): bik's handlers over aten's CPU and CUDA kernels at the dispatcher, for every
+thread of the process (docs/integration.md#bikenable).
+
+Each op in ``OVERRIDES`` gets a kernel at its backend key (``torch.library.Library("aten",
+"IMPL")``) that runs the op's handler from _routes.py / _grad_routes.py and, when the handler
+declines (a dtype or case bik does not serve, input torch rejects), the original kernel, taken
+with ``torch.library.get_kernel`` before overriding: the right answer, counted in
+``mode_stats()``. The overrides sit below autograd (the stock backward formulas' aten ops are
+overridden too) and below Dynamo/AOTAutograd (compiled graphs call aten at run time); Inductor
+is told to leave these ops as aten calls while bik is enabled (_inductor.py). While a handler
+runs, the aten calls it makes itself go straight to the original kernels.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from bik.mode._dispatch_layer import HANDLERS
+from bik.mode._inductor import keep_as_aten_calls
+from bik.mode._numerics import acquire_flags, release_flags
+from bik.mode._stats import route
+
+__all__ = ["OVERRIDES", "disable", "enable", "enabled", "is_enabled"]
+
+aten = torch.ops.aten
+
+# Ops with a kernel of their own at the backend key (composites such as linear, matmul and
+# softmax.int decompose into these before the backend key is reached).
+OVERRIDES = (
+    aten.mm.default, aten.mm.out, aten.addmm.default, aten.addmm.out,
+    aten.bmm.default, aten.bmm.out, aten.mv.default, aten.dot.default,
+    aten._softmax.default, aten._log_softmax.default,
+    aten._softmax_backward_data.default, aten._log_softmax_backward_data.default,
+    aten.mean.dim, aten.sum.dim_IntList,
+    aten.silu.default, aten.silu_backward.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+)
+# CUDA's elementwise kernels run one instruction sequence per element: silu is position-
+# independent there already.
+_CPU_ONLY = {aten._scaled_dot_product_flash_attention_for_cpu.default,
+             aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+             aten.silu.default, aten.silu_backward.default}
+
+_switch_lock = threading.Lock()
+_state: dict = {}  # while enabled: {"library": Library, "undo_inductor": fn}
+_busy = threading.local()  # set while a handler runs in this thread
+
+
+def _schema_name(op) -> str:
+    name = op._schema.name.split("::", 1)[1]
+    return name if op._overloadname == "default" else f"{name}.{op._overloadname}"
+
+
+def _override(op, handler, original):
+    def kernel(keyset, *args, **kwargs):
+        def stock():
+            return original.call_boxed(keyset, *args, **kwargs)
+
+        if getattr(_busy, "on", False):  # an aten call bik's own code made
+            return stock()
+        _busy.on = True
+        try:
+            return route(op, handler, args, kwargs, stock)
+        finally:
+            _busy.on = False
+
+    return kernel
+
+
+def _dispatch_keys() -> tuple[str, ...]:
+    return ("CPU", "CUDA") if torch.cuda.is_available() else ("CPU",)
+
+
+def _register() -> torch.library.Library:
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():  # "overriding a previously registered kernel": meant
+            warnings.simplefilter("ignore", UserWarning)
+            for key in _dispatch_keys():
+                for op in OVERRIDES:
+                    if key != "CPU" and op in _CPU_ONLY:
+                        continue
+                    original = torch.library.get_kernel(op, key)
+                    library.impl(_schema_name(op), _override(op, HANDLERS[op], original), key,
+                                 with_keyset=True)
+    except BaseException:
+        library._destroy()
+        raise
+    return library
+
+
+def is_enabled() -> bool:
+    """True while :func:`enable` is on (process-wide)."""
+    return bool(_state)
+
+
+def enable() -> None:
+    """Route the aten ops bik serves through bik, in every thread, until :func:`disable`.
+
+    Covers mm / addmm / bmm (functional and ``.out``), mv, dot, softmax / log_softmax and
+    their backward, mean, sum (so linear, matmul, RMSNorm written with mean, and backward
+    formulas reach bik) and the CPU SDPA flash kernel, at the CPU key (and CUDA when a GPU is
+    present), under eager, no_grad, inference_mode and compiled code. Idempotent: enabling
+    twice is enabling once. The first call imports Inductor (about 2 s) to keep these ops as
+    aten calls in graphs compiled while bik is enabled; compile after enabling (a function
+    compiled before keeps the kernels it was compiled with). TF32 is off while enabled.
+    """
+    with _switch_lock:
+        if _state:
+            return
+        acquire_flags()
+        try:
+            undo_inductor = keep_as_aten_calls()
+            try:
+                library = _register()
+            except BaseException:
+                undo_inductor()
+                raise
+        except BaseException:
+            release_flags()
+            raise
+        _state.update(library=library, undo_inductor=undo_inductor)
+
+
+def disable() -> None:
+    """Undo :func:`enable` exactly (the original kernels, Inductor's tables, the numerics
+    flags). Idempotent: a no-op when bik is not enabled."""
+    with _switch_lock:
+        if not _state:
+            return
+        library, undo_inductor = _state.pop("library"), _state.pop("undo_inductor")
+        try:
+            library._destroy()
+        finally:
+            try:
+                undo_inductor()
+            finally:
+                release_flags()
+
+
+@contextmanager
+def enabled() -> Iterator[None]:
+    """``with bik.enabled():`` -- :func:`enable` for the block, then the previous state (a
+    block inside an earlier ``enable()`` leaves bik enabled)."""
+    was_on = is_enabled()
+    enable()
+    try:
+        yield
+    finally:
+        if not was_on:
+            disable()
