@@ -84,3 +84,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and bik's counters empty before, and no front end left on after (the
+    front-end tests under tests/mode/)."""
+    import bik
+
+    torch._dynamo.reset()
+    bik.reset_mode_stats()
+    yield
+    torch._dynamo.reset()
+    assert not bik.is_enabled() and not bik.is_batch_invariant_mode_enabled()

@@ -15,7 +15,7 @@ import torch
 __all__ = ["direct_ok"]
 
 _Tensor = torch.Tensor
-_AUTOGRAD = torch._C.DispatchKey.AutogradCPU
+_AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality  # excluded below autograd, any device
 _is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 
 
