@@ -141,6 +141,20 @@ def test_inside_the_mode_and_the_mode_inside(gen):
     assert not bik.is_enabled() and not bik.is_batch_invariant_mode_enabled()
 
 
+def test_exceptions_unwind_both_front_ends_in_either_order(gen):
+    a, b = torch.randn(1, 64, generator=gen), torch.randn(64, 16, generator=gen)
+    stock = torch.mm(a, b)
+    for outer, inner in ((bik.enabled, bik.batch_invariant_mode),
+                         (bik.batch_invariant_mode, bik.enabled)):
+        with pytest.raises(RuntimeError, match="inside"), outer(), inner():
+            raise RuntimeError("inside")
+        assert not bik.is_enabled() and not bik.is_batch_invariant_mode_enabled()
+        assert torch._C._len_torch_function_stack() == 0
+        assert torch._C._len_torch_dispatch_stack() == 0
+    bik.reset_mode_stats()
+    assert same_bits(torch.mm(a, b), stock) and not bik.mode_stats().routed
+
+
 def test_enable_from_several_threads_at_once(gen):
     """enable/disable race from many threads: ends enabled exactly once, then restores."""
     barrier = threading.Barrier(4)

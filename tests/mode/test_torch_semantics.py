@@ -135,6 +135,7 @@ def test_the_issue_examples_keep_torchs_exception_types():
         (lambda: torch.bmm(x[None], x[None]), RuntimeError),
         (lambda: F.linear(x, torch.randn(3, 5)), RuntimeError),
         (lambda: x @ torch.randn(5, 2), RuntimeError),
+        (lambda: F.rms_norm(x, 6), TypeError),  # normalized_shape must be a sequence
     ]
     for front in FRONT_ENDS.values():
         for call, kind in cases:

@@ -109,8 +109,8 @@ def _silu(input, inplace=False):
 
 
 def _rms_norm(input, normalized_shape, weight=None, eps=None):
-    if isinstance(normalized_shape, int):
-        normalized_shape = (normalized_shape,)
+    if not isinstance(normalized_shape, (list, tuple, torch.Size)):
+        raise Fallback("normalized_shape not a sequence")  # torch raises its TypeError
     return aten.rms_norm.default, (input, list(normalized_shape), weight, eps), {}
 
 
