@@ -95,13 +95,17 @@ struct Isa {
   size_t (*scratch_per_thread)(idx_t, idx_t);
   void (*tile)(const float*, idx_t, idx_t, const float*, idx_t, idx_t, const float*, float*,
                idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
+  // The same with a bf16 B (bit patterns), widened exactly while packing.
+  void (*tile_bf16)(const float*, idx_t, idx_t, const std::uint16_t*, idx_t, idx_t,
+                    const float*, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
+                    idx_t, float*);
   void (*rms)(const float*, idx_t, const float*, float*, idx_t, idx_t, idx_t, idx_t, float);
 };
 
 #define BIK_ISA_ENTRY(ns)                                                                    \
   Isa {                                                                                      \
-#ns, ns::NRW, ns::MR, &ns::matmul_scratch_per_thread, &ns::matmul_tile,                 \
-        &ns::rms_norm_rows                                                                   \
+#ns, ns::NRW, ns::MR, &ns::matmul_scratch_per_thread, &ns::matmul_tile<float>,          \
+        &ns::matmul_tile<std::uint16_t>, &ns::rms_norm_rows                                  \
   }
 
 bool isa_supported(const std::string& name) {
@@ -134,7 +138,8 @@ const float* fptr(std::uintptr_t p) { return reinterpret_cast<const float*>(p); 
 
 void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t sbk, idx_t sbn,
                 std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M, idx_t N, idx_t K,
-                int num_threads, const std::string& isa_name, idx_t block_k, idx_t block_n) {
+                int num_threads, const std::string& isa_name, idx_t block_k, idx_t block_n,
+                bool b_bf16) {
   if (M < 0 || N < 0 || K < 0) throw std::invalid_argument("bik: negative matmul size");
   const Isa isa = select_isa(isa_name);
   if (M == 0 || N == 0) return;
@@ -170,9 +175,13 @@ void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t 
     const idx_t b0 = mblocks * i / tm, b1 = mblocks * (i + 1) / tm;
     const idx_t n0 = p0 * isa.nrw, n1 = std::min(N, p1 * isa.nrw);
     const idx_t m0 = b0 * isa.mr, m1 = std::min(M, b1 * isa.mr);
-    if (n0 < n1 && m0 < m1)
-      isa.tile(A, sam, sak, B, sbk, sbn, bias_p, C, ldc, m0, m1, n0, n1, K, kcb, ncb,
-               scratch + per_thread * size_t(id));
+    if (n0 >= n1 || m0 >= m1) return;
+    float* mine = scratch + per_thread * size_t(id);
+    if (b_bf16)
+      isa.tile_bf16(A, sam, sak, reinterpret_cast<const std::uint16_t*>(b), sbk, sbn, bias_p, C,
+                    ldc, m0, m1, n0, n1, K, kcb, ncb, mine);
+    else
+      isa.tile(A, sam, sak, B, sbk, sbn, bias_p, C, ldc, m0, m1, n0, n1, K, kcb, ncb, mine);
   });
 }
 
@@ -328,8 +337,10 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),
         py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("num_threads"),
         py::arg("isa") = "auto", py::arg("block_k") = 0, py::arg("block_n") = 0,
+        py::arg("b_bf16") = false,
         "c[M,N] (row pitch ldc) = a[M,K] @ b[K,N] (+ bias[N]); raw pointers, element strides.\n"
-        "isa/block_k/block_n (0 = auto) change speed only, never bits (tests check this).");
+        "isa/block_k/block_n (0 = auto) change speed only, never bits (tests check this).\n"
+        "b_bf16: b holds bf16 bit patterns, widened exactly to fp32 while packing.");
   m.def("rms_norm_f32", &bik_cpu::rms_norm_f32, py::arg("x"), py::arg("sxm"), py::arg("w"),
         py::arg("y"), py::arg("sym"), py::arg("M"), py::arg("H"), py::arg("eps"),
         py::arg("num_threads"), py::arg("isa") = "auto",

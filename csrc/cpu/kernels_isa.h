@@ -60,18 +60,49 @@ static inline __attribute__((always_inline)) void transpose(vt* v) {
   tlevel<1>(v);
 }
 
+// B may be fp32 or bf16 (its bit pattern as uint16_t): packing widens bf16 to fp32, which is
+// exact (the 16 bits become the high half of the fp32 pattern), so a bf16 B gives the bits of
+// the same B upcast to fp32 first, and a weight is never copied to fp32 outside the panels.
+static inline __attribute__((always_inline)) float to_f32(float x) { return x; }
+static inline __attribute__((always_inline)) float to_f32(std::uint16_t h) {
+  const std::uint32_t u = std::uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+typedef std::uint16_t vth __attribute__((vector_size(TW * 2)));
+typedef std::uint32_t vtu __attribute__((vector_size(TW * 4)));
+static inline __attribute__((always_inline)) vt load_vt(const float* p) { return loadu<vt>(p); }
+static inline __attribute__((always_inline)) vt load_vt(const std::uint16_t* p) {
+  vth h;
+  std::memcpy(&h, p, sizeof h);
+  const vtu u = __builtin_convertvector(h, vtu) << 16;
+  vt v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+static inline __attribute__((always_inline)) void copy_row(float* d, const float* s, idx_t n) {
+  std::memcpy(d, s, 4 * size_t(n));
+}
+static inline __attribute__((always_inline)) void copy_row(float* d, const std::uint16_t* s,
+                                                           idx_t n) {
+  for (idx_t j = 0; j < n; ++j) d[j] = to_f32(s[j]);
+}
+
 // Packs b[pc:pc+kc, jc:jc+nc] into panels of NRW columns: dst[p][k][NRW], zero-padded past nc.
-static void pack_b(const float* b, idx_t sbk, idx_t sbn, idx_t pc, idx_t kc, idx_t jc, idx_t nc,
+template <class TB>
+static void pack_b(const TB* b, idx_t sbk, idx_t sbn, idx_t pc, idx_t kc, idx_t jc, idx_t nc,
                    float* dst) {
   const idx_t panels = (nc + NRW - 1) / NRW;
   if (sbn == 1) {  // rows of b contiguous: row copies, k outer so each row is read in order
     const idx_t full = nc / NRW;
     for (idx_t k = 0; k < kc; ++k) {
-      const float* s = b + (pc + k) * sbk + jc;
-      for (idx_t p = 0; p < full; ++p) std::memcpy(dst + (p * kc + k) * NRW, s + p * NRW, 4 * NRW);
+      const TB* s = b + (pc + k) * sbk + jc;
+      for (idx_t p = 0; p < full; ++p) copy_row(dst + (p * kc + k) * NRW, s + p * NRW, NRW);
       if (full < panels) {
         float* dk = dst + (full * kc + k) * NRW;
-        for (idx_t j = 0; j < NRW; ++j) dk[j] = full * NRW + j < nc ? s[full * NRW + j] : 0.0f;
+        for (idx_t j = 0; j < NRW; ++j)
+          dk[j] = full * NRW + j < nc ? to_f32(s[full * NRW + j]) : 0.0f;
       }
     }
     return;
@@ -92,19 +123,19 @@ static void pack_b(const float* b, idx_t sbk, idx_t sbn, idx_t pc, idx_t kc, idx
           vt v[TW];
 #pragma GCC unroll 16
           for (int t = 0; t < TW; ++t)
-            v[t] = t < gw ? loadu<vt>(b + (gn + t) * sbn + pc + k) : vt{};
+            v[t] = t < gw ? load_vt(b + (gn + t) * sbn + pc + k) : vt{};
           transpose(v);
 #pragma GCC unroll 16
           for (int t = 0; t < TW; ++t) storeu(d + (k + t) * NRW + g * TW, v[t]);
         }
         for (; k < kc; ++k)
           for (int t = 0; t < TW; ++t)
-            d[k * NRW + g * TW + t] = t < gw ? b[(gn + t) * sbn + pc + k] : 0.0f;
+            d[k * NRW + g * TW + t] = t < gw ? to_f32(b[(gn + t) * sbn + pc + k]) : 0.0f;
       }
     } else {  // any strides (including 0)
       for (idx_t k = 0; k < kc; ++k)
         for (idx_t j = 0; j < NRW; ++j)
-          d[k * NRW + j] = j < w ? b[(pc + k) * sbk + (n0 + j) * sbn] : 0.0f;
+          d[k * NRW + j] = j < w ? to_f32(b[(pc + k) * sbk + (n0 + j) * sbn]) : 0.0f;
     }
   }
 }
@@ -195,7 +226,8 @@ static size_t matmul_scratch_per_thread(idx_t kcb, idx_t ncb) {
 }
 
 // One thread's share: rows [m0, m1), columns [n0, n1). K is never split.
-static void matmul_tile(const float* a, idx_t sam, idx_t sak, const float* b, idx_t sbk,
+template <class TB>
+static void matmul_tile(const float* a, idx_t sam, idx_t sak, const TB* b, idx_t sbk,
                         idx_t sbn, const float* bias, float* c, idx_t ldc, idx_t m0, idx_t m1,
                         idx_t n0, idx_t n1, idx_t K, idx_t KC, idx_t NC, float* scratch) {
   float* bufb = scratch;

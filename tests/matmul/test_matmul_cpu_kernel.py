@@ -177,3 +177,46 @@ def test_no_fused_multiply_add_in_binary():
 def test_unavailable_reason_is_empty_when_built():
     assert cpu_ext.available() and cpu_ext.unavailable_reason() == ""
     assert cpu_ext.isa() in ISAS
+
+
+# ---- a bf16 b, widened while packing -----------------------------------------------------------
+
+def _bf16_b_layouts(k: int, n: int, gen: torch.Generator):
+    """b [k, n] in bf16 as the kernel meets it: a weight.t() view, row-major, strided, and a
+    broadcast (stride 0) row."""
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    wide = torch.randn(k, 2 * n, generator=gen).bfloat16()
+    row = torch.randn(1, n, generator=gen).bfloat16()
+    return {"weight.t()": w.t(), "row-major": w.t().contiguous(), "strided": wide[:, ::2],
+            "broadcast": row.expand(k, n)}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k,n", [(1, 1), (17, 33), (64, 100), (300, 70)])
+def test_bf16_b_gives_the_bits_of_b_upcast_first(isa, k, n):
+    """What launch_matmul relies on: b_bf16=True is the fp32 kernel on b.float(), bit for bit,
+    for every layout, K blocking (block_k splits K) and ISA."""
+    gen = _gen(k * 1000 + n)
+    ext = cpu_ext.require()
+    for name, b in _bf16_b_layouts(k, n, gen).items():
+        for m in (1, 5, 33):
+            a = torch.randn(m, k, generator=gen).bfloat16().float()
+            bias = torch.randn(n, generator=gen)
+            want = mm(a, b.float(), bias, isa=isa, block_k=16)
+            got = torch.full((m, n), float("nan"))
+            ext.matmul_f32(a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0),
+                           b.stride(1), bias.data_ptr(), got.data_ptr(), n, m, n, k, 2, isa,
+                           16, 0, True)
+            assert torch.equal(got, want), (name, m)
+
+
+def test_bik_matmul_bf16_equals_its_fp32_upcast_product(gen):
+    """The op end to end: bf16 operands (b read as bf16 by the kernel) give the fp32 product
+    of their exact upcasts, rounded once."""
+    import bik
+
+    a = torch.randn(9, 96, generator=gen).bfloat16()
+    w = torch.randn(40, 96, generator=gen).bfloat16()
+    want = bik.matmul(a.float(), w.t().float(), backend="cpu").bfloat16()
+    assert torch.equal(bik.linear(a, w, backend="cpu"), want)
+    assert torch.equal(bik.bmm(a[None], w.t()[None], backend="cpu")[0], want)

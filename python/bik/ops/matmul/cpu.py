@@ -51,12 +51,18 @@ def matmul_f32(
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                   out: torch.Tensor) -> None:
-    """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]), validated by the op, one batch entry
-    at a time. Upcasting bf16/fp16 to fp32 is exact, so the fixed fp32 order of
-    :func:`matmul_f32` is the whole contract; the result is rounded once to out's dtype."""
+    """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]), validated by the op. Upcasting
+    bf16/fp16 to fp32 is exact, so the fixed fp32 order of :func:`matmul_f32` is the whole
+    contract; the result is rounded once to out's dtype. A bf16 b (a weight, usually) is read
+    as bf16 and widened inside the kernel's packing: the same bits as upcasting it first,
+    without writing an fp32 copy of the weight on every call."""
     bias32 = None if bias is None else bias.float().contiguous()
-    if a.dtype == b.dtype == out.dtype == torch.float32 and out.is_contiguous():
-        _launch_f32(a, b, bias32, out)
+    if b.dtype in _PACKED_B and a.dtype == b.dtype:
+        out32 = out if out.dtype == torch.float32 and out.is_contiguous() else \
+            torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        _launch_f32(a.float(), b, bias32, out32)  # a: the rows, small next to a weight
+        if out32 is not out:
+            out.copy_(out32)
         return
     direct = out.dtype == torch.float32 and out.is_contiguous()
     for i in range(a.shape[0]):
@@ -67,9 +73,13 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
             out[i].copy_(out32)
 
 
+_PACKED_B = {torch.float32: False, torch.bfloat16: True}  # b dtype -> the kernel's b_bf16
+
+
 def _launch_f32(a, b, bias32, out) -> None:
-    """The fp32 case without a view per batch entry: the kernel takes pointers and strides,
-    so entry i is an offset (a one-row product's kernel is ~1 µs; a view costs about that)."""
+    """fp32 a and out, fp32 or bf16 b, without a view per batch entry: the kernel takes
+    pointers and strides, so entry i is an offset (a one-row product's kernel is ~1 µs; a view
+    costs about that)."""
     n_batch, m, k = a.shape
     n = b.shape[2]
     if m == 0 or n == 0:
@@ -79,6 +89,7 @@ def _launch_f32(a, b, bias32, out) -> None:
     (sa0, sa1, sa2), (sb0, sb1, sb2) = a.stride(), b.stride()
     pa, pb, po = a.data_ptr(), b.data_ptr(), out.data_ptr()
     pbias = 0 if bias32 is None else bias32.data_ptr()
-    for i in range(n_batch):  # 4 bytes per fp32 element
-        ext.matmul_f32(pa + 4 * i * sa0, sa1, sa2, pb + 4 * i * sb0, sb1, sb2, pbias,
-                       po + 4 * i * m * n, n, m, n, k, threads, "auto", 0, 0)
+    b_bf16, b_size = _PACKED_B[b.dtype], b.element_size()
+    for i in range(n_batch):
+        ext.matmul_f32(pa + 4 * i * sa0, sa1, sa2, pb + b_size * i * sb0, sb1, sb2, pbias,
+                       po + 4 * i * m * n, n, m, n, k, threads, "auto", 0, 0, b_bf16)
