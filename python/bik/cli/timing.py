@@ -19,18 +19,23 @@ def _quantiles(samples: list[float]) -> dict:
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, *, budget_s: float = 0.25,
-            max_reps: int = 50) -> dict:
-    """p20/p50/p80 of one call's time in milliseconds."""
+            max_reps: int = 50, calls_per_sample: int = 1) -> dict:
+    """p20/p50/p80 of one call's time in milliseconds.
+
+    On the CPU a sample times ``calls_per_sample`` calls in a loop (and divides), so that
+    microsecond calls are not swamped by the timer's own cost."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
         p20, p50, p80 = do_bench(fn, warmup=10, rep=50, quantiles=list(QUANTILES))
         return {"p20": p20, "p50": p50, "p80": p80}
-    fn()  # warm-up: first-call allocation and lazy imports
+    for _ in range(max(1, calls_per_sample // 4)):
+        fn()  # warm-up: first-call allocation, lazy imports, caches
     samples: list[float] = []
     start = time.perf_counter()
     while len(samples) < max_reps and (len(samples) < 3 or time.perf_counter() - start < budget_s):
         t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
+        for _ in range(calls_per_sample):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e3 / calls_per_sample)
     return _quantiles(samples)

@@ -162,8 +162,8 @@ class BikFunctionMode(TorchFunctionMode):
             op, op_args, op_kwargs = adapter(*args, **kwargs)
         except (Fallback, TypeError):  # TypeError: a signature torch will judge itself
             return func(*args, **kwargs)
-        return route(op, _alone(HANDLERS[op]), op_args, op_kwargs,
-                     lambda: func(*args, **kwargs), count_fallbacks=False)
+        return route(op, _ALONE[op], op_args, op_kwargs, lambda: func(*args, **kwargs),
+                     count_fallbacks=False)
 
 
 def _alone(handler):
@@ -186,3 +186,6 @@ def _alone(handler):
             torch._C._push_on_torch_dispatch_stack(top)
 
     return run
+
+
+_ALONE = {op: _alone(handler) for op, handler in HANDLERS.items()}

@@ -10,14 +10,12 @@ within 2 x the raw kernel call) is shown as the ratio column.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 from rich.console import Console
 from rich.table import Table
 
 import bik
+from bik.cli.timing import time_ms
 from bik.ops._registry import resolve_backend
 
 __all__ = ["bench_boundary", "plot", "render", "run"]
@@ -26,18 +24,9 @@ LOOP = 200  # calls per sample
 NOISY = 1.5  # p80 / p20 above this: flag the row
 
 
-def _per_call_us(fn, budget_s: float) -> dict:
-    for _ in range(LOOP // 4):
-        fn()  # warm-up: lazy imports, first allocations, the launcher cache
-    samples = []
-    start = time.perf_counter()
-    while len(samples) < 5 or (time.perf_counter() - start < budget_s and len(samples) < 200):
-        t0 = time.perf_counter()
-        for _ in range(LOOP):
-            fn()
-        samples.append((time.perf_counter() - t0) / LOOP * 1e6)
-    cuts = statistics.quantiles(samples, n=10, method="inclusive")
-    return {"p20": cuts[1], "p50": statistics.median(samples), "p80": cuts[7]}
+def _per_call_us(fn, device, budget_s: float) -> dict:
+    ms = time_ms(fn, device, budget_s=budget_s, max_reps=200, calls_per_sample=LOOP)
+    return {k: v * 1e3 for k, v in ms.items()}
 
 
 def _kernel_call(a, b, out):
@@ -71,14 +60,14 @@ def bench_boundary(device, dtype, backend, budget_s: float = 0.3) -> list[dict]:
     records = []
     with torch.no_grad():
         for name, fn in calls.items():
-            records.append({"call": name, **_per_call_us(fn, budget_s)})
-        records.append({"call": "x + x (stock)", **_per_call_us(lambda: a + a, budget_s)})
+            records.append({"call": name, **_per_call_us(fn, device, budget_s)})
+        records.append({"call": "x + x (stock)", **_per_call_us(lambda: a + a, device, budget_s)})
         for front, ctx in fronts.items():
             with ctx():
                 records.append({"call": f"torch.mm under {front}",
-                                **_per_call_us(lambda: torch.mm(a, b), budget_s)})
+                                **_per_call_us(lambda: torch.mm(a, b), device, budget_s)})
                 records.append({"call": f"x + x under {front}",
-                                **_per_call_us(lambda: a + a, budget_s)})
+                                **_per_call_us(lambda: a + a, device, budget_s)})
     floor = records[0]["p50"]
     for r in records:
         r.update(op="boundary", ratio=r["p50"] / floor, noisy=r["p80"] > NOISY * r["p20"],

@@ -49,22 +49,12 @@ def _generate(model, ids, new_tokens: int):
                           pad_token_id=0)
 
 
-def _configs(model, quick: bool):
-    def stock():
-        return _Run(model)
-
-    def enabled():
-        return _Run(model, bik.enabled)
-
-    def mode():
-        return _Run(model, bik.batch_invariant_mode)
-
-    def mode_compiled():
-        return _Run(model, bik.batch_invariant_mode, compiled=True)
-
-    configs = {"stock": stock, "bik.enable()": enabled, "batch_invariant_mode()": mode}
+def _configs(quick: bool) -> dict:
+    """name -> (front end or None, compiled)."""
+    configs = {"stock": (None, False), "bik.enable()": (bik.enabled, False),
+               "batch_invariant_mode()": (bik.batch_invariant_mode, False)}
     if not quick:  # compiling takes a minute even for the 2-layer model: not a smoke test
-        configs["batch_invariant_mode() + torch.compile"] = mode_compiled
+        configs["batch_invariant_mode() + torch.compile"] = (bik.batch_invariant_mode, True)
     return configs
 
 
@@ -109,8 +99,8 @@ def run(device, dtype, args) -> list[dict]:
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(3, model.config.vocab_size, (2 if quick else 8, 16), generator=gen)
     records = []
-    for name, make in _configs(model, quick).items():
-        first, times = make()(ids, new_tokens)
+    for name, (front, compiled) in _configs(quick).items():
+        first, times = _Run(model, front, compiled)(ids, new_tokens)
         records.append({"op": "generate", "config": name, "first_s": first,
                         "median_s": statistics.median(times), "min_s": min(times),
                         "max_s": max(times), "noisy": max(times) > NOISY * min(times),
