@@ -51,7 +51,9 @@ cpu_ext = Pybind11Extension(
     cxx_std=17,
     # -ffp-contract=off: every a*b+c stays a rounded multiply then a rounded add, in every
     # code path (vector body, tails, any ISA clone), which is what makes the bits fixed.
-    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"],
+    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
+    # libgomp.so.1: at run time the soname binds to the copy torch loaded (its thread pool).
+    extra_link_args=["-fopenmp"],
 )
 
 

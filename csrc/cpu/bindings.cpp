@@ -1,5 +1,6 @@
 // bik._cpu_kernels: pybind11 glue for the fixed-order CPU kernels (contract: contract.h).
 // No torch headers: the Python side passes data pointers and strides in elements.
+#include <pthread.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -139,10 +140,11 @@ const float* fptr(std::uintptr_t p) { return reinterpret_cast<const float*>(p); 
 void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t sbk, idx_t sbn,
                 std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M, idx_t N, idx_t K,
                 int num_threads, const std::string& isa_name, idx_t block_k, idx_t block_n,
-                bool b_bf16) {
-  if (M < 0 || N < 0 || K < 0) throw std::invalid_argument("bik: negative matmul size");
+                bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb) {
+  if (M < 0 || N < 0 || K < 0 || batch < 0)
+    throw std::invalid_argument("bik: negative matmul size");
   const Isa isa = select_isa(isa_name);
-  if (M == 0 || N == 0) return;
+  if (M == 0 || N == 0 || batch == 0) return;
   // Blocking (speed only; K blocks store/reload the fp32 acc in order, so bits never change).
   // Few rows: memory bound on B, so read B in long runs: whole weight rows when b = w.t(),
   // wide row segments when b is row-major. Many rows: cache-sized blocks for reuse.
@@ -153,36 +155,52 @@ void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t 
   if (block_n > 0) ncb = block_n;
   kcb = std::max<idx_t>(1, std::min(kcb, K));
   ncb = (std::max<idx_t>(1, std::min(ncb, N)) + isa.nrw - 1) / isa.nrw * isa.nrw;
-  // Thread policy (never affects bits): one thread for small work; split N panels first
-  // (each thread packs only its own B), then M row blocks when N has too few panels.
-  const idx_t macs = M * N * std::max<idx_t>(K, 1);
-  idx_t t = std::max<idx_t>(1, std::min<idx_t>(num_threads, macs / kMatmulMinMacsPerThread));
+  // Thread policy (never affects bits): one thread for small work; whole batch entries per
+  // thread when there are enough of them (attention's many small products: one call, not a
+  // call per entry); else, per entry, split N panels first (each thread packs only its own
+  // B), then M row blocks when N has too few panels.
+  const idx_t macs = batch * M * N * std::max<idx_t>(K, 1);
+  const idx_t t = std::max<idx_t>(1, std::min<idx_t>(num_threads, macs / kMatmulMinMacsPerThread));
   const idx_t panels = (N + isa.nrw - 1) / isa.nrw;
   const idx_t mblocks = (M + isa.mr - 1) / isa.mr;
-  const idx_t tn = std::min(t, panels);
-  const idx_t tm = std::max<idx_t>(1, std::min(t / tn, mblocks));
-  const int nt = int(tn * tm);
+  const bool by_entry = batch >= t;
+  const idx_t tn = by_entry ? 1 : std::min(t, panels);
+  const idx_t tm = by_entry ? 1 : std::max<idx_t>(1, std::min(t / tn, mblocks));
+  const int nt = by_entry ? int(t) : int(tn * tm);
   const size_t per_thread = isa.scratch_per_thread(kcb, ncb);
   float* scratch = scratch_floats(per_thread * size_t(nt));
-  const float* A = fptr(a);
-  const float* B = fptr(b);
   const float* bias_p = bias ? fptr(bias) : nullptr;
-  float* C = reinterpret_cast<float*>(c);
-  pybind11::gil_scoped_release nogil;
-  parallel_run(nt, [&](int id) {
-    const idx_t i = id / tn, j = id % tn;
-    const idx_t p0 = panels * j / tn, p1 = panels * (j + 1) / tn;
-    const idx_t b0 = mblocks * i / tm, b1 = mblocks * (i + 1) / tm;
-    const idx_t n0 = p0 * isa.nrw, n1 = std::min(N, p1 * isa.nrw);
-    const idx_t m0 = b0 * isa.mr, m1 = std::min(M, b1 * isa.mr);
-    if (n0 >= n1 || m0 >= m1) return;
-    float* mine = scratch + per_thread * size_t(id);
+  const size_t b_size = b_bf16 ? 2 : 4;
+  // Entry e's tile [m0, m1) x [n0, n1) on thread scratch `mine`.
+  auto tile = [&](idx_t e, idx_t m0, idx_t m1, idx_t n0, idx_t n1, float* mine) {
+    const float* A = fptr(a) + e * sab;
+    const std::uintptr_t B = b + std::uintptr_t(e * sbb) * b_size;
+    float* C = reinterpret_cast<float*>(c) + e * scb;
     if (b_bf16)
-      isa.tile_bf16(A, sam, sak, reinterpret_cast<const std::uint16_t*>(b), sbk, sbn, bias_p, C,
-                    ldc, m0, m1, n0, n1, K, kcb, ncb, mine);
+      isa.tile_bf16(A, sam, sak, reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p,
+                    C, ldc, m0, m1, n0, n1, K, kcb, ncb, mine);
     else
-      isa.tile(A, sam, sak, B, sbk, sbn, bias_p, C, ldc, m0, m1, n0, n1, K, kcb, ncb, mine);
-  });
+      isa.tile(A, sam, sak, fptr(B), sbk, sbn, bias_p, C, ldc, m0, m1, n0, n1, K, kcb, ncb,
+               mine);
+  };
+  pybind11::gil_scoped_release nogil;
+  if (by_entry) {
+    parallel_run(nt, [&](int id) {
+      for (idx_t e = batch * id / nt; e < batch * (id + 1) / nt; ++e)
+        tile(e, 0, M, 0, N, scratch + per_thread * size_t(id));
+    });
+    return;
+  }
+  for (idx_t e = 0; e < batch; ++e) {
+    parallel_run(nt, [&](int id) {
+      const idx_t i = id / tn, j = id % tn;
+      const idx_t p0 = panels * j / tn, p1 = panels * (j + 1) / tn;
+      const idx_t b0 = mblocks * i / tm, b1 = mblocks * (i + 1) / tm;
+      const idx_t n0 = p0 * isa.nrw, n1 = std::min(N, p1 * isa.nrw);
+      const idx_t m0 = b0 * isa.mr, m1 = std::min(M, b1 * isa.mr);
+      if (n0 < n1 && m0 < m1) tile(e, m0, m1, n0, n1, scratch + per_thread * size_t(id));
+    });
+  }
 }
 
 void rms_norm_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t w, std::uintptr_t y, idx_t sym,
@@ -326,6 +344,7 @@ void sampling_elementwise(const std::string& fn, std::uintptr_t in, std::uintptr
 }  // namespace bik_cpu
 
 PYBIND11_MODULE(_cpu_kernels, m) {
+  pthread_atfork(nullptr, nullptr, [] { bik_cpu::forked_child() = true; });
   namespace py = pybind11;
   m.doc() = "bik fixed-order fp32 CPU kernels (batch-invariant by construction; see contract.h)";
 #ifndef BIK_CPU_SOURCE_HASH
@@ -337,10 +356,12 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),
         py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("num_threads"),
         py::arg("isa") = "auto", py::arg("block_k") = 0, py::arg("block_n") = 0,
-        py::arg("b_bf16") = false,
+        py::arg("b_bf16") = false, py::arg("batch") = 1, py::arg("sab") = 0, py::arg("sbb") = 0,
+        py::arg("scb") = 0,
         "c[M,N] (row pitch ldc) = a[M,K] @ b[K,N] (+ bias[N]); raw pointers, element strides.\n"
         "isa/block_k/block_n (0 = auto) change speed only, never bits (tests check this).\n"
-        "b_bf16: b holds bf16 bit patterns, widened exactly to fp32 while packing.");
+        "b_bf16: b holds bf16 bit patterns, widened exactly to fp32 while packing.\n"
+        "batch entries e < batch: a + e*sab, b + e*sbb, c + e*scb (elements; b's in its dtype).");
   m.def("rms_norm_f32", &bik_cpu::rms_norm_f32, py::arg("x"), py::arg("sxm"), py::arg("w"),
         py::arg("y"), py::arg("sym"), py::arg("M"), py::arg("H"), py::arg("eps"),
         py::arg("num_threads"), py::arg("isa") = "auto",

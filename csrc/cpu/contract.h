@@ -61,6 +61,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 namespace bik_cpu {
 
 using idx_t = std::int64_t;
@@ -80,8 +84,23 @@ class FenvGuard {
   std::fenv_t saved_;
 };
 
-// Runs fn(tid) for tid in [0, n): tid 0 on the calling thread, the rest on fresh threads.
-// fn must not throw. n == 1 spawns nothing.
+// Set in a process forked from this one (pthread_atfork, registered at module init). libgomp's
+// pool does not survive fork: the child's first parallel region waits forever for the
+// parent's threads (measured: stock torch.mm hangs there too).
+inline bool& forked_child() {
+  static bool flag = false;
+  return flag;
+}
+
+// Runs fn(tid) for every tid in [0, n), fn(0) included on the calling thread when it can.
+// With OpenMP (the normal build) the work runs on the calling thread's OpenMP team: the
+// extension links libgomp.so.1, and torch has already loaded its own copy under that soname,
+// so this is torch's intra-op pool. Sharing it matters on a small machine: torch's workers
+// spin for a while after each parallel op, and threads of our own would compete with them
+// (measured on 2 cores: a 128x576x1536 product right after any torch op took 4.0 ms instead
+// of 1.8 ms) and cost a spawn per call. A team may be smaller than n (nesting, limits), so
+// each thread takes ids in strides; which thread runs an id never affects the bits. In a
+// forked child, fresh threads instead. fn must not throw. n == 1 runs inline.
 template <class Fn>
 void parallel_run(int n, const Fn& fn) {
   if (n <= 1) {
@@ -89,6 +108,16 @@ void parallel_run(int n, const Fn& fn) {
     fn(0);
     return;
   }
+#if defined(_OPENMP)
+  if (!forked_child()) {
+#pragma omp parallel num_threads(n)
+    {
+      FenvGuard g;
+      for (int t = omp_get_thread_num(); t < n; t += omp_get_num_threads()) fn(t);
+    }
+    return;
+  }
+#endif
   std::vector<std::thread> workers;
   workers.reserve(static_cast<size_t>(n - 1));
   for (int t = 1; t < n; ++t) {
@@ -121,7 +150,7 @@ inline float* scratch_floats(size_t count) {
 
 // Thread-count policy: below these sizes one thread does the work (no spawn), because starting
 // a thread (~20-50 us) would cost more than it saves. Never affects bits.
-constexpr idx_t kMatmulMinMacsPerThread = idx_t(1) << 21;
+constexpr idx_t kMatmulMinMacsPerThread = idx_t(1) << 18;
 constexpr idx_t kRmsMinElemsPerThread = idx_t(1) << 18;
 
 }  // namespace bik_cpu

@@ -10,8 +10,11 @@ tests/rms_norm/test_rms_norm_cpu_kernel.py.
 
 from __future__ import annotations
 
+import ast
+import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -113,6 +116,68 @@ def test_matmul_threads_isa_and_layouts_are_bit_identical():
     assert torch.equal(mm(a_e, w.t()), want[:1].expand(M, N))
     b_e = w.t()[:, :1].expand(K, N)
     assert torch.equal(mm(a, b_e), mm(a, b_e.contiguous()))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_batched_call_is_a_call_per_entry(bf16):
+    """One kernel call for a whole batch (entry strides; whole entries per thread when there are
+    enough, else each entry split across threads) writes each entry's bits as its own call."""
+    ext = cpu_ext.require()
+    g = _gen(11)
+    for n_batch, M, N, K in ((1, 5, 40, 33), (3, 1, 80, 64), (40, 2, 37, 70), (7, 70, 300, 9)):
+        a = torch.randn(n_batch, M, K, generator=g)
+        w = torch.randn(n_batch, N, K, generator=g)
+        if bf16:
+            w = w.bfloat16()
+        for b in (w.transpose(1, 2), w.transpose(1, 2).contiguous(), w[:1].transpose(1, 2)
+                  .expand(n_batch, K, N)):
+            want = torch.stack([mm(a[e], b[e].float()) for e in range(n_batch)])
+            for threads in (1, 2, 3):
+                got = torch.full((n_batch, M, N), float("nan"))
+                ext.matmul_f32(a.data_ptr(), a.stride(1), a.stride(2), b.data_ptr(),
+                               b.stride(1), b.stride(2), 0, got.data_ptr(), N, M, N, K, threads,
+                               "auto", 0, 0, bf16, n_batch, a.stride(0), b.stride(0), M * N)
+                assert torch.equal(got, want), (n_batch, M, N, K, b.stride(), threads)
+
+
+def test_kernels_share_torchs_openmp_runtime():
+    """The extension's threads are torch's OpenMP pool: one libgomp in the process. A second
+    runtime would put its threads next to torch's spinning workers (2x slower on 2 cores)."""
+    script = ("import torch, bik; from bik.runtime import cpu_ext; cpu_ext.require()\n"
+              "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))")
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("needs /proc/self/maps (Linux)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    libs = ast.literal_eval(out)
+    assert len(libs) == 1 and "torch" in libs[0], libs
+
+
+_FORK_CHILD = """
+import os, sys, torch
+from bik.runtime import cpu_ext
+ext = cpu_ext.require()
+a, w = torch.randn(256, 576), torch.randn(1536, 576)
+def mm():
+    out, b = torch.empty(256, 1536), w.t()
+    ext.matmul_f32(a.data_ptr(), 576, 1, b.data_ptr(), b.stride(0), b.stride(1), 0,
+                   out.data_ptr(), 1536, 256, 1536, 576, 2)
+    return out.numpy().tobytes()
+want = mm()  # the parent's OpenMP pool now exists
+pid = os.fork()
+if pid == 0:  # no torch op with threads here: stock torch itself hangs in this child
+    os._exit(0 if mm() == want else 3)
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_threaded_kernel_runs_in_a_forked_child():
+    """libgomp's pool does not survive fork; a child's kernel call runs on fresh threads
+    instead of waiting forever for the parent's (pthread_atfork in the extension)."""
+    done = subprocess.run([sys.executable, "-c", _FORK_CHILD], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_caller_flush_denormal_does_not_change_bits():

@@ -77,19 +77,15 @@ _PACKED_B = {torch.float32: False, torch.bfloat16: True}  # b dtype -> the kerne
 
 
 def _launch_f32(a, b, bias32, out) -> None:
-    """fp32 a and out, fp32 or bf16 b, without a view per batch entry: the kernel takes
-    pointers and strides, so entry i is an offset (a one-row product's kernel is ~1 µs; a view
-    costs about that)."""
+    """fp32 a and out, fp32 or bf16 b, every batch entry in one kernel call: the kernel takes
+    pointers and element strides per entry (attention's bmm is dozens of tiny products; a
+    call, or a view, per entry cost more than the product)."""
     n_batch, m, k = a.shape
     n = b.shape[2]
-    if m == 0 or n == 0:
+    if m == 0 or n == 0 or n_batch == 0:
         return
-    ext = cpu_ext.require()
-    threads = torch.get_num_threads()
     (sa0, sa1, sa2), (sb0, sb1, sb2) = a.stride(), b.stride()
-    pa, pb, po = a.data_ptr(), b.data_ptr(), out.data_ptr()
     pbias = 0 if bias32 is None else bias32.data_ptr()
-    b_bf16, b_size = _PACKED_B[b.dtype], b.element_size()
-    for i in range(n_batch):
-        ext.matmul_f32(pa + 4 * i * sa0, sa1, sa2, pb + b_size * i * sb0, sb1, sb2, pbias,
-                       po + 4 * i * m * n, n, m, n, k, threads, "auto", 0, 0, b_bf16)
+    cpu_ext.require().matmul_f32(
+        a.data_ptr(), sa1, sa2, b.data_ptr(), sb1, sb2, pbias, out.data_ptr(), n, m, n, k,
+        torch.get_num_threads(), "auto", 0, 0, _PACKED_B[b.dtype], n_batch, sa0, sb0, m * n)
