@@ -1,0 +1,184 @@
+"""SDPA with padding masks under the front ends (mode/_masks.py): each sequence's real queries
+and keys are compacted into one bik::attention_varlen sequence, so a row's bits are those of its
+sequence alone, whatever the padding in its own or other rows.
+
+Shapes as HF builds them: left padding, causal prefill, a chunk after a cache (Lq < Lk), decode
+(Lq = 1); boolean masks and additive ones (-inf or the dtype's lowest value), 2-D or 4-D,
+broadcast over heads or not. Stock SDPA is measured to fail the same check; masks that are not
+padding are counted fallbacks; rows that see no key keep stock's values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import bik
+import pytest
+import torch
+import torch.nn.functional as F
+from bik.runtime import cpu_ext
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason=cpu_ext.unavailable_reason())
+
+H, HKV, D = 4, 2, 16
+LOWEST = torch.finfo(torch.float32).min
+
+
+def _mode_inference():
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode())  # the mode then sees aten SDPA itself
+    stack.enter_context(bik.batch_invariant_mode())
+    return stack
+
+
+FRONTS = {"mode": bik.batch_invariant_mode, "enable": bik.enabled,
+          "mode-inference": _mode_inference}
+
+
+def _sequences(lens, extra, seed=0):
+    """Per sequence: (q [1, H, n_q, D], k, v [1, HKV, n, D]) with n_q = n - extra[i] <= n (the
+    last queries of a sequence whose first keys are a cache)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, H, n - e, D, generator=gen), torch.randn(1, HKV, n, D, generator=gen),
+             torch.randn(1, HKV, n, D, generator=gen)) for n, e in zip(lens, extra)]
+
+
+def _left_padded(seqs, lk, lq, kind):
+    """The batch HF would build: every sequence left-padded to lk keys and lq queries, and the
+    mask of padding & bottom-right causality, as ``kind`` (bool, -inf or lowest)."""
+    def pad(t, length):
+        return torch.cat([torch.zeros(1, t.shape[1], length - t.shape[2], D), t], 2)
+
+    q = torch.cat([pad(s[0], lq) for s in seqs])
+    k = torch.cat([pad(s[1], lk) for s in seqs])
+    v = torch.cat([pad(s[2], lk) for s in seqs])
+    key = torch.arange(lk)
+    rows = []
+    for s in seqs:
+        n = s[1].shape[2]
+        query_pos = torch.arange(lq) + (lk - lq)  # key index each query row stands at
+        rows.append((key[None] >= lk - n) & (key[None] <= query_pos[:, None]))
+    mask = torch.stack(rows)[:, None]  # [B, 1, lq, lk]
+    if kind != "bool":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf") if kind == "-inf"
+                                                   else LOWEST)
+    return q, k, v, mask
+
+
+def _alone(s):
+    q, k, v = s
+    with torch.no_grad(), bik.batch_invariant_mode():
+        if q.shape[2] == k.shape[2]:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        # a chunk after a cache: bottom-right causal, as bik and the mask align it
+        lq, lk = q.shape[2], k.shape[2]
+        keep = torch.arange(lk)[None] <= torch.arange(lq)[:, None] + (lk - lq)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+
+
+def _rows_equal_alone(front, seqs, lk, lq, kind):
+    q, k, v, mask = _left_padded(seqs, lk, lq, kind)
+    with torch.no_grad(), front():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return [torch.equal(out[i, :, lq - s[0].shape[2]:], _alone(s)[0]) for i, s in enumerate(seqs)]
+
+
+CASES = {  # name: (lens, extra, lk, lq)
+    "prefill": ((5, 9, 3), (0, 0, 0), 11, 11),
+    "chunk": ((6, 9, 4), (3, 6, 1), 12, 3),  # 3 new tokens each after caches of 3, 6, 1
+    "decode": ((7, 12, 2), (6, 11, 1), 13, 1),
+}
+
+
+@pytest.mark.parametrize("front", FRONTS)
+@pytest.mark.parametrize("kind", ["bool", "-inf", "lowest"])
+@pytest.mark.parametrize("case", CASES)
+def test_left_padded_rows_equal_their_sequence_alone(front, kind, case):
+    lens, extra, lk, lq = CASES[case]
+    seqs = _sequences(lens, extra)
+    bik.reset_mode_stats()
+    for more in (0, 3):  # more padding (of queries too in a prefill): the same bits
+        more_q = more if case == "prefill" else 0
+        assert _rows_equal_alone(FRONTS[front], seqs, lk + more, lq + more_q, kind) == [True] * 3
+    assert bik.mode_stats().fallbacks == {}
+
+
+def test_stock_sdpa_fails_the_same_check():
+    """The negative control, measured: stock CPU SDPA's rows move with the padding."""
+    failures = 0
+    for lens, extra, lk, lq in CASES.values():
+        seqs = _sequences(lens, extra)
+        q, k, v, mask = _left_padded(seqs, lk, lq, "bool")
+        with torch.no_grad():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        failures += sum(not torch.equal(out[i, :, lq - s[0].shape[2]:], _alone(s)[0])
+                        for i, s in enumerate(seqs))
+    assert failures > 0
+
+
+@pytest.mark.parametrize("kind", ["bool", "-inf", "lowest"])
+def test_rows_that_see_no_key_keep_stocks_values(kind):
+    """Left padding's pad queries see no key: torch's values (zeros, or V's average under a
+    finite mask), computed by the stock kernel on those rows alone."""
+    seqs = _sequences((4, 8), (0, 0))
+    q, k, v, mask = _left_padded(seqs, 8, 8, kind)
+    with torch.no_grad():
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        with bik.batch_invariant_mode():
+            got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.equal(got[0, :, :4], want[0, :, :4])
+    torch.testing.assert_close(got, want)
+
+
+def test_mask_broadcasts_2d_and_over_heads():
+    seqs = _sequences((6,), (0,))
+    q, k, v, mask = _left_padded(seqs, 9, 9, "bool")
+    want = _alone(seqs[0])[0]
+    with torch.no_grad(), bik.batch_invariant_mode():
+        for m in (mask[0, 0], mask.expand(1, H, 9, 9).contiguous()):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+            assert torch.equal(out[0, :, 3:], want)
+
+
+@pytest.mark.parametrize("mask_name, reason", [
+    ("random", "one run of keys"),
+    ("bias", "values other than 0"),
+    ("per-head", "differs between heads"),
+    ("right-padded", "neither causal nor full"),
+])
+def test_other_masks_are_counted_fallbacks(mask_name, reason):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, H, 6, D, generator=gen) for _ in range(3))
+    if mask_name == "random":
+        mask = torch.rand(2, 1, 6, 6, generator=gen) > 0.5
+        mask[..., 0] = True
+    elif mask_name == "bias":
+        mask = torch.randn(2, 1, 6, 6, generator=gen)
+    elif mask_name == "per-head":
+        mask = torch.ones(2, H, 6, 6, dtype=torch.bool).tril()
+        mask[:, 1, :, 0] = False
+        mask[:, 1, 0, 0] = True
+    else:  # right padding: the queries past a sequence's end see all of its keys
+        mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
+        mask[0, :, :, 4:] = False
+    with torch.no_grad():
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    bik.reset_mode_stats()
+    with torch.no_grad(), bik.batch_invariant_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", bik.BatchInvarianceWarning)
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(got, want)  # the stock kernel ran
+    assert any(reason in key for key in bik.mode_stats().fallbacks), bik.mode_stats()
+
+
+def test_masked_sdpa_under_autograd_falls_back():
+    seqs = _sequences((4, 6), (0, 0))
+    q, k, v, mask = _left_padded(seqs, 6, 6, "bool")
+    q.requires_grad_(True)
+    bik.reset_mode_stats()
+    with bik.batch_invariant_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", bik.BatchInvarianceWarning)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).sum().backward()
+    assert q.grad is not None
+    assert any("autograd" in key for key in bik.mode_stats().fallbacks)
