@@ -75,8 +75,8 @@ def _reduction_cases(arch: int) -> Iterator[tuple]:
                 for log in (False, True):
                     args = {"x_ptr": Ptr(dtype), "out_ptr": Ptr(out_dtype), "N": n, "stride_x": n,
                                 "stride_out": n}
-                    yield (softmax_kernel, args, {"LOG": log, "BLOCK": cfg.block},
-                           cfg.num_warps, 1)
+                    yield (softmax_kernel, args,
+                           {"LOG": log, "BLOCK": cfg.block, "ANCHOR": True}, cfg.num_warps, 1)
                 args = {"x_ptr": Ptr(dtype), "out_ptr": Ptr(out_dtype), "N": n, "n_f32": float(n),
                             "stride_x": n}
                 yield mean_kernel, args, {"BLOCK": cfg.block}, cfg.num_warps, 1

@@ -6,9 +6,15 @@ element c * BLOCK + l of chunk c, and one ``tl.sum`` folds the BLOCK lanes at th
 num_warps come from ``bik.configs.reduction_config(N, arch)`` — never from M — so every row of
 a given length is reduced by the same compiled tree whatever the batch.
 
-softmax / log_softmax take three passes over the row: the max (exact, so its order does not
-matter), the lane-wise sum of exp(x - max), then the outputs. A pass reloads the row instead
-of keeping it in registers so any N runs with one BLOCK; rows up to BLOCK are one chunk.
+softmax / log_softmax take four passes over the row: the max (exact, so its order does not
+matter); the anchor j0, the first element whose exp(x - max) is not 0 (a min, exact); the
+lane-wise sum of exp(x - max) from j0 on, lane l adding element j0 + c * BLOCK + l; then the
+outputs. The anchor is why a row's bits do not move with padding: leading masked entries
+(-inf, or the lowest value HF adds) have exp(x - max) == 0 exactly, and without the anchor they
+would shift every real entry to another lane of the tree (measured in the interpreter: 1-8
+leading pads gave other bits for 5 of the 8 pad counts). A row without leading zeros has j0 = 0
+and its old bits. A pass reloads the row instead of keeping it in registers so any N runs with
+one BLOCK; rows up to BLOCK are one chunk.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ __all__ = ["launch_mean", "launch_softmax", "mean_kernel", "softmax_kernel"]
 
 @triton.jit
 def softmax_kernel(x_ptr, out_ptr, N, stride_x, stride_out,
-                   LOG: tl.constexpr, BLOCK: tl.constexpr):
+                   LOG: tl.constexpr, BLOCK: tl.constexpr, ANCHOR: tl.constexpr):
+    # bik launches ANCHOR=True; False exists for the test that shows the padding check can fail.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     out_row = out_ptr + row * stride_out
@@ -39,16 +46,27 @@ def softmax_kernel(x_ptr, out_ptr, N, stride_x, stride_out,
         mx_lanes = tl.maximum(mx_lanes, x)
     mx = tl.max(mx_lanes, axis=0)
 
-    # Pass 2: lane-wise sum of exp(x - max) over chunks in order, then one fixed tree.
+    # Pass 2: the anchor, the first element whose exp(x - max) is not 0 (N if none).
+    j0 = 0
+    if ANCHOR:
+        first = tl.full((BLOCK,), N, dtype=tl.int32)
+        for c0 in range(0, N, BLOCK):
+            offs = c0 + cols
+            mask = offs < N
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            first = tl.minimum(first, tl.where(mask & (tl.exp(x - mx) != 0.0), offs, N))
+        j0 = tl.min(first, axis=0)
+
+    # Pass 3: lane-wise sum of exp(x - max) over chunks from j0 in order, then one fixed tree.
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for c0 in range(0, N, BLOCK):
+    for c0 in range(j0, N, BLOCK):
         offs = c0 + cols
         mask = offs < N
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         acc += tl.where(mask, tl.exp(x - mx), 0.0)
     total = tl.sum(acc, axis=0)
 
-    # Pass 3: the outputs, rounded once to the output dtype.
+    # Pass 4: the outputs, rounded once to the output dtype.
     lse = tl.log(total)
     for c0 in range(0, N, BLOCK):
         offs = c0 + cols
@@ -82,7 +100,7 @@ def launch_softmax(x: torch.Tensor, out: torch.Tensor, *, log: bool) -> None:
         return
     cfg = reduction_config(n, device_arch(x.device))
     softmax_kernel[(m,)](x, out, n, x.stride(0), out.stride(0),
-                         LOG=log, BLOCK=cfg.block, num_warps=cfg.num_warps)
+                         LOG=log, BLOCK=cfg.block, ANCHOR=True, num_warps=cfg.num_warps)
 
 
 def launch_mean(x: torch.Tensor, out: torch.Tensor) -> None:
