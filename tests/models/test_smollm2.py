@@ -98,13 +98,17 @@ def test_hf_generate_left_padded_batch_equals_each_prompt_alone(checkpoint, dtyp
                for key in bik.mode_stats().fallbacks), bik.mode_stats().fallbacks
 
 
-def test_bik_dvr_runs_on_smollm2(checkpoint, tmp_path):
-    """`bik dvr --model smollm2`: the loop on the real checkpoint, every deterministic request
-    equal to its solo reference."""
+def test_bik_dvr_runs_on_smollm2_with_text(checkpoint, tmp_path, capsys):
+    """`bik dvr --model smollm2 --prompt ...`: the loop on the real checkpoint, the chat
+    template applied, every deterministic request equal to its solo reference, and the
+    answers decoded (a greedy answer a 135M model gets right)."""
     from bik.cli.main import main
 
     out = tmp_path / "dvr.json"
-    assert main(["dvr", "--model", "smollm2", "--requests", "3", "--max-new-tokens", "6",
+    assert main(["dvr", "--model", "smollm2", "--requests", "2", "--max-new-tokens", "10",
+                 "--temperature", "0", "--prompt", "What is the capital of France?",
                  "--json", str(out)]) == 0
-    verdict = json.loads(out.read_text())["verdict"]
-    assert verdict["deterministic"] and verdict["deterministic_requests"] > 0
+    record = json.loads(out.read_text())
+    assert record["verdict"]["deterministic"] and record["verdict"]["deterministic_requests"]
+    assert all("Paris" in answer for answer in record["answers"].values()), record["answers"]
+    assert "Paris" in capsys.readouterr().out

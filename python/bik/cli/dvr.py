@@ -27,6 +27,9 @@ def add_dvr_arguments(p) -> None:
                    help="a Hugging Face Llama checkpoint directory, or 'smollm2' for the real "
                         "SmolLM2-135M-Instruct (make checkpoint; default: the embedded tiny "
                         "model)")
+    p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="a text prompt (repeatable; needs a checkpoint with a tokenizer, whose "
+                        "chat template is applied; default there: a few built-in ones)")
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--det-fraction", type=float, default=0.75)
@@ -58,6 +61,55 @@ def load_model(path: str | None, device: torch.device, dtype: torch.dtype, seed:
     return load_checkpoint(path, dtype=dtype, device=device)
 
 
+BUILT_IN_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
+                    "Give me three tips for learning Python.", "Why is the sky blue?")
+
+
+def _tokenizer(model: str | None, prompts):
+    """The checkpoint's tokenizer (text prompts in, answers out), or None for token ids."""
+    if model is None:
+        if prompts:
+            raise SystemExit("bik dvr: --prompt needs --model (a checkpoint with a tokenizer)")
+        return None
+    from pathlib import Path
+
+    if not (Path(model) / "tokenizer.json").is_file() and \
+            not (Path(model) / "tokenizer_config.json").is_file():
+        if prompts:
+            raise SystemExit(f"bik dvr: --prompt needs a tokenizer; {model} has none")
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model)
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    if tokenizer.chat_template:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return tokenizer(text).input_ids
+
+
+def _print_answers(console, tokenizer, texts, arrivals, outputs) -> dict[str, str]:
+    """Prints and returns each request's decoded answer; request i asked texts[i % len(texts)]
+    (make_workload's order)."""
+    table = Table(title="answers")
+    table.add_column("request")
+    table.add_column("det")
+    table.add_column("prompt", overflow="fold")
+    table.add_column("answer", overflow="fold")
+    answers = {}
+    for i, a in enumerate(arrivals):
+        req = a.request
+        answer = tokenizer.decode(outputs[req.request_id].tokens, skip_special_tokens=True)
+        answers[req.request_id] = answer.strip()
+        table.add_row(req.request_id, "yes" if req.deterministic else "no",
+                      texts[i % len(texts)], answers[req.request_id])
+    console.print(table)
+    return answers
+
+
 def _verdict(model, arrivals, outputs, device, dtype, progress) -> dict:
     kernels = BikKernels()
     det = [a.request for a in arrivals if a.request.deterministic]
@@ -77,7 +129,13 @@ def run_dvr(args) -> int:
     device = pick_device(args.device)
     dtype = DTYPES[args.dtype]
     console = make_console()
+    if args.model == "smollm2":  # resolved once: the model and its tokenizer
+        from bik.models import smollm2
+
+        args.model = str(smollm2.prepare())
     model = load_model(args.model, device, dtype, args.seed)
+    tokenizer = _tokenizer(args.model, args.prompt)
+    texts = (args.prompt or BUILT_IN_PROMPTS) if tokenizer is not None else ()
     cfg = model.config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, tuple) else (
         () if cfg.eos_token_id is None else (cfg.eos_token_id,))
@@ -86,7 +144,8 @@ def run_dvr(args) -> int:
         det_fraction=args.det_fraction, max_new_tokens=(max(1, args.max_new_tokens // 2),
                                                         args.max_new_tokens),
         temperature=args.temperature, top_k=args.top_k, eos_token_ids=eos,
-        arrival_spread=args.arrival_spread, repetitive=args.drafter > 0)
+        arrival_spread=args.arrival_spread, repetitive=args.drafter > 0,
+        prompts=[_chat_ids(tokenizer, t) for t in texts])
     config = EngineConfig(window=args.window, group=args.group, verifier=args.verifier,
                           drafter=NgramDrafter(num_tokens=args.drafter) if args.drafter else None,
                           mismatch_rate=args.mismatch_rate, mismatch_seed=args.seed)
@@ -114,6 +173,9 @@ def run_dvr(args) -> int:
     for key, value in summary.items():
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(table)
+    answers = None
+    if tokenizer is not None:
+        answers = _print_answers(console, tokenizer, texts, arrivals, outputs)
     if verdict is not None:
         if verdict["deterministic"]:
             console.print(f"[bold green]deterministic[/]: all {verdict['deterministic_requests']}"
@@ -124,5 +186,5 @@ def run_dvr(args) -> int:
                           f"their solo reference")
     if args.json:
         write_json(args.json, {"meta": run_metadata(device), "args": vars(args),
-                               "metrics": summary, "verdict": verdict})
+                               "metrics": summary, "verdict": verdict, "answers": answers})
     return 0 if verdict is None or verdict["deterministic"] else 1

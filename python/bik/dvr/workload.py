@@ -22,15 +22,19 @@ def make_workload(*, vocab_size: int, num_requests: int, seed: int = 0,
                   det_fraction: float = 1.0, prompt_len: tuple[int, int] = (1, 24),
                   max_new_tokens: tuple[int, int] = (8, 32), temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, eos_token_ids: Sequence[int] = (),
-                  arrival_spread: int = 0, repetitive: bool = False) -> list[Arrival]:
-    """``num_requests`` random prompts; a ``det_fraction`` of them deterministic; arrivals
-    spread uniformly over the first ``arrival_spread`` steps. ``repetitive`` prompts repeat a
-    short phrase, which gives a prompt-lookup drafter something to find."""
+                  arrival_spread: int = 0, repetitive: bool = False,
+                  prompts: Sequence[Sequence[int]] = ()) -> list[Arrival]:
+    """``num_requests`` random prompts (or request i takes ``prompts[i % len(prompts)]``, e.g.
+    tokenized text); a ``det_fraction`` of them deterministic; arrivals spread uniformly over
+    the first ``arrival_spread`` steps. ``repetitive`` prompts repeat a short phrase, which
+    gives a prompt-lookup drafter something to find."""
     rng = random.Random(seed)
     arrivals = []
     for i in range(num_requests):
         n = rng.randint(*prompt_len)
-        if repetitive:
+        if prompts:
+            prompt = list(prompts[i % len(prompts)])
+        elif repetitive:
             phrase = [rng.randrange(vocab_size) for _ in range(rng.randint(2, 5))]
             prompt = (phrase * (n // len(phrase) + 1))[:n]
         else:
