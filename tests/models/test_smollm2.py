@@ -7,7 +7,6 @@ there a missing checkpoint fails instead of skipping. Bounded: 4 chat prompts x 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
@@ -15,6 +14,7 @@ import bik
 import pytest
 import torch
 from bik.runtime import cpu_ext
+from bik.testing.generate import alone_vs_left_padded
 
 transformers = pytest.importorskip("transformers")
 smollm2 = pytest.importorskip("bik.models.smollm2")
@@ -49,31 +49,9 @@ def test_prepared_directory_is_a_plain_hf_llama(checkpoint):
     assert tokenizer.chat_template
 
 
-def _generate(model, tokenizer, texts):
-    """Greedy tokens and per-step logprobs of each prompt, HF-batched with left padding."""
-    enc = tokenizer(list(texts), return_tensors="pt", padding=True)
-    out = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
-    tokens = out.sequences[:, enc.input_ids.shape[1]:]
-    logprobs = torch.stack(out.scores, 1).float().log_softmax(-1)
-    return tokens, logprobs
-
-
 def _prompts_that_differ(model, tokenizer, front) -> list[int]:
-    """Prompts whose tokens or logprob bits alone (bs 1, no padding) differ from their row in the
-    left-padded batch, over the alone run's length (it may stop at EOS; the batch pads on)."""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in PROMPTS]
-    with torch.no_grad(), front():
-        tokens, logprobs = _generate(model, tokenizer, texts)
-        differ = []
-        for i, text in enumerate(texts):
-            alone_tokens, alone_logprobs = _generate(model, tokenizer, [text])
-            n = alone_tokens.shape[1]
-            if not (torch.equal(alone_tokens[0], tokens[i, :n])
-                    and torch.equal(alone_logprobs[0], logprobs[i, :n])):
-                differ.append(i)
-    return differ
+    results = alone_vs_left_padded(model, tokenizer, PROMPTS, new_tokens=NEW_TOKENS, front=front)
+    return [i for i, r in enumerate(results) if not r.same]
 
 
 @pytest.mark.skipif(not cpu_ext.available(), reason=cpu_ext.unavailable_reason())
@@ -90,7 +68,7 @@ def test_hf_generate_left_padded_batch_equals_each_prompt_alone(checkpoint, dtyp
     model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype,
                                                           attn_implementation=attention).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint, padding_side="left")
-    assert _prompts_that_differ(model, tokenizer, contextlib.nullcontext)  # stock
+    assert _prompts_that_differ(model, tokenizer, None)  # stock
     bik.reset_mode_stats()
     assert _prompts_that_differ(model, tokenizer, bik.batch_invariant_mode) == []
     # HF sums its boolean padding masks: integer sums are exact, counted as unserved dtypes
@@ -112,3 +90,12 @@ def test_bik_dvr_runs_on_smollm2_with_text(checkpoint, tmp_path, capsys):
     assert record["verdict"]["deterministic"] and record["verdict"]["deterministic_requests"]
     assert all("Paris" in answer for answer in record["answers"].values()), record["answers"]
     assert "Paris" in capsys.readouterr().out
+
+
+def test_bik_demo_real_runs(checkpoint, capsys):
+    """`bik demo --real` (bounded here: 4 new tokens): the table and bik's verdict."""
+    from bik.cli.main import main
+
+    assert main(["demo", "--real", "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "every prompt its own bits" in out and "What is the capital of France?" in out

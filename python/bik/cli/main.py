@@ -30,6 +30,14 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="show a stock path's bits change with batch, bik's not")
     demo.add_argument("--device", default=None)
+    demo.add_argument("--real", action="store_true",
+                      help="HF generate on the real SmolLM2 checkpoint, alone vs left-padded "
+                           "batch, stock vs bik (make checkpoint; minutes on a CPU)")
+    demo.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                      help="with --real (default bf16)")
+    demo.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                      help="with --real: HF's attn_implementation (default sdpa, HF's own)")
+    demo.add_argument("--new-tokens", type=int, default=48, help="with --real (default 48)")
 
     check = sub.add_parser("check", help="run the invariance harness on this device")
     check.add_argument("--device", default=None)
@@ -50,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_bench(args)
     if args.command == "demo":
+        if args.real:
+            from bik.cli.demo_real import run_demo_real
+
+            return run_demo_real(args)
         from bik.cli.demo import run_demo
 
         return run_demo(args)
