@@ -197,9 +197,10 @@ def test_inputs_that_require_grad_are_routed_forward_and_backward(gen):
     assert same_bits(grad_in_mode, w.grad)
 
 
-def test_sdpa_with_a_mask_falls_back_and_warns_once(gen):
+def test_sdpa_with_an_unserved_mask_falls_back_and_warns_once(gen):
+    """An additive bias is not a padding mask (those are served: test_masked_sdpa.py)."""
     q = torch.randn(2, 2, 5, 16, generator=gen)
-    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    mask = torch.randn(5, 5, generator=gen)
     with torch.no_grad():
         want = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
         with bik.batch_invariant_mode():
