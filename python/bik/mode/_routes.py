@@ -373,6 +373,8 @@ def _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, sto
         raise WarnedFallback("attn_mask while autograd records (the mask's backward is stock)")
     if torch.compiler.is_compiling():
         raise WarnedFallback("attn_mask under torch.compile (the mask's structure is data)")
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise WarnedFallback("attn_mask during CUDA graph capture (the mask is read on the host)")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise WarnedFallback("q/k/v not 4-D [B, H, L, D]")
     backend = _prepare(func, q, k, v)
