@@ -18,12 +18,12 @@ import math
 
 import torch
 
+from bik.mode._attention_routes import attention_layout
 from bik.mode._kernels import bik_ops
 from bik.mode._routes import (
     Fallback,
     _cast_first,
     _prepare,
-    attention_layout,
     reduced_dims,
 )
 from bik.ops._checks import SUPPORTED_DTYPES

@@ -5,27 +5,22 @@ computed by bik's ops (``torch.ops.bik.*`` or their direct launch: _kernels.py);
 :class:`Fallback` to hand the call to the original kernel (counted, and warned once where
 ``warn``), which also gives input torch rejects torch's own error. Every front end runs these
 handlers (bik/mode/__init__.py). The handlers of the ops that backward formulas call are in
-_grad_routes.py.
+_grad_routes.py, SDPA's in _attention_routes.py.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from typing import NamedTuple
 
 import torch
 
 import bik.ops  # noqa: F401  (registers torch.ops.bik.*)
 from bik._dtypes import dtype_name
-from bik.configs import TRITON_ATTENTION_HEAD_DIMS as TRITON_HEAD_DIMS
 from bik.mode._kernels import bik_ops
-from bik.mode._masks import MaskNotServed, padded_spans
 from bik.ops._checks import SUPPORTED_DTYPES
 from bik.ops._registry import default_backend
 
-__all__ = ["HANDLERS", "AttentionLayout", "Fallback", "WarnedFallback", "attention_layout",
-           "reduced_dims", "silu_f32"]
+__all__ = ["HANDLERS", "Fallback", "WarnedFallback", "reduced_dims", "silu_f32"]
 
 aten = torch.ops.aten
 
@@ -318,145 +313,6 @@ def _silu(func, x):
     return silu_f32(x.float()).to(x.dtype)
 
 
-class AttentionLayout(NamedTuple):
-    """SDPA's [B, H, L, D] operands as bik::attention_varlen sees them (packed by sequence)."""
-
-    backend: str
-    shape: tuple[int, int, int, int, int, int]  # (B, Hq, Hkv, Lq, Lk, D)
-    causal: bool
-    scale: float
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """[B, H, L, ...] -> [B * L, H, ...] (each sequence's tokens contiguous)."""
-        return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1], *t.shape[3:])
-
-    def unpack(self, t: torch.Tensor, length: int) -> torch.Tensor:
-        """[B * L, H, ...] -> [B, H, L, ...] (a view)."""
-        return t.view(self.shape[0], length, *t.shape[1:]).transpose(1, 2)
-
-
-def attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale) -> AttentionLayout:
-    """The checks both the SDPA forward and its backward routes make (so a forward that fell
-    back pairs with a backward that falls back); raises Fallback for what bik does not serve."""
-    if attn_mask is not None:
-        raise WarnedFallback("attn_mask given (padding or a custom mask)")
-    if dropout_p != 0:
-        raise WarnedFallback("dropout_p > 0")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise WarnedFallback("q/k/v not 4-D [B, H, L, D]")
-    backend = _prepare(func, q, k, v)
-    nb, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    if k.shape[0] != nb or v.shape != k.shape or hkv == 0 or hq % hkv or lq == 0 or lq > lk:
-        raise WarnedFallback("shapes other than equal-batch GQA with 0 < Lq <= Lk")
-    if is_causal and lq != lk:
-        raise WarnedFallback("is_causal with Lq != Lk (torch aligns the mask top-left)")
-    if backend == "triton" and d not in TRITON_HEAD_DIMS:
-        raise WarnedFallback(f"head_dim {d} not in {TRITON_HEAD_DIMS}")
-    # A single query without a mask sees every key: the bottom-right causal case, the same keys.
-    causal = bool(is_causal) or lq == 1
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    cu_q = torch.arange(nb + 1, dtype=torch.int32, device=q.device) * lq
-    cu_k = torch.arange(nb + 1, dtype=torch.int32, device=q.device) * lk
-    return AttentionLayout(backend, (nb, hq, hkv, lq, lk, d), causal, scale, cu_q, cu_k)
-
-
-def _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, stock):
-    """SDPA with a padding (+ causal) mask: each sequence's real queries and keys compacted
-    into one bik::attention_varlen call (mode/_masks.py); (out, lse) or Fallback. ``stock``
-    computes rows that see no key: stock(q_rows, k_b, v_b, mask_rows) -> (out, lse)."""
-    if dropout_p != 0 or is_causal:
-        raise WarnedFallback("attn_mask with dropout_p > 0 or is_causal")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise WarnedFallback("attn_mask while autograd records (the mask's backward is stock)")
-    if torch.compiler.is_compiling():
-        raise WarnedFallback("attn_mask under torch.compile (the mask's structure is data)")
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise WarnedFallback("attn_mask during CUDA graph capture (the mask is read on the host)")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise WarnedFallback("q/k/v not 4-D [B, H, L, D]")
-    backend = _prepare(func, q, k, v)
-    nb, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    if k.shape[0] != nb or v.shape != k.shape or hkv == 0 or hq % hkv or lq == 0:
-        raise WarnedFallback("shapes other than equal-batch GQA")
-    if backend == "triton" and d not in TRITON_HEAD_DIMS:
-        raise WarnedFallback(f"head_dim {d} not in {TRITON_HEAD_DIMS}")
-    try:
-        spans = padded_spans(attn_mask, nb, lq, lk)
-    except MaskNotServed as exc:
-        raise WarnedFallback(str(exc)) from None
-    seqs = [b for b in range(nb) if spans.qb[b] > spans.qa[b]]
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.full((nb, hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
-    if seqs:
-        def pack(t, a, z):  # [B, H, L, D] rows a..z of each sequence -> [sum L, H, D]
-            return torch.cat([t[b, :, a[b]:z[b]].transpose(0, 1) for b in seqs])
-
-        his = [h + 1 for h in spans.hi]
-        lens_q = [spans.qb[b] - spans.qa[b] for b in seqs]
-        lens_k = [his[b] - spans.lo[b] for b in seqs]
-        cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32,
-                            device=q.device)
-        cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32,
-                            device=q.device)
-        scale_f = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        o, s = bik_ops(q, k, v).attention_varlen(
-            pack(q, spans.qa, spans.qb), pack(k, spans.lo, his), pack(v, spans.lo, his),
-            cu_q, cu_k, scale_f, spans.causal, backend)
-        for i, b in enumerate(seqs):
-            rows = slice(spans.qa[b], spans.qb[b])
-            out[b, :, rows] = o[cu_q[i]:cu_q[i + 1]].transpose(0, 1)
-            lse[b, :, rows] = s[cu_q[i]:cu_q[i + 1]].transpose(0, 1)
-    mask4 = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-    mask4 = mask4.expand(mask4.shape[0], mask4.shape[1], lq, lk)
-    for b, rows in spans.empty_rows:
-        m = mask4[min(b, mask4.shape[0] - 1)][:, rows]
-        o_rows, s_rows = stock(q[b:b + 1, :, rows], k[b:b + 1], v[b:b + 1], m[None])
-        out[b, :, rows], lse[b, :, rows] = o_rows[0], s_rows[0].float()
-    return out, lse
-
-
-def _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, stock=None):
-    """SDPA on [B, H, L, D] through bik::attention_varlen; (out, lse) or Fallback."""
-    if attn_mask is not None and stock is not None:
-        return _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, stock)
-    lay = attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale)
-    out, lse = bik_ops(q, k, v).attention_varlen(
-        lay.pack(q), lay.pack(k), lay.pack(v), lay.cu_q, lay.cu_k, lay.scale, lay.causal,
-        lay.backend)
-    lq = q.shape[2]
-    return lay.unpack(out, lq).contiguous(), lay.unpack(lse, lq)
-
-
-def _sdpa(func, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
-          enable_gqa=False):
-    if q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1] and not enable_gqa:
-        raise Fallback("Hq != Hkv without enable_gqa")
-
-    def stock(q_rows, k_b, v_b, mask_rows):  # rows that see no key: torch's values
-        o = func(q_rows, k_b, v_b, mask_rows, scale=scale, enable_gqa=enable_gqa)
-        return o, torch.zeros(o.shape[:-1])
-
-    return _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, stock)[0]
-
-
-def _sdpa_flash_cpu(func, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None,
-                    scale=None):
-    def stock(q_rows, k_b, v_b, mask_rows):
-        return func(q_rows, k_b, v_b, attn_mask=mask_rows, scale=scale)
-
-    return _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, stock)
-
-
-def _not_routed_cuda_attention(func, *args, **kwargs):
-    raise WarnedFallback("fused CUDA attention below autograd is not routed; run under "
-                         "torch.inference_mode() (the mode then sees "
-                         "scaled_dot_product_attention) or use eager attention")
-
-
 _softmax_internal, _softmax_public = _softmax_like(log=False)
 _log_softmax_internal, _log_softmax_public = _softmax_like(log=True)
 
@@ -484,11 +340,6 @@ _ROUTES = (  # (aten op, overload, handler); ops missing from an older torch are
     ("silu", "default", _silu),
     ("rms_norm", "default", _rms_norm),
     ("_fused_rms_norm", "default", _fused_rms_norm),
-    ("scaled_dot_product_attention", "default", _sdpa),
-    ("_scaled_dot_product_flash_attention_for_cpu", "default", _sdpa_flash_cpu),
-    ("_scaled_dot_product_flash_attention", "default", _not_routed_cuda_attention),
-    ("_scaled_dot_product_efficient_attention", "default", _not_routed_cuda_attention),
-    ("_scaled_dot_product_cudnn_attention", "default", _not_routed_cuda_attention),
 )
 HANDLERS = {
     getattr(getattr(aten, name), overload): handler
