@@ -99,3 +99,19 @@ def test_bik_demo_real_runs(checkpoint, capsys):
     assert main(["demo", "--real", "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "every prompt its own bits" in out and "What is the capital of France?" in out
+
+
+def test_bench_dvr_on_smollm2_quick(checkpoint, tmp_path):
+    """`bik bench dvr --model smollm2 --quick`: the loop's runs and HF generate side by side;
+    deterministic requests decode as under bik-only decoding."""
+    from bik.cli.main import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "dvr", "--device", "cpu", "--model", "smollm2", "--quick", "--json",
+                 str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert [r["run"] for r in records] == ["fast path alone", "bik kernels only",
+                                           "dvr, 100% deterministic", "dvr, 10% deterministic",
+                                           "HF generate (stock, sdpa)"]
+    assert all(r["det_outputs_equal_bik_only"] for r in records[:4])
+    assert all(r["vs_hf"] > 0 for r in records)

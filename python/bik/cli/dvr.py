@@ -83,7 +83,7 @@ def _tokenizer(model: str | None, prompts):
     return transformers.AutoTokenizer.from_pretrained(model)
 
 
-def _chat_ids(tokenizer, text: str) -> list[int]:
+def chat_ids(tokenizer, text: str) -> list[int]:
     if tokenizer.chat_template:
         return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                   add_generation_prompt=True, tokenize=True,
@@ -145,7 +145,7 @@ def run_dvr(args) -> int:
                                                         args.max_new_tokens),
         temperature=args.temperature, top_k=args.top_k, eos_token_ids=eos,
         arrival_spread=args.arrival_spread, repetitive=args.drafter > 0,
-        prompts=[_chat_ids(tokenizer, t) for t in texts])
+        prompts=[chat_ids(tokenizer, t) for t in texts])
     config = EngineConfig(window=args.window, group=args.group, verifier=args.verifier,
                           drafter=NgramDrafter(num_tokens=args.drafter) if args.drafter else None,
                           mismatch_rate=args.mismatch_rate, mismatch_seed=args.seed)

@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     bench.add_argument("--json", metavar="PATH", help="write records as JSON")
     bench.add_argument("--plot", metavar="PATH", help="PNG of torch time / bik time")
+    bench.add_argument("--model", default=None, metavar="NAME",
+                       help="dvr: 'smollm2', the real checkpoint (with HF generate alongside)")
 
     demo = sub.add_parser("demo", help="show a stock path's bits change with batch, bik's not")
     demo.add_argument("--device", default=None)
