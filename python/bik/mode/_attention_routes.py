@@ -16,7 +16,7 @@ import torch
 from bik.configs import TRITON_ATTENTION_HEAD_DIMS as TRITON_HEAD_DIMS
 from bik.mode._kernels import bik_ops
 from bik.mode._masks import MaskNotServed, padded_spans
-from bik.mode._routes import Fallback, WarnedFallback, _prepare
+from bik.mode._routes import Fallback, WarnedFallback, _prepare, handler_table
 
 __all__ = ["ATTENTION_HANDLERS", "AttentionLayout", "attention_layout"]
 
@@ -42,6 +42,21 @@ class AttentionLayout(NamedTuple):
         return t.view(self.shape[0], length, *t.shape[1:]).transpose(1, 2)
 
 
+def _gqa_operands(func, q, k, v) -> tuple[str, tuple[int, int, int, int, int, int]]:
+    """(backend, (B, Hq, Hkv, Lq, Lk, D)) of [B, H, L, D] operands bik attends over (equal
+    batch, GQA heads, at least one query), or Fallback."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise WarnedFallback("q/k/v not 4-D [B, H, L, D]")
+    backend = _prepare(func, q, k, v)
+    nb, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    if k.shape[0] != nb or v.shape != k.shape or hkv == 0 or hq % hkv or lq == 0:
+        raise WarnedFallback("shapes other than equal-batch GQA")
+    if backend == "triton" and d not in TRITON_HEAD_DIMS:
+        raise WarnedFallback(f"head_dim {d} not in {TRITON_HEAD_DIMS}")
+    return backend, (nb, hq, hkv, lq, lk, d)
+
+
 def attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale) -> AttentionLayout:
     """The checks both the SDPA forward and its backward routes make (so a forward that fell
     back pairs with a backward that falls back); raises Fallback for what bik does not serve."""
@@ -49,17 +64,11 @@ def attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale) -> A
         raise WarnedFallback("attn_mask given (padding or a custom mask)")
     if dropout_p != 0:
         raise WarnedFallback("dropout_p > 0")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise WarnedFallback("q/k/v not 4-D [B, H, L, D]")
-    backend = _prepare(func, q, k, v)
-    nb, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    if k.shape[0] != nb or v.shape != k.shape or hkv == 0 or hq % hkv or lq == 0 or lq > lk:
-        raise WarnedFallback("shapes other than equal-batch GQA with 0 < Lq <= Lk")
+    backend, (nb, hq, hkv, lq, lk, d) = _gqa_operands(func, q, k, v)
+    if lq > lk:
+        raise WarnedFallback("more queries than keys (Lq > Lk)")
     if is_causal and lq != lk:
         raise WarnedFallback("is_causal with Lq != Lk (torch aligns the mask top-left)")
-    if backend == "triton" and d not in TRITON_HEAD_DIMS:
-        raise WarnedFallback(f"head_dim {d} not in {TRITON_HEAD_DIMS}")
     # A single query without a mask sees every key: the bottom-right causal case, the same keys.
     causal = bool(is_causal) or lq == 1
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -80,15 +89,7 @@ def _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, sto
         raise WarnedFallback("attn_mask under torch.compile (the mask's structure is data)")
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise WarnedFallback("attn_mask during CUDA graph capture (the mask is read on the host)")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise WarnedFallback("q/k/v not 4-D [B, H, L, D]")
-    backend = _prepare(func, q, k, v)
-    nb, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    if k.shape[0] != nb or v.shape != k.shape or hkv == 0 or hq % hkv or lq == 0:
-        raise WarnedFallback("shapes other than equal-batch GQA")
-    if backend == "triton" and d not in TRITON_HEAD_DIMS:
-        raise WarnedFallback(f"head_dim {d} not in {TRITON_HEAD_DIMS}")
+    backend, (nb, hq, _, lq, lk, d) = _gqa_operands(func, q, k, v)
     try:
         spans = padded_spans(attn_mask, nb, lq, lk)
     except MaskNotServed as exc:
@@ -169,8 +170,4 @@ _ROUTES = (  # (aten op, overload, handler); ops missing from an older torch are
     ("_scaled_dot_product_efficient_attention", "default", _not_routed_cuda_attention),
     ("_scaled_dot_product_cudnn_attention", "default", _not_routed_cuda_attention),
 )
-ATTENTION_HANDLERS = {
-    getattr(getattr(aten, name), overload): handler
-    for name, overload, handler in _ROUTES
-    if hasattr(aten, name) and hasattr(getattr(aten, name), overload)
-}
+ATTENTION_HANDLERS = handler_table(_ROUTES)

@@ -24,6 +24,7 @@ from bik.mode._routes import (
     Fallback,
     _cast_first,
     _prepare,
+    handler_table,
     reduced_dims,
 )
 from bik.ops._checks import SUPPORTED_DTYPES
@@ -149,8 +150,4 @@ _ROUTES = (  # (aten op, overload, handler); ops missing from an older torch are
     ("_scaled_dot_product_flash_attention_for_cpu_backward", "default",
      _sdpa_flash_cpu_backward),
 )
-GRAD_HANDLERS = {
-    getattr(getattr(aten, name), overload): handler
-    for name, overload, handler in _ROUTES
-    if hasattr(aten, name) and hasattr(getattr(aten, name), overload)
-}
+GRAD_HANDLERS = handler_table(_ROUTES)

@@ -20,7 +20,8 @@ from bik.mode._kernels import bik_ops
 from bik.ops._checks import SUPPORTED_DTYPES
 from bik.ops._registry import default_backend
 
-__all__ = ["HANDLERS", "Fallback", "WarnedFallback", "reduced_dims", "silu_f32"]
+__all__ = ["HANDLERS", "Fallback", "WarnedFallback", "handler_table", "reduced_dims",
+           "silu_f32"]
 
 aten = torch.ops.aten
 
@@ -341,8 +342,14 @@ _ROUTES = (  # (aten op, overload, handler); ops missing from an older torch are
     ("rms_norm", "default", _rms_norm),
     ("_fused_rms_norm", "default", _fused_rms_norm),
 )
-HANDLERS = {
-    getattr(getattr(aten, name), overload): handler
-    for name, overload, handler in _ROUTES
-    if hasattr(aten, name) and hasattr(getattr(aten, name), overload)
-}
+
+
+def handler_table(routes) -> dict:
+    """{aten overload: handler} from (op name, overload name, handler) rows; ops missing from
+    this torch are skipped."""
+    return {getattr(getattr(aten, name), overload): handler
+            for name, overload, handler in routes
+            if hasattr(aten, name) and hasattr(getattr(aten, name), overload)}
+
+
+HANDLERS = handler_table(_ROUTES)

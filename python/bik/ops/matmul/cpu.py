@@ -57,20 +57,13 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     as bf16 and widened inside the kernel's packing: the same bits as upcasting it first,
     without writing an fp32 copy of the weight on every call."""
     bias32 = None if bias is None else bias.float().contiguous()
-    if b.dtype in _PACKED_B and a.dtype == b.dtype:
-        out32 = out if out.dtype == torch.float32 and out.is_contiguous() else \
-            torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        _launch_f32(a.float(), b, bias32, out32)  # a: the rows, small next to a weight
-        if out32 is not out:
-            out.copy_(out32)
-        return
-    direct = out.dtype == torch.float32 and out.is_contiguous()
-    for i in range(a.shape[0]):
-        out32 = out[i] if direct else torch.empty(out.shape[1:], dtype=torch.float32,
-                                                  device=out.device)
-        matmul_f32(a[i].float(), b[i].float(), bias32, out32)
-        if not direct:
-            out[i].copy_(out32)
+    if b.dtype not in _PACKED_B or a.dtype != b.dtype:
+        b = b.float()  # fp16 or mixed operands: B upcast first (exact)
+    out32 = out if out.dtype == torch.float32 and out.is_contiguous() else \
+        torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    _launch_f32(a.float(), b, bias32, out32)  # a: the rows, small next to a weight
+    if out32 is not out:
+        out.copy_(out32)
 
 
 _PACKED_B = {torch.float32: False, torch.bfloat16: True}  # b dtype -> the kernel's b_bf16
