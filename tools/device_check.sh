@@ -57,6 +57,10 @@ if part triton; then
       tests/reductions/test_reductions.py -m gpu --junitxml "$OUT/gpu_tests.xml"
   stage gpu_attention_tests 180 env BIK_GPU_RECORD_ATTN="$OUT/sdpa_variance.json" \
     $PY -m pytest -q -x tests/attention/test_attention_gpu.py --junitxml "$OUT/gpu_attention_tests.xml"
+  # A decode step captured in a CUDA graph with host metadata (Triton and CUDA C++ backends),
+  # replayed on new data, bits equal to eager; the host-metadata calls on the GPU.
+  stage gpu_graph_tests 60 $PY -m pytest -q tests/test_cuda_graphs.py tests/test_host_metadata.py \
+    -m gpu --junitxml "$OUT/gpu_graph_tests.xml"
   stage check 90 $PY -m bik check --json "$OUT/check.json"
   stage bench_rmsnorm 20 $PY -m bik bench rmsnorm --json "$OUT/bench_rmsnorm.json"
   stage bench_attention 150 $PY -m bik bench attention --json "$OUT/bench_attention.json" \

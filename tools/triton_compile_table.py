@@ -114,6 +114,21 @@ def _attention_cases(arch: int) -> Iterator[tuple]:
                         "stride_oh": d, "total_q": 4096, "num_heads_q": hq}
             consts = {"G": g, "G_P2": 1 << (g - 1).bit_length(), "D": d, "SPLIT": cfg.split, "CAUSAL": True}
             yield attention_merge_kernel, args, consts, 4, 1, no_fusion
+    yield from _kv_write_cases()
+
+
+def _kv_write_cases() -> Iterator[tuple]:
+    """bik::write_kv_cache's GPU copy for every dtype and head layout."""
+    from bik.ops.attention.kv_cache_triton import write_block, write_kv_kernel
+
+    for dtype in DTYPES:
+        for d, _, hkv in ATTENTION_HEADS:
+            args = {"k_cache_ptr": Ptr(dtype), "v_cache_ptr": Ptr(dtype), "k_ptr": Ptr(dtype),
+                    "v_ptr": Ptr(dtype), "slots_ptr": Ptr(torch.int64), "n_slots": 1 << 20,
+                    "stride_kt": hkv * d, "stride_kh": d, "stride_kd": 1, "stride_vt": hkv * d,
+                    "stride_vh": d, "stride_vd": 1}
+            yield (write_kv_kernel, args, {"HKV": hkv, "D": d, "BLOCK": write_block(hkv, d)}, 4,
+                   1)
 
 
 # Sampler vocabularies: small and odd, Llama-3 (128256), and a 256k vocabulary.

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "contract.h"
@@ -48,12 +49,12 @@ using TileFn = void (*)(const float*, idx_t, idx_t, const float*, idx_t, idx_t, 
 struct Problem {
   const float* q;  // q[tok, h, d] at q + tok*sq_tok + h*sq_head + d
   idx_t sq_tok, sq_head;
-  const float* k;  // key t of sequence b, KV head h: k + koff[cu_k[b] + t] + h*s_head (+ d)
+  const float* k;  // key t of sequence b, KV head h: k + koff[b*koff_row + t] + h*s_head (+ d)
   const float* v;  // same offsets as k
-  const idx_t* koff;  // [cu_k[B]] element offset of each key (pages need not be contiguous)
-  idx_t s_head;
-  const idx_t* cu_q;  // [B + 1]
-  const idx_t* cu_k;  // [B + 1], sequence b has cu_k[b+1] - cu_k[b] keys (>= its q_len)
+  const idx_t* koff;  // [B, koff_row] element offset of each key (pages need not be contiguous)
+  idx_t koff_row, s_head;
+  const idx_t* cu_q;    // [B + 1]
+  const idx_t* lens_k;  // [B], sequence b has lens_k[b] keys (>= its q_len, <= koff_row)
   idx_t B, hq, hkv, d, split;
   float sl2e;
   bool causal;
@@ -110,8 +111,8 @@ static void run_item(const Problem& p, TileFn tile, idx_t kc, idx_t nc, const It
                      float* ws) {
   const idx_t g = p.hq / p.hkv, d = p.d, split = p.split;
   const idx_t q0 = p.cu_q[it.b], t = p.cu_q[it.b + 1] - q0;
-  const idx_t* koff = p.koff + p.cu_k[it.b];
-  const idx_t L = p.cu_k[it.b + 1] - p.cu_k[it.b];
+  const idx_t* koff = p.koff + it.b * p.koff_row;
+  const idx_t L = p.lens_k[it.b];
   const idx_t R = it.r1 - it.r0;
   float* qb = ws;                      // [R, d] the item's query rows
   float* acc = qb + kItemRows * d;     // [R, d] running state
@@ -234,6 +235,33 @@ static void run_item(const Problem& p, TileFn tile, idx_t kc, idx_t nc, const It
   }
 }
 
+// The metadata the kernel follows, checked before anything is read through it (O(B + keys)):
+// "" if it is sound, else what is wrong. The op trusts host metadata its caller passes (no
+// device reads), so on the CPU this is what keeps a bad length or page from reading outside
+// q, k, v or out. k_extent: the floats of k (and of v) from p.k on.
+static std::string check_metadata(const Problem& p, idx_t total_q, idx_t k_extent) {
+  const auto at = [](idx_t b) { return "sequence " + std::to_string(b); };
+  if (p.B > 0 && (p.cu_q[0] != 0 || p.cu_q[p.B] != total_q))
+    return "cu_seqlens_q must start at 0 and end at total_q = " + std::to_string(total_q);
+  const idx_t last = (p.hkv - 1) * p.s_head + p.d;  // floats read from a key's offset on
+  for (idx_t b = 0; b < p.B; ++b) {
+    const idx_t q_len = p.cu_q[b + 1] - p.cu_q[b], L = p.lens_k[b];
+    if (q_len < 0) return "cu_seqlens_q must never decrease (" + at(b) + ")";
+    if (L < q_len)
+      return at(b) + " has " + std::to_string(L) + " keys < q_len " + std::to_string(q_len) +
+             "; its new tokens' K/V must already be in the cache";
+    if (L > p.koff_row)
+      return at(b) + " has " + std::to_string(L) + " keys but max_seqlen_k is " +
+             std::to_string(p.koff_row);
+    const idx_t* koff = p.koff + b * p.koff_row;
+    for (idx_t t = 0; t < L; ++t)
+      if (koff[t] < 0 || koff[t] + last > k_extent)
+        return at(b) + ": key " + std::to_string(t) +
+               " lies outside the cache (a block_table entry out of range?)";
+  }
+  return "";
+}
+
 // Work items, a sequence's last rows first (in a causal prefill they see the most keys), and
 // the multiply-adds of the whole call (for the thread policy).
 static std::vector<Item> make_items(const Problem& p, double* macs) {
@@ -245,7 +273,7 @@ static std::vector<Item> make_items(const Problem& p, double* macs) {
     for (idx_t r1 = rows; r1 > 0; r1 -= kItemRows)
       for (idx_t hk = 0; hk < p.hkv; ++hk)
         items.push_back({b, hk, std::max<idx_t>(0, r1 - kItemRows), r1});
-    *macs += 2.0 * double(rows) * double(p.hkv) * double(p.cu_k[b + 1] - p.cu_k[b]) *
+    *macs += 2.0 * double(rows) * double(p.hkv) * double(p.lens_k[b]) *
              double(p.d);
   }
   return items;

@@ -263,18 +263,22 @@ void unary_f32(std::uintptr_t x, std::uintptr_t y, idx_t n, const std::string& f
 
 // Fixed-split attention (attention.h) over fp32 q/k/v: q by strides, keys by per-key offsets.
 void attention_f32(std::uintptr_t q, idx_t sq_tok, idx_t sq_head, std::uintptr_t k,
-                   std::uintptr_t v, std::uintptr_t koff, idx_t s_head, std::uintptr_t cu_q,
-                   std::uintptr_t cu_k, idx_t B, idx_t hq, idx_t hkv, idx_t d, idx_t split,
-                   double scale_log2e, bool causal, std::uintptr_t out, std::uintptr_t lse,
-                   int num_threads, const std::string& isa_name) {
-  if (B < 0 || d < 0 || hkv <= 0 || hq % hkv != 0 || split <= 0)
+                   std::uintptr_t v, idx_t k_extent, std::uintptr_t koff, idx_t koff_row,
+                   idx_t s_head, std::uintptr_t cu_q, std::uintptr_t lens_k, idx_t B,
+                   idx_t total_q, idx_t hq, idx_t hkv, idx_t d, idx_t split, double scale_log2e,
+                   bool causal, std::uintptr_t out, std::uintptr_t lse, int num_threads,
+                   const std::string& isa_name) {
+  if (B < 0 || d < 0 || hkv <= 0 || hq % hkv != 0 || split <= 0 || koff_row < 0)
     throw std::invalid_argument("bik: attention needs B >= 0, D >= 0, Hq % Hkv == 0, split > 0");
   const Isa isa = select_isa(isa_name);
   using I64 = const std::int64_t*;
   const attn::Problem p{fptr(q), sq_tok, sq_head, fptr(k), fptr(v), reinterpret_cast<I64>(koff),
-                        s_head, reinterpret_cast<I64>(cu_q), reinterpret_cast<I64>(cu_k), B, hq,
-                        hkv, d, split, static_cast<float>(scale_log2e), causal,
+                        koff_row, s_head, reinterpret_cast<I64>(cu_q),
+                        reinterpret_cast<I64>(lens_k), B, hq, hkv, d, split,
+                        static_cast<float>(scale_log2e), causal,
                         reinterpret_cast<float*>(out), reinterpret_cast<float*>(lse)};
+  const std::string bad = attn::check_metadata(p, total_q, k_extent);
+  if (!bad.empty()) throw std::invalid_argument(bad);
   double macs = 0;
   const std::vector<attn::Item> items = attn::make_items(p, &macs);
   if (items.empty()) return;
@@ -375,13 +379,14 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.def("unary_f32", &bik_cpu::unary_f32, py::arg("x"), py::arg("y"), py::arg("n"),
         py::arg("fn"), "y[i] = exp2f(x[i]) or log2f(x[i]) (fn) for contiguous fp32 buffers.");
   m.def("attention_f32", &bik_cpu::attention_f32, py::arg("q"), py::arg("sq_tok"),
-        py::arg("sq_head"), py::arg("k"), py::arg("v"), py::arg("koff"), py::arg("s_head"),
-        py::arg("cu_q"), py::arg("cu_k"), py::arg("B"), py::arg("hq"),
-        py::arg("hkv"), py::arg("d"), py::arg("split"), py::arg("scale_log2e"),
-        py::arg("causal"), py::arg("out"), py::arg("lse"), py::arg("num_threads"),
-        py::arg("isa") = "auto",
-        "Fixed-split attention (attention.h): fp32 q/k/v, int64 koff/cu_q/cu_k; writes fp32\n"
-        "out [total_q, hq, d] and lse [total_q, hq] (natural log).");
+        py::arg("sq_head"), py::arg("k"), py::arg("v"), py::arg("k_extent"), py::arg("koff"),
+        py::arg("koff_row"), py::arg("s_head"), py::arg("cu_q"), py::arg("lens_k"), py::arg("B"),
+        py::arg("total_q"), py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("split"),
+        py::arg("scale_log2e"), py::arg("causal"), py::arg("out"), py::arg("lse"),
+        py::arg("num_threads"), py::arg("isa") = "auto",
+        "Fixed-split attention (attention.h): fp32 q/k/v, int64 koff [B, koff_row], cu_q and\n"
+        "lens_k, checked first (ValueError); writes fp32 out [total_q, hq, d] and lse\n"
+        "[total_q, hq] (natural log).");
   m.def("sample_f32", &bik_cpu::sample_f32, py::arg("x"), py::arg("sx"), py::arg("B"),
         py::arg("V"), py::arg("seed"), py::arg("position"), py::arg("temperature"),
         py::arg("top_k"), py::arg("top_p"), py::arg("log_min_p"), py::arg("stream"),

@@ -4,6 +4,7 @@ Public API (see docs/api.md):
     bik.matmul, bik.linear, bik.bmm, bik.rms_norm  -- the ops (also torch.ops.bik.*)
     bik.softmax, bik.log_softmax, bik.mean           -- row reductions (also torch.ops.bik.*)
     bik.attention, bik.attention_varlen              -- fixed-split attention (paged KV, GQA)
+    bik.plan_attention, bik.plan_attention_varlen    -- one step's checks, once (host metadata)
     bik.sample, bik.verify_draft                     -- Gumbel-max sampler keyed by (seed, position)
     bik.fingerprint                                  -- what decides the bits, as one digest
     bik.batch_invariant_mode                         -- stock torch code on bik (this thread,
@@ -27,7 +28,15 @@ from bik.mode import (
     set_batch_invariant_mode,
 )
 from bik.ops._registry import BACKENDS, BackendUnavailableError
-from bik.ops.attention import AttentionOutput, attention, attention_varlen, write_kv_cache
+from bik.ops.attention import (
+    AttentionOutput,
+    AttentionPlan,
+    attention,
+    attention_varlen,
+    plan_attention,
+    plan_attention_varlen,
+    write_kv_cache,
+)
 from bik.ops.matmul import bmm, linear, matmul
 from bik.ops.reductions import log_softmax, mean, softmax
 from bik.ops.rms_norm import rms_norm
@@ -38,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "AttentionOutput",
+    "AttentionPlan",
     "BackendUnavailableError",
     "BatchInvarianceWarning",
     "Fingerprint",
@@ -59,6 +69,8 @@ __all__ = [
     "matmul",
     "mean",
     "mode_stats",
+    "plan_attention",
+    "plan_attention_varlen",
     "reset_mode_stats",
     "rms_norm",
     "sample",

@@ -147,21 +147,21 @@ def test_strided_q_and_kv():
 
 def _keys(k, v, cu_k):
     """cpu_keys for varlen k/v."""
-    lens = (cu_k[1:] - cu_k[:-1]).tolist()
-    return cpu_keys(k, v, lens, table=None, base=cu_k[:-1].long() * k.stride(0))
+    lens = cu_k[1:] - cu_k[:-1]
+    return cpu_keys(k, v, lens, int(lens.max()), table=None, base=cu_k[:-1].long() * k.stride(0))
 
 
 def test_threads_and_isas_do_not_change_bits():
     lens, q_lens = [700, 3, 300], [700, 1, 4]
     q, k, v, cu_q, cu_k = make(lens, q_lens, 8, 2, 64, torch.float32, seed=3)
     _, _, offsets = _keys(k, v, cu_k)
-    outs = [attention_cpu(q, k, v, key_offsets=offsets, cu_q=cu_q.tolist(), seqlens_k=lens,
+    outs = [attention_cpu(q, k, v, key_offsets=offsets, cu_q=cu_q, seqlens_k=cu_k.diff(),
                           scale=0.125, causal=True, num_threads=n) for n in (1, 2, 3, 7)]
     for out, lse in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
     for isa in ISAS:
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
-        attention_f32(q, k, v, offsets, cu_q.long(), cu_k.long(), out, lse,
+        attention_f32(q, k, v, offsets, cu_q.long(), cu_k.diff().long(), out, lse,
                       split=CPU_ATTENTION_SPLIT, scale_log2e=0.125 * LOG2E, causal=True,
                       num_threads=2, isa=isa)
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1]), isa
@@ -185,12 +185,13 @@ def test_cpu_keys_point_at_what_reference_keys_reads(dtype):
     layouts = [(k_cache, v_cache, table, None), (k, v, None, cu_k[:-1].long() * k.stride(0)),
                (contiguous, contiguous, None, torch.arange(3) * contiguous.stride(0))]
     for kk, vv, tab, base in layouts:
-        k32, v32, offsets = cpu_keys(kk, vv, lens, table=tab, base=base)
+        k32, v32, offsets = cpu_keys(kk, vv, torch.tensor(lens), max(lens), table=tab,
+                                     base=base)
         keys_of = reference_keys(kk, vv, table=tab, base=base)
-        assert k32.dtype == torch.float32 and offsets.shape == (sum(lens),)
+        assert k32.dtype == torch.float32 and offsets.shape == (len(lens), max(lens))
         for b, n in enumerate(lens):
             rk, rv = keys_of(b, n)
-            own = offsets[int(cu_k[b]):int(cu_k[b + 1])]
+            own = offsets[b, :n]
             assert torch.equal(_read_keys(k32, own), rk)
             assert torch.equal(_read_keys(v32, own), rv)
 
@@ -245,7 +246,7 @@ def test_a_different_split_is_caught():
     q, k, v, cu_q, cu_k = make(lens, q_lens, 4, 2, 64, torch.float32, seed=6)
     ref_out, _ = reference(q, k, v, cu_q, lens, base=cu_k[:-1].long() * k.stride(0))
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
-    attention_f32(q, k, v, _keys(k, v, cu_k)[2], cu_q.long(), cu_k.long(), out, lse,
+    attention_f32(q, k, v, _keys(k, v, cu_k)[2], cu_q.long(), cu_k.diff().long(), out, lse,
                   split=CPU_ATTENTION_SPLIT // 2, scale_log2e=LOG2E / 8, causal=True)
     with pytest.raises(AssertionError, match="values differ"):
         assert_same_bits(out, ref_out)

@@ -146,7 +146,8 @@ def test_mask_broadcasts_2d_and_over_heads():
     ("random", "one run of keys"),
     ("bias", "values other than 0"),
     ("per-head", "differs between heads"),
-    ("right-padded", "neither causal nor full"),
+    ("sliding-window", "start at different keys"),
+    ("causal-then-full", "neither causal nor full"),
 ])
 def test_other_masks_are_counted_fallbacks(mask_name, reason):
     gen = torch.Generator().manual_seed(3)
@@ -160,9 +161,11 @@ def test_other_masks_are_counted_fallbacks(mask_name, reason):
         mask = torch.ones(2, H, 6, 6, dtype=torch.bool).tril()
         mask[:, 1, :, 0] = False
         mask[:, 1, 0, 0] = True
-    else:  # right padding: the queries past a sequence's end see all of its keys
+    elif mask_name == "sliding-window":  # each query sees its 3 latest keys
+        mask = torch.ones(6, 6, dtype=torch.bool).tril().triu(-2)[None, None].repeat(2, 1, 1, 1)
+    else:  # rows 2.. see keys 0..4: not a ramp, nor a ramp then a constant end
         mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
-        mask[0, :, :, 4:] = False
+        mask[:, :, 2:, :5] = True
     with torch.no_grad():
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     bik.reset_mode_stats()
@@ -171,6 +174,47 @@ def test_other_masks_are_counted_fallbacks(mask_name, reason):
         got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert torch.equal(got, want)  # the stock kernel ran
     assert any(reason in key for key in bik.mode_stats().fallbacks), bik.mode_stats()
+
+
+def _right_padded(seqs, length, kind):
+    """Causal prefill with right padding (scoring, training): each sequence's keys and queries
+    first, then pads; pad queries see every real key of their sequence."""
+    def pad(t):
+        return torch.cat([t, torch.zeros(1, t.shape[1], length - t.shape[2], D)], 2)
+
+    q, k, v = (torch.cat([pad(s[i]) for s in seqs]) for i in range(3))
+    key, row = torch.arange(length)[None], torch.arange(length)[:, None]
+    mask = torch.stack([(key < s[1].shape[2]) & (key <= row) for s in seqs])[:, None]
+    if kind != "bool":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf") if kind == "-inf"
+                                                   else LOWEST)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("front", FRONTS)
+@pytest.mark.parametrize("kind", ["bool", "-inf"])
+def test_right_padded_rows_equal_their_sequence_alone(front, kind):
+    """Real rows: their sequence's bits alone, whatever the padding (one sequence of length 1,
+    whose mask alone would also read as a full one). Pad queries: stock's values (close).
+    Stock SDPA is measured to fail the same check."""
+    seqs = _sequences((5, 9, 1), (0, 0, 0))
+    stock_failures = 0
+    bik.reset_mode_stats()
+    for length in (11, 14):
+        q, k, v, mask = _right_padded(seqs, length, kind)
+        with torch.no_grad():
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            with FRONTS[front]():
+                got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        for i, s in enumerate(seqs):
+            n = s[0].shape[2]
+            assert torch.equal(got[i, :, :n], _alone(s)[0]), (length, i)
+            with torch.no_grad():
+                alone = F.scaled_dot_product_attention(*s, is_causal=True, enable_gqa=True)
+            stock_failures += not torch.equal(want[i, :, :n], alone[0])
+        torch.testing.assert_close(got, want)
+    assert bik.mode_stats().fallbacks == {}
+    assert stock_failures > 0
 
 
 def test_masked_sdpa_under_autograd_falls_back():

@@ -63,7 +63,8 @@ class BikKernels:
     def attention(self, q, k_cache, v_cache, step, scale):
         return bik.attention(q, k_cache, v_cache, cache_seqlens=step.cache_seqlens,
                              cu_seqlens_q=step.cu_seqlens_q, block_table=step.block_table,
-                             scale=scale, backend=self.backend)
+                             scale=scale, max_seqlen_q=step.max_seqlen_q,
+                             max_seqlen_k=step.max_seqlen_k, backend=self.backend)
 
     def __repr__(self) -> str:
         return f"BikKernels(backend={self.backend!r})"

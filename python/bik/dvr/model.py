@@ -113,6 +113,9 @@ class LlamaModel:
         if len(cache.k) != self.config.num_hidden_layers:
             raise ValueError(f"LlamaModel.forward: the cache has {len(cache.k)} layers, the "
                              f"model {self.config.num_hidden_layers}")
+        if step.max_block >= cache.k[0].shape[0]:  # the one slot check, on the host
+            raise ValueError(f"LlamaModel.forward: the step uses block {step.max_block} but the "
+                             f"cache has {cache.k[0].shape[0]} blocks")
         if cache.k[0].dtype != self.dtype:
             raise TypeError(f"LlamaModel.forward: cache dtype {cache.k[0].dtype} differs from "
                             f"the model's {self.dtype}")
@@ -152,7 +155,8 @@ class LlamaModel:
             q = apply_rope(qkv[:, : hq * d].reshape(t, hq, d), cos, sin)
             k = apply_rope(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d), cos, sin)
             v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d).contiguous()
-            bik.write_kv_cache(k_cache, v_cache, k, v, step.slot_mapping)
+            # Checked on the host above (and by build_step): no sync per layer.
+            bik.write_kv_cache(k_cache, v_cache, k, v, step.slot_mapping, validate=False)
             attn = kernels.attention(q, k_cache, v_cache, step, self.scale)
             x = kernels.linear(attn.reshape(t, hq * d), layer.o)
             h, residual = kernels.add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)

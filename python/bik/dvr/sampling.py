@@ -15,7 +15,10 @@ __all__ = ["sample_rows", "verify_windows"]
 
 
 def _param_tensors(params: Sequence[SamplingParams], positions: Sequence[int], device):
+    """The sampler's per-row tensors, and its host metadata: SamplingParams checked its values
+    on the host, so the op need not read them back to check them again."""
     return {
+        "max_top_k": max((max(p.top_k, 0) for p in params), default=0),
         "seed": torch.tensor([p.seed for p in params], dtype=torch.int64, device=device),
         "position": torch.tensor(list(positions), dtype=torch.int64, device=device),
         "temperature": torch.tensor([p.temperature for p in params], dtype=torch.float32,

@@ -22,7 +22,8 @@ class Step:
     """The layout of one forward pass over B sequences and T = sum(q_lens) new tokens.
 
     Device tensors (for the kernels) and host tuples (so that Python code needs no device sync)
-    describe the same layout; :func:`build_step` fills both.
+    describe the same layout; :func:`build_step` fills both. The host side is also the ops'
+    host metadata (max_seqlen_q / max_seqlen_k), so a forward pass reads nothing back.
     """
 
     cu_seqlens_q: torch.Tensor  # int32 [B + 1]
@@ -31,6 +32,15 @@ class Step:
     slot_mapping: torch.Tensor  # int64 [T]; slot = block * block_size + offset of each new token
     q_lens: tuple[int, ...]  # new tokens per sequence (host copy)
     kv_lens: tuple[int, ...]  # == cache_seqlens (host copy)
+    max_block: int = -1  # the largest block id the table uses (host; -1: none)
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(self.q_lens, default=0)
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return max(self.kv_lens, default=0)
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +98,7 @@ def build_step(q_lens: Sequence[int], kv_lens: Sequence[int],
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         q_lens=q_lens,
         kv_lens=kv_lens,
+        max_block=max((int(b) for blocks in block_lists for b in blocks), default=-1),
     )
 
 

@@ -104,21 +104,21 @@ def _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, sto
         his = [h + 1 for h in spans.hi]
         lens_q = [spans.qb[b] - spans.qa[b] for b in seqs]
         lens_k = [his[b] - spans.lo[b] for b in seqs]
-        cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32,
-                            device=q.device)
+        starts = [0, *itertools.accumulate(lens_q)]  # host copies: the op reads nothing back
+        cu_q = torch.tensor(starts, dtype=torch.int32, device=q.device)
         cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32,
                             device=q.device)
         scale_f = 1.0 / math.sqrt(d) if scale is None else float(scale)
         o, s = bik_ops(q, k, v).attention_varlen(
             pack(q, spans.qa, spans.qb), pack(k, spans.lo, his), pack(v, spans.lo, his),
-            cu_q, cu_k, scale_f, spans.causal, backend)
+            cu_q, cu_k, scale_f, spans.causal, backend, max(lens_q), max(lens_k))
         for i, b in enumerate(seqs):
             rows = slice(spans.qa[b], spans.qb[b])
-            out[b, :, rows] = o[cu_q[i]:cu_q[i + 1]].transpose(0, 1)
-            lse[b, :, rows] = s[cu_q[i]:cu_q[i + 1]].transpose(0, 1)
+            out[b, :, rows] = o[starts[i]:starts[i + 1]].transpose(0, 1)
+            lse[b, :, rows] = s[starts[i]:starts[i + 1]].transpose(0, 1)
     mask4 = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     mask4 = mask4.expand(mask4.shape[0], mask4.shape[1], lq, lk)
-    for b, rows in spans.empty_rows:
+    for b, rows in spans.stock_rows:
         m = mask4[min(b, mask4.shape[0] - 1)][:, rows]
         o_rows, s_rows = stock(q[b:b + 1, :, rows], k[b:b + 1], v[b:b + 1], m[None])
         out[b, :, rows], lse[b, :, rows] = o_rows[0], s_rows[0].float()
@@ -130,10 +130,10 @@ def _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, stoc
     if attn_mask is not None and stock is not None:
         return _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, stock)
     lay = attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale)
+    lq, lk = q.shape[2], k.shape[2]
     out, lse = bik_ops(q, k, v).attention_varlen(
         lay.pack(q), lay.pack(k), lay.pack(v), lay.cu_q, lay.cu_k, lay.scale, lay.causal,
-        lay.backend)
-    lq = q.shape[2]
+        lay.backend, lq, lk)  # every sequence has lq queries and lk keys: host metadata
     return lay.unpack(out, lq).contiguous(), lay.unpack(lse, lq)
 
 

@@ -13,10 +13,11 @@ What is served: masks whose rows are, per sequence, one run of keys with a commo
 end that is either common (no causality, or one query) or steps with the query row (causal),
 over a contiguous run of query rows; boolean (True = attend) or additive with 0 for attended
 keys and -inf or the dtype's lowest value for masked ones; broadcast over heads or equal across
-them. Anything else is a counted, warned fallback to the stock kernel. Query rows that see no
-key (the pad queries of left padding) run the stock kernel on their own: their values are
-torch's (zeros under a boolean or -inf mask, the average of V under a finite one) and no real
-row depends on them.
+them. Anything else is a counted, warned fallback to the stock kernel. Pad queries run the
+stock kernel on their own: under left padding they see no key, and their values are torch's
+(zeros under a boolean or -inf mask, the average of V under a finite one); under right padding
+(a causal ramp, then rows past the sequence's end that see all of its keys) they are torch's
+attention over those keys. No real row depends on a pad query.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class PaddedSpans(NamedTuple):
     lo: list[int]
     hi: list[int]
     causal: bool  # bik's bottom-right causal rule on the compacted sequences
-    empty_rows: list[tuple[int, list[int]]]  # (b, query rows that see no key)
+    # (b, query rows the stock kernel runs alone): rows that see no key (left padding's pad
+    # queries) and right padding's pad queries past a sequence's end. No real row reads them.
+    stock_rows: list[tuple[int, list[int]]]
 
 
 class MaskNotServed(Exception):
@@ -75,33 +78,52 @@ def padded_spans(mask: torch.Tensor, nb: int, lq: int, lk: int) -> PaddedSpans:
     if not bool((count == 0).logical_or(count == last - first + 1).all()):
         raise MaskNotServed("an attn_mask whose rows are not one run of keys")
     count, first, last = count.tolist(), first.tolist(), last.tolist()
-    qa, qb, lo, hi, empty = [], [], [], [], []
-    kinds = set()
-    for b in range(nb):
-        rows = [j for j in range(lq) if count[b][j]]
-        missing = [j for j in range(lq) if not count[b][j]]
-        if missing:
-            empty.append((b, missing))
-        if not rows:
-            qa.append(0), qb.append(0), lo.append(0), hi.append(-1)
-            continue
-        a, z = rows[0], rows[-1] + 1
-        if len(rows) != z - a:
-            raise MaskNotServed("an attn_mask whose real query rows are not contiguous")
-        starts = {first[b][j] for j in rows}
-        if len(starts) != 1:
-            raise MaskNotServed("an attn_mask whose rows start at different keys")
-        ends = [last[b][j] for j in rows]
-        if z - a > 1:
-            if all(e == ends[-1] for e in ends):
-                kinds.add("full")
-            elif all(ends[i] == ends[-1] - (len(ends) - 1 - i) for i in range(len(ends))):
-                kinds.add("causal")
-            else:
-                raise MaskNotServed("an attn_mask that is neither causal nor full per sequence")
-        if z - a > ends[-1] - first[b][a] + 1:
+    seqs = [_sequence_rows(count[b], first[b], last[b]) for b in range(nb)]
+    causal = any(r.kind in ("causal", "tail") for r in seqs)
+    qa, qb, lo, hi, stock = [], [], [], [], []
+    for b, r in enumerate(seqs):
+        # Real queries: the ramp when the rows after it are right padding's pad queries.
+        padded = r.kind == "tail" or (r.kind == "ambiguous" and causal)
+        real = r.ramp if padded else len(r.ends)
+        end = r.ends[real - 1] if real else -1
+        if real > end - r.start + 1:
             raise MaskNotServed("more real queries than keys in a sequence")
-        qa.append(a), qb.append(z), lo.append(first[b][a]), hi.append(ends[-1])
-    if len(kinds) > 1:
-        raise MaskNotServed("an attn_mask causal for some sequences and full for others")
-    return PaddedSpans(qa, qb, lo, hi, "causal" in kinds, empty)
+        rest = r.missing + list(range(r.a + real, r.a + len(r.ends)))
+        if rest:
+            stock.append((b, sorted(rest)))
+        qa.append(r.a), qb.append(r.a + real), lo.append(r.start), hi.append(end)
+    return PaddedSpans(qa, qb, lo, hi, causal, stock)
+
+
+class _Rows(NamedTuple):
+    kind: str
+    a: int  # first query row that sees a key
+    ramp: int  # rows from a whose last key steps by one
+    start: int  # their common first key
+    ends: list[int]  # the last key of each row a, a+1, ...
+    missing: list[int]  # rows that see no key
+
+
+def _sequence_rows(count: list[int], first: list[int], last: list[int]) -> _Rows:
+    """One sequence's mask rows. kind: "empty" (no row sees a key), "one" (one row does),
+    "causal" (every row's end steps by one), "tail" (a causal ramp, then rows that see the
+    ramp's keys: right padding's pad queries), "ambiguous" (several rows with one common end:
+    a full mask, or one real query and right padding; the other sequences decide)."""
+    rows = [j for j, c in enumerate(count) if c]
+    missing = [j for j, c in enumerate(count) if not c]
+    if not rows:
+        return _Rows("empty", 0, 0, 0, [], missing)
+    a, z = rows[0], rows[-1] + 1
+    if len(rows) != z - a:
+        raise MaskNotServed("an attn_mask whose real query rows are not contiguous")
+    if len({first[j] for j in rows}) != 1:
+        raise MaskNotServed("an attn_mask whose rows start at different keys")
+    ends = [last[j] for j in rows]
+    ramp = 1
+    while ramp < len(ends) and ends[ramp] == ends[ramp - 1] + 1:
+        ramp += 1
+    if any(e != ends[ramp - 1] for e in ends[ramp:]):
+        raise MaskNotServed("an attn_mask that is neither causal nor full per sequence")
+    kinds = {len(ends): "causal", 1: "ambiguous"}
+    kind = "one" if len(ends) == 1 else kinds.get(ramp, "tail")
+    return _Rows(kind, a, ramp, first[a], ends, missing)

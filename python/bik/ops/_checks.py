@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from bik._dtypes import SUPPORTED_DTYPES, dtype_name
 
 FP32_MAX = torch.finfo(torch.float32).max  # eps is used in fp32
+
+# BIK_DEBUG_CHECKS=1: the ops check device data (lengths, pages, slots, sampling parameters)
+# even when the caller passed host metadata, and check that metadata against it. Each such
+# check reads from the device, so this is for debugging, not for CUDA graph capture.
+_DEBUG_CHECKS = os.environ.get("BIK_DEBUG_CHECKS", "") not in ("", "0")
+
+
+def debug_checks() -> bool:
+    """Whether BIK_DEBUG_CHECKS asked for the device-data checks despite host metadata."""
+    return _DEBUG_CHECKS
 
 
 def check_tensor(op: str, name: str, t: object, ndim: int | None = None) -> torch.Tensor:

@@ -3,7 +3,6 @@ host side of the two GPU launchers (:func:`run_on_gpu`)."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -31,10 +30,10 @@ class Problem(NamedTuple):
     k: torch.Tensor  # the keys as laid out by ``layout`` (cache or varlen)
     v: torch.Tensor
     layout: Layout
-    cu: list[int]  # host copy of cu_seqlens_q
-    lens: list[int]  # host copy of the key count of each sequence
     cu_q: torch.Tensor  # cu_seqlens_q on the device
     seqlens_k: torch.Tensor  # the key counts on the device
+    max_q_len: int  # host bounds: no sequence has more queries / keys (the launch grid)
+    max_k_len: int
     scale: float
     causal: bool
 
@@ -50,11 +49,10 @@ def run_on_gpu(label: str, backend: str, head_dims: tuple[int, ...], launch: Cal
     q = p.q if p.q.stride(-1) == 1 else p.q.contiguous()
     out = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((total_q, hq), dtype=torch.float32, device=q.device)
-    q_lens = [b - a for a, b in itertools.pairwise(p.cu)]
     lay = p.layout
     launch(q, p.k, p.v, out, lse, cu_q=p.cu_q.to(torch.int32),
            seqlens_k=p.seqlens_k.to(torch.int32), table=lay.table, base=lay.base,
            block_size=lay.block_size, stride_page=lay.stride_page, stride_tok=lay.stride_tok,
-           max_q_len=max(q_lens, default=0), max_k_len=max(p.lens, default=0), scale=p.scale,
+           max_q_len=p.max_q_len, max_k_len=p.max_k_len, scale=p.scale,
            causal=p.causal)
     return out, lse

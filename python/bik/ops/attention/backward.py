@@ -151,7 +151,7 @@ def attention_varlen_grads(grad_out, grad_lse, q, k, v, out, lse, *, cu_seqlens_
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, scale, causal, backend = inputs
+    q, k, v, cu_q, cu_k, scale, causal, backend = inputs[:8]  # then the host bounds
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
     ctx.scale, ctx.causal, ctx.backend = scale, causal, backend
 
@@ -160,11 +160,11 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     if not any(need):
-        return (None,) * 8
+        return (None,) * 10
     grads = attention_varlen_grads(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q=cu_q,
                                    cu_seqlens_k=cu_k, scale=ctx.scale, causal=ctx.causal,
                                    backend=ctx.backend)
-    return (*(g if n else None for g, n in zip(grads, need)), None, None, None, None, None)
+    return (*(g if n else None for g, n in zip(grads, need)), *(None,) * 7)
 
 
 torch.library.register_autograd("bik::attention_varlen", _backward, setup_context=_setup)

@@ -8,8 +8,6 @@ page size.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from bik.configs import CPU_ATTENTION_SPLIT
@@ -27,7 +25,7 @@ def attention_f32(
     v: torch.Tensor,
     key_offsets: torch.Tensor,
     cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
+    seqlens_k: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
@@ -41,74 +39,81 @@ def attention_f32(
 
     q: fp32 [total_q, Hq, D], unit stride along D. k, v: fp32, unit stride along D, the same
     strides; key t of sequence b, KV head h starts at element
-    ``key_offsets[cu_k[b] + t] + h * k.stride(-2)`` of each (so pages may lie anywhere).
-    key_offsets [cu_k[B]], cu_q [B + 1], cu_k [B + 1]: int64 contiguous, already checked
-    (cu_k[b+1] - cu_k[b] >= the q_len of b, every offset inside k). out: fp32 [total_q, Hq, D]
-    and lse: fp32 [total_q, Hq], contiguous. ``scale_log2e`` is rounded to fp32. num_threads
-    (default torch.get_num_threads()) and ``isa`` change speed only.
+    ``key_offsets[b, t] + h * k.stride(-2)`` of each (so pages may lie anywhere).
+    key_offsets [B, max_seqlen_k], cu_q [B + 1], seqlens_k [B]: int64 contiguous. The kernel
+    checks them before reading through them (ValueError: cu_q must start at 0, never decrease
+    and end at total_q; q_len <= seqlens_k[b] <= max_seqlen_k; every used offset inside k),
+    so no caller needs to read them in Python. out: fp32 [total_q, Hq, D] and lse: fp32
+    [total_q, Hq], contiguous. ``scale_log2e`` is rounded to fp32. num_threads (default
+    torch.get_num_threads()) and ``isa`` change speed only.
     """
     ext = cpu_ext.require()
-    if not hasattr(ext, "attention_f32"):
-        raise RuntimeError("bik's CPU extension predates attention_f32; rebuild it (`python "
-                           "setup.py build_ext --inplace` in a checkout, or reinstall bik)")
     total_q, hq, d = q.shape
     hkv = k.shape[-2]
     assert q.dtype == k.dtype == v.dtype == out.dtype == lse.dtype == torch.float32
     assert k.stride() == v.stride() and (d <= 1 or (q.stride(2) == 1 and k.stride(-1) == 1))
     assert out.shape == q.shape and out.is_contiguous() and lse.shape == (total_q, hq)
-    assert lse.is_contiguous() and hq % hkv == 0 and cu_q.shape == cu_k.shape
-    for t in (key_offsets, cu_q, cu_k):
+    assert lse.is_contiguous() and hq % hkv == 0 and cu_q.shape[0] == seqlens_k.shape[0] + 1
+    assert key_offsets.dim() == 2 and key_offsets.shape[0] == seqlens_k.shape[0]
+    for t in (key_offsets, cu_q, seqlens_k):
         assert t.dtype == torch.int64 and t.is_contiguous()
+    # Floats reachable from k's first element (v has the same strides; the smaller extent).
+    extent = min(t.untyped_storage().nbytes() // 4 - t.storage_offset() for t in (k, v))
     ext.attention_f32(
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
-        key_offsets.data_ptr(), k.stride(-2), cu_q.data_ptr(), cu_k.data_ptr(),
-        cu_k.shape[0] - 1, hq, hkv, d, split, float(scale_log2e), bool(causal),
-        out.data_ptr(), lse.data_ptr(),
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), extent,
+        key_offsets.data_ptr(), key_offsets.shape[1], k.stride(-2), cu_q.data_ptr(),
+        seqlens_k.data_ptr(), seqlens_k.shape[0], total_q, hq, hkv, d, split,
+        float(scale_log2e), bool(causal), out.data_ptr(), lse.data_ptr(),
         torch.get_num_threads() if num_threads is None else num_threads, isa,
     )  # fmt: skip
 
 
-def cpu_keys(k: torch.Tensor, v: torch.Tensor, seqlens_k: list[int], *,
+def cpu_keys(k: torch.Tensor, v: torch.Tensor, seqlens_k: torch.Tensor, max_seqlen_k: int, *,
              table: torch.Tensor | None, base: torch.Tensor | None):
-    """(k32, v32, key_offsets) for :func:`attention_cpu`, from the inputs of
-    :func:`reference_keys`: key t of sequence b at element ``key_offsets[cu_k[b] + t]`` of
-    k32/v32 (cu_k the prefix sums of seqlens_k), computed for all sequences at once. fp32
-    inputs are read in place (the kernel follows the offsets page by page); 16-bit ones are
-    gathered in one index op into fp32 [sum(seqlens_k), Hkv, D] (exact copies)."""
+    """(k32, v32, key_offsets [B, max_seqlen_k]) for :func:`attention_cpu`, from the inputs of
+    :func:`reference_keys`: key t of sequence b at element ``key_offsets[b, t]`` of k32/v32.
+    Shape arithmetic only: nothing is read back from the lengths. fp32 inputs are read in place
+    (the kernel follows the offsets page by page); 16-bit ones are gathered in one index op
+    into fp32 [B * max_seqlen_k, Hkv, D] (exact copies; a slot past a sequence's length copies
+    row 0 and is never read)."""
     wide = k.dtype == torch.float32
-    n_seq, max_len = len(seqlens_k), max(seqlens_k, default=0)
+    n_seq, max_len = seqlens_k.shape[0], max_seqlen_k
     pos = torch.arange(max_len)
     if table is not None:  # [B, max_len]: each sequence's keys, as offsets (fp32) or rows
-        block, pages = k.shape[1], -(-max_len // k.shape[1])
+        block = k.shape[1]
+        pages = min(-(-max_len // block), table.shape[1])
         page = table[:, :pages].long() * (k.stride(0) if wide else block)
         within = torch.arange(block) * (k.stride(1) if wide else 1)
-        at = (page[:, :, None] + within).view(n_seq, pages * block)[:, :max_len]
+        at = (page[:, :, None] + within).reshape(n_seq, pages * block)[:, :max_len]
     elif wide:
         at = base.long()[:, None] + pos * k.stride(-3)
     elif k.dim() == 4:
         at = (torch.arange(n_seq) * k.shape[1])[:, None] + pos
     else:
         at = (base.long() // k.stride(0))[:, None] + pos
-    if min(seqlens_k, default=0) == max_len:
-        at = at.reshape(-1)
-    else:
-        at = at[pos < torch.tensor(seqlens_k)[:, None]]
+    at = at.contiguous()
     if wide:
         return k, v, at
     hkv, d = k.shape[-2], k.shape[-1]
-    k32 = k.reshape(-1, hkv, d).index_select(0, at).float()
-    v32 = v.reshape(-1, hkv, d).index_select(0, at).float()
-    return k32, v32, torch.arange(at.shape[0]) * (hkv * d)
+    rows = torch.where(pos < seqlens_k[:, None], at, 0).reshape(-1)
+    try:
+        k32 = k.reshape(-1, hkv, d).index_select(0, rows).float()
+        v32 = v.reshape(-1, hkv, d).index_select(0, rows).float()
+    except IndexError as e:  # only a used key can point outside (a bad block_table entry)
+        raise ValueError(f"a key lies outside the cache (a block_table entry out of range?): "
+                         f"{e}") from None
+    return k32, v32, torch.arange(at.numel()).view(at.shape) * (hkv * d)
 
 
 def attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                  key_offsets: torch.Tensor, cu_q: list[int], seqlens_k: list[int],
+                  key_offsets: torch.Tensor, cu_q: torch.Tensor, seqlens_k: torch.Tensor,
                   scale: float, causal: bool, num_threads: int | None = None):
     """The C++ kernel, with the bits of :func:`attention_cpu_reference`.
 
-    q [total_q, Hq, D] (fp32/bf16/fp16); k, v and key_offsets from :func:`cpu_keys`. Lengths
-    are checked by the op. Returns (out [total_q, Hq, D] in q.dtype, lse [total_q, Hq] fp32,
-    natural log). num_threads (default torch.get_num_threads()) changes speed only.
+    q [total_q, Hq, D] (fp32/bf16/fp16); k, v and key_offsets from :func:`cpu_keys`; cu_q
+    [B + 1] and seqlens_k [B] int tensors, checked by the kernel (ValueError). Returns
+    (out [total_q, Hq, D] in q.dtype, lse [total_q, Hq] fp32, natural log). num_threads
+    (default torch.get_num_threads()) changes speed only.
     """
     total_q, hq, d = q.shape
     q32 = q.float()
@@ -116,18 +121,19 @@ def attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         q32 = q32.contiguous()
     out = torch.empty((total_q, hq, d), dtype=torch.float32)
     lse = torch.empty((total_q, hq), dtype=torch.float32)
-    if total_q:
-        cu_k = [0, *itertools.accumulate(seqlens_k)]
-        attention_f32(
-            q32, k, v, key_offsets, torch.tensor(cu_q, dtype=torch.int64),
-            torch.tensor(cu_k, dtype=torch.int64), out, lse, split=CPU_ATTENTION_SPLIT,
-            scale_log2e=scale * LOG2E, causal=causal, num_threads=num_threads)
+    attention_f32(
+        q32, k, v, key_offsets, cu_q.to(torch.int64).contiguous(),
+        seqlens_k.to(torch.int64).contiguous(), out, lse, split=CPU_ATTENTION_SPLIT,
+        scale_log2e=scale * LOG2E, causal=causal, num_threads=num_threads)
     return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
 
 
 def run_attention(label: str, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's entry point on this backend (see bik/ops/attention/_layout.py)."""
-    del label  # every head_dim runs on the CPU
-    k32, v32, offsets = cpu_keys(p.k, p.v, p.lens, table=p.layout.table, base=p.layout.base)
-    return attention_cpu(p.q, k32, v32, key_offsets=offsets, cu_q=p.cu, seqlens_k=p.lens,
-                         scale=p.scale, causal=p.causal)
+    try:
+        k32, v32, offsets = cpu_keys(p.k, p.v, p.seqlens_k, p.max_k_len, table=p.layout.table,
+                                     base=p.layout.base)
+        return attention_cpu(p.q, k32, v32, key_offsets=offsets, cu_q=p.cu_q,
+                             seqlens_k=p.seqlens_k, scale=p.scale, causal=p.causal)
+    except ValueError as e:  # the kernel's own checks of the lengths and pages
+        raise ValueError(f"{label}: {e}") from None

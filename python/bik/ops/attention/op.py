@@ -15,22 +15,26 @@ from typing import NamedTuple
 
 import torch
 
-from bik.ops._checks import check_float_dtype, check_same_device, check_tensor
+from bik.ops._checks import check_float_dtype, check_same_device, check_tensor, debug_checks
 from bik.ops._registry import define, documented, implementation, resolve_backend
 from bik.ops.attention._layout import Layout, Problem
 
-__all__ = ["AttentionOutput", "attention", "attention_varlen", "write_kv_cache"]
+__all__ = ["AttentionOutput", "AttentionPlan", "attention", "attention_varlen", "plan_attention",
+           "plan_attention_varlen", "write_kv_cache"]
 
 # Every backend module (triton.py, cuda.py, cpu.py) defines run_attention(label, Problem)
 # (bik/ops/attention/_layout.py).
 define("attention",
        "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor cu_seqlens_q, "
-       "Tensor? block_table, float scale, bool causal, str backend) -> Tensor")
+       "Tensor? block_table, float scale, bool causal, str backend, int? max_seqlen_q=None, "
+       "int? max_seqlen_k=None) -> Tensor")
 define("attention_varlen",
        "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, "
-       "bool causal, str backend) -> (Tensor, Tensor)")
+       "bool causal, str backend, int? max_seqlen_q=None, int? max_seqlen_k=None) "
+       "-> (Tensor, Tensor)")
 define("write_kv_cache",
-       "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()")
+       "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping, "
+       "bool validate=True) -> ()")
 
 
 class AttentionOutput(NamedTuple):
@@ -74,7 +78,7 @@ def check_cu_seqlens(op: str, name: str, cu: list[int], total: int, total_name: 
                          f"{total_name} = {total}; got {cu}")
 
 
-def _host_lengths(op: str, cu_q, seqlens_k, total_q: int, capacity) -> tuple[list, list]:
+def _read_lengths(op: str, cu_q, seqlens_k, total_q: int, capacity: int) -> tuple[list, list]:
     """Copy the lengths to the host once and check them (bad lengths would read out of bounds)."""
     cu = cu_q.tolist()
     lens = seqlens_k.tolist()
@@ -84,8 +88,8 @@ def _host_lengths(op: str, cu_q, seqlens_k, total_q: int, capacity) -> tuple[lis
         if length < q_len:
             raise ValueError(f"{op}: sequence {b} has cache_seqlens {length} < q_len {q_len}; "
                              f"its new tokens' K/V must already be in the cache")
-        if capacity is not None and length > capacity(b):
-            raise ValueError(f"{op}: sequence {b} has {length} keys but room for {capacity(b)}")
+        if length > capacity:
+            raise ValueError(f"{op}: sequence {b} has {length} keys but room for {capacity}")
     return cu, lens
 
 
@@ -98,8 +102,48 @@ def _check_scale(op: str, scale: float) -> None:
         raise ValueError(f"{op}: scale must be finite, got {scale}")
 
 
+class AttentionPlan(NamedTuple):
+    """Host metadata for one step's attention calls (see :func:`plan_attention`)."""
+
+    max_seqlen_q: int  # no sequence has more new tokens
+    max_seqlen_k: int  # no sequence has more keys (new tokens included)
+
+
+def _given_bounds(op: str, max_seqlen_q, max_seqlen_k, capacity: int):
+    """The caller's host metadata, checked against the shapes (no device data): None when it
+    passed none. Both or neither: one alone would still need a read for the other."""
+    if max_seqlen_q is None and max_seqlen_k is None:
+        return None
+    if max_seqlen_q is None or max_seqlen_k is None:
+        raise ValueError(f"{op}: pass both max_seqlen_q and max_seqlen_k (host ints) or "
+                         f"neither; got max_seqlen_q={max_seqlen_q}, "
+                         f"max_seqlen_k={max_seqlen_k}")
+    if not 0 <= max_seqlen_q <= max_seqlen_k:
+        raise ValueError(f"{op}: need 0 <= max_seqlen_q <= max_seqlen_k; got max_seqlen_q="
+                         f"{max_seqlen_q}, max_seqlen_k={max_seqlen_k}")
+    if max_seqlen_k > capacity:
+        raise ValueError(f"{op}: max_seqlen_k={max_seqlen_k} exceeds the room for {capacity} "
+                         f"keys per sequence")
+    return AttentionPlan(max_seqlen_q, max_seqlen_k)
+
+
+def _bounds(op: str, given: AttentionPlan | None, cu: list[int], lens: list[int]):
+    """The launch bounds: the caller's (checked against the lengths read in debug mode), else
+    the lengths' own maxima."""
+    q_max = max((b - a for a, b in itertools.pairwise(cu)), default=0)
+    k_max = max(lens, default=0)
+    if given is None:
+        return AttentionPlan(q_max, k_max)
+    if q_max > given.max_seqlen_q or k_max > given.max_seqlen_k:
+        raise ValueError(f"{op}: the host metadata max_seqlen_q={given.max_seqlen_q} / "
+                         f"max_seqlen_k={given.max_seqlen_k} is below the lengths' maxima "
+                         f"{q_max} / {k_max} (BIK_DEBUG_CHECKS found it)")
+    return given
+
+
 def _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
-    """Validate a (paged or contiguous) cache call; return (layout, cu, lens)."""
+    """Shape checks of a (paged or contiguous) cache call; (layout, room for keys per sequence).
+    Reads no device data."""
     n_seq = cache_seqlens.shape[0]
     _int_vector(op, "cache_seqlens", cache_seqlens)
     _int_vector(op, "cu_seqlens_q", cu_seqlens_q, n_seq + 1)
@@ -109,20 +153,20 @@ def _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
         if k_cache.shape[0] != n_seq:
             raise ValueError(f"{op}: a contiguous cache {list(k_cache.shape)} needs one row per "
                              f"sequence ({n_seq})")
-        max_len = k_cache.shape[1]
         base = torch.arange(n_seq, dtype=torch.int64, device=q.device) * k_cache.stride(0)
-        layout = Layout(None, base, max_len, 0, k_cache.stride(1))
-        capacity = lambda b: max_len
-        cu, lens = _host_lengths(op, cu_seqlens_q, cache_seqlens, q.shape[0], capacity)
-        return layout, cu, lens
+        return Layout(None, base, k_cache.shape[1], 0, k_cache.stride(1)), k_cache.shape[1]
     check_tensor(op, "block_table", block_table, 2)
     if block_table.dtype not in (torch.int32, torch.int64) or block_table.shape[0] != n_seq:
         raise ValueError(f"{op}: block_table must be int32/int64 [B={n_seq}, max_blocks], got "
                          f"{list(block_table.shape)} {block_table.dtype}")
-    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    capacity = lambda b: block_table.shape[1] * block_size
-    cu, lens = _host_lengths(op, cu_seqlens_q, cache_seqlens, q.shape[0], capacity)
-    # One vectorised check (one host sync) over the pages each sequence actually uses.
+    block_size = k_cache.shape[1]
+    table = block_table.to(torch.int32).contiguous()
+    layout = Layout(table, None, block_size, k_cache.stride(0), k_cache.stride(1))
+    return layout, block_table.shape[1] * block_size
+
+
+def _check_pages(op: str, block_table, lens: list[int], num_blocks: int, block_size: int):
+    """Every page a sequence uses lies inside the cache: one vectorised check (one host sync)."""
     pages = torch.tensor([-(-n // block_size) for n in lens], device=block_table.device)
     used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages[:, None]
     outside = used & ((block_table < 0) | (block_table >= num_blocks))
@@ -131,28 +175,41 @@ def _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
         b = bad_rows[0]
         raise ValueError(f"{op}: block_table row {b} points outside the cache's {num_blocks} "
                          f"blocks: {block_table[b, : int(pages[b])].tolist()}")
-    table = block_table.to(torch.int32).contiguous()
-    return Layout(table, None, block_size, k_cache.stride(0), k_cache.stride(1)), cu, lens
 
 
-@torch.library.impl("bik::attention", ("cpu", "cuda"))
-def _attention_impl(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, scale, causal,
-                    backend):
-    op = "bik.attention"
+def _cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, scale,
+                max_seqlen_q, max_seqlen_k):
+    """Every check of a bik::attention call; (layout, bounds). With host metadata it reads no
+    device data (unless BIK_DEBUG_CHECKS=1); without, it reads the lengths once."""
     _check_qkv(op, q, k_cache, v_cache, 4)
     check_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                       cu_seqlens_q=cu_seqlens_q, block_table=block_table)
     _check_scale(op, scale)
+    layout, capacity = _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table)
+    given = _given_bounds(op, max_seqlen_q, max_seqlen_k, capacity)
+    if given is not None and not debug_checks():
+        return layout, given
+    cu, lens = _read_lengths(op, cu_seqlens_q, cache_seqlens, q.shape[0], capacity)
+    if block_table is not None:
+        _check_pages(op, block_table, lens, k_cache.shape[0], k_cache.shape[1])
+    return layout, _bounds(op, given, cu, lens)
+
+
+@torch.library.impl("bik::attention", ("cpu", "cuda"))
+def _attention_impl(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, scale, causal,
+                    backend, max_seqlen_q=None, max_seqlen_k=None):
+    op = "bik.attention"
     run_attention = implementation("attention", backend, q.device, label=op)
-    layout, cu, lens = _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table)
-    problem = Problem(q, k_cache, v_cache, layout, cu, lens, cu_seqlens_q, cache_seqlens, scale,
+    layout, bounds = _cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q,
+                                 block_table, scale, max_seqlen_q, max_seqlen_k)
+    problem = Problem(q, k_cache, v_cache, layout, cu_seqlens_q, cache_seqlens, *bounds, scale,
                       causal)
     return run_attention(op, problem)[0]
 
 
 @torch.library.register_fake("bik::attention")
 def _attention_fake(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, scale, causal,
-                    backend):
+                    backend, max_seqlen_q=None, max_seqlen_k=None):
     _check_qkv("bik.attention", q, k_cache, v_cache, 4)
     check_same_device("bik.attention", q=q, k_cache=k_cache, v_cache=v_cache,
                       cache_seqlens=cache_seqlens, cu_seqlens_q=cu_seqlens_q,
@@ -160,29 +217,41 @@ def _attention_fake(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_tabl
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-@torch.library.impl("bik::attention_varlen", ("cpu", "cuda"))
-def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, backend):
-    op = "bik.attention_varlen"
+def _varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k):
+    """Every check of a bik::attention_varlen call; (seqlens_k on the device, bounds). Reads
+    no device data with host metadata (unless BIK_DEBUG_CHECKS=1), else the lengths once."""
     _check_qkv(op, q, k, v, 3)
     check_same_device(op, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _check_scale(op, scale)
-    run_attention = implementation("attention_varlen", backend, q.device, label=op)
     _int_vector(op, "cu_seqlens_k", cu_seqlens_k)
     _int_vector(op, "cu_seqlens_q", cu_seqlens_q, cu_seqlens_k.shape[0])
     if k.stride(-1) != 1:
         raise ValueError(f"{op}: k/v need unit stride along head_dim")
-    cu_k = cu_seqlens_k.tolist()
-    check_cu_seqlens(op, "cu_seqlens_k", cu_k, k.shape[0], "total_k")
     seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    cu, lens = _host_lengths(op, cu_seqlens_q, seqlens_k, q.shape[0], None)
+    given = _given_bounds(op, max_seqlen_q, max_seqlen_k, k.shape[0])
+    if given is not None and not debug_checks():
+        return seqlens_k, given
+    check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k.tolist(), k.shape[0], "total_k")
+    cu, lens = _read_lengths(op, cu_seqlens_q, seqlens_k, q.shape[0], k.shape[0])
+    return seqlens_k, _bounds(op, given, cu, lens)
+
+
+@torch.library.impl("bik::attention_varlen", ("cpu", "cuda"))
+def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, backend,
+                           max_seqlen_q=None, max_seqlen_k=None):
+    op = "bik.attention_varlen"
+    run_attention = implementation("attention_varlen", backend, q.device, label=op)
+    seqlens_k, bounds = _varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale,
+                                     max_seqlen_q, max_seqlen_k)
     base = cu_seqlens_k[:-1].to(torch.int64) * k.stride(0)
     layout = Layout(None, base, 1, 0, k.stride(0))
-    return run_attention(op, Problem(q, k, v, layout, cu, lens, cu_seqlens_q, seqlens_k, scale,
+    return run_attention(op, Problem(q, k, v, layout, cu_seqlens_q, seqlens_k, *bounds, scale,
                                      causal))
 
 
 @torch.library.register_fake("bik::attention_varlen")
-def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, backend):
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, backend,
+                           max_seqlen_q=None, max_seqlen_k=None):
     _check_qkv("bik.attention_varlen", q, k, v, 3)
     check_same_device("bik.attention_varlen", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
                       cu_seqlens_k=cu_seqlens_k)
@@ -191,15 +260,24 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, b
 
 
 @torch.library.impl("bik::write_kv_cache", ("cpu", "cuda"))
-def _write_kv_cache_impl(k_cache, v_cache, k, v, slot_mapping):
+def _write_kv_cache_impl(k_cache, v_cache, k, v, slot_mapping, validate=True):
     op = "bik.write_kv_cache"
     _check_kv_write(op, k_cache, v_cache, k, v, slot_mapping)
-    slots = slot_mapping.long()
-    keep = slots >= 0  # negative slots mark padding tokens, which are not written
     hkv, d = k_cache.shape[-2], k_cache.shape[-1]
     n_slots = k_cache.numel() // (hkv * d)
-    if slots.numel() and int(slots.max()) >= n_slots:
-        raise ValueError(f"{op}: slot {int(slots.max())} is outside the cache's {n_slots} slots")
+    if (validate or debug_checks()) and slot_mapping.numel():
+        top = int(slot_mapping.max())  # the one host sync of a validated call
+        if top >= n_slots:
+            raise ValueError(f"{op}: slot {top} is outside the cache's {n_slots} slots")
+    if k_cache.device.type != "cpu":
+        from bik.ops.attention.kv_cache_triton import write_rows_triton
+
+        write_rows_triton(k_cache, v_cache, k, v, slot_mapping)
+        return
+    slots = slot_mapping.long()
+    keep = slots >= 0  # negative slots mark padding tokens, which are not written
+    if not validate:  # unchecked slots past the cache are skipped, as the GPU kernel does
+        keep &= slots < n_slots
     for cache, new in ((k_cache, k), (v_cache, v)):
         flat = cache.view(-1, hkv, d)  # a view: the write lands in the caller's cache
         flat.index_copy_(0, slots[keep], new[keep])
@@ -226,15 +304,24 @@ def _check_kv_write(op, k_cache, v_cache, k, v, slot_mapping):
 
 
 @torch.library.register_fake("bik::write_kv_cache")
-def _write_kv_cache_fake(k_cache, v_cache, k, v, slot_mapping):
+def _write_kv_cache_fake(k_cache, v_cache, k, v, slot_mapping, validate=True):
     _check_kv_write("bik.write_kv_cache", k_cache, v_cache, k, v, slot_mapping)
+
+
+_HOST_METADATA_DOC = """max_seqlen_q, max_seqlen_k: host ints, upper bounds on any sequence's new tokens and
+            keys (both or neither). Given, the op reads nothing back from the device, so the
+            call can be captured in a CUDA graph; it trusts them (the CPU kernel still checks
+            every length and page itself) — check them once per step with
+            :func:`plan_attention` or set BIK_DEBUG_CHECKS=1. Larger bounds never change the
+            bits. Not given, one host sync per call reads and checks the lengths."""
 
 
 @documented("attention")
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
               cache_seqlens: torch.Tensor, cu_seqlens_q: torch.Tensor,
               block_table: torch.Tensor | None = None, scale: float | None = None,
-              causal: bool = True, backend: str | None = None) -> torch.Tensor:
+              causal: bool = True, max_seqlen_q: int | None = None,
+              max_seqlen_k: int | None = None, backend: str | None = None) -> torch.Tensor:
     """Batch-invariant attention over a KV cache for prefill, chunked prefill, decode and verify.
 
     Args:
@@ -246,24 +333,27 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
         cache_seqlens: int [B], keys per sequence (including the new tokens).
         cu_seqlens_q: int [B + 1].
         scale: default 1/sqrt(D). causal: mask by absolute position.
+        {host_metadata}
         backend: {backends}
 
     Returns:
         [total_q, Hq, D] in q.dtype. The bits for (sequence, absolute position, head) do not
         depend on the batch, on the sequence's row, on how its tokens were chunked into calls,
-        or on the page size. One host sync per call reads the lengths.
+        or on the page size.
     """
     op = "bik.attention"
     check_tensor(op, "q", q, 3)
     backend = resolve_backend("attention", backend, q.device)
     return torch.ops.bik.attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
-                                   _scale(scale, q.shape[-1]), bool(causal), backend)
+                                   _scale(scale, q.shape[-1]), bool(causal), backend,
+                                   max_seqlen_q, max_seqlen_k)
 
 
 @documented("attention_varlen")
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      scale: float | None = None, causal: bool = True,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                      backend: str | None = None) -> AttentionOutput:
     """Packed varlen attention without a cache: q [total_q, Hq, D], k/v [total_k, Hkv, D].
 
@@ -273,22 +363,56 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     backward (``.backward()`` through out and lse) is batch-invariant too.
 
     Args:
+        {host_metadata}
         backend: {backends}
     """
     op = "bik.attention_varlen"
     check_tensor(op, "q", q, 3)
     backend = resolve_backend("attention_varlen", backend, q.device)
     out, lse = torch.ops.bik.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                              _scale(scale, q.shape[-1]), bool(causal), backend)
+                                              _scale(scale, q.shape[-1]), bool(causal), backend,
+                                              max_seqlen_q, max_seqlen_k)
     return AttentionOutput(out, lse)
 
 
+def plan_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                   cache_seqlens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   block_table: torch.Tensor | None = None) -> AttentionPlan:
+    """Check one step's :func:`attention` metadata once and return its host bounds.
+
+    Every check a call without host metadata makes (lengths, cu_seqlens_q, pages inside the
+    cache), at the cost of one host sync; run it outside CUDA graph capture, once per step, and
+    pass ``**plan._asdict()`` to that step's attention calls (every layer shares it).
+    """
+    op = "bik.plan_attention"
+    _, bounds = _cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
+                            1.0, None, None)
+    return bounds
+
+
+def plan_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                          cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor) -> AttentionPlan:
+    """:func:`plan_attention` for :func:`attention_varlen`."""
+    op = "bik.plan_attention_varlen"
+    return _varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, 1.0, None, None)[1]
+
+
 def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   v: torch.Tensor, slot_mapping: torch.Tensor, *,
+                   validate: bool = True) -> None:
     """Write new K/V rows [tokens, Hkv, D] into the caches in place.
 
     Slot s is row ``s`` of the cache viewed as [-1, Hkv, D]: for a paged cache
     s = block * block_size + offset, for a contiguous one s = b * max_len + position.
     Negative slots (padding) are skipped. Pure data movement: it cannot change any bits.
+    ``validate`` (default) checks every slot is inside the cache, one host sync; with
+    ``validate=False`` nothing is read back (CUDA-graph safe) and a slot past the cache is
+    skipped — check the mapping where you build it (or set BIK_DEBUG_CHECKS=1).
     """
-    torch.ops.bik.write_kv_cache(k_cache, v_cache, k, v, slot_mapping)
+    torch.ops.bik.write_kv_cache(k_cache, v_cache, k, v, slot_mapping, bool(validate))
+
+
+for _fn in (attention, attention_varlen):
+    if _fn.__doc__:  # None under python -OO
+        _fn.__doc__ = _fn.__doc__.replace("{host_metadata}", _HOST_METADATA_DOC)

@@ -70,7 +70,9 @@ def gumbel_from_unit(u: torch.Tensor) -> torch.Tensor:
     return _elementwise("gumbel", u, torch.empty_like(u), u.numel())
 
 
-def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p):
+def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p,
+                max_top_k=None):
     """The op's entry point on this backend (see bik/ops/sampling/op.py)."""
+    del max_top_k  # the kernel reads each row's top_k itself: nothing to bound on the host
     return sample_cpu(x.float(), seed, position, temperature, top_k, top_p, log_min_p,
                       stream=STREAM_SAMPLE)

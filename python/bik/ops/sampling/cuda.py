@@ -62,7 +62,8 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
     return m, log_s, bad, part_val, part_idx
 
 
-def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p):
+def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p,
+                max_top_k=None):
     """The op's entry point on this backend (see bik/ops/sampling/op.py)."""
     return sample_split_vocab(launch_sample, x, seed, position, temperature, top_k, top_p,
-                              log_min_p)
+                              log_min_p, max_top_k)

@@ -16,24 +16,25 @@ from typing import NamedTuple
 import torch
 
 from bik._dtypes import dtype_name
-from bik.ops._checks import check_float_dtype, check_same_device, check_tensor
+from bik.ops._checks import check_float_dtype, check_same_device, check_tensor, debug_checks
 from bik.ops._registry import define, documented, implementation, resolve_backend
 from bik.ops.sampling.noise import bik_log_torch, log_min_p
 
 __all__ = ["SampleOutput", "VerifyOutput", "bik_log_torch", "sample", "verify_draft"]
 
 # Every backend module (triton.py, cuda.py, cpu.py) defines
-#   sample_rows(x [B, V], seed, position, temperature, top_k, top_p, log_min_p)
+#   sample_rows(x [B, V], seed, position, temperature, top_k, top_p, log_min_p, max_top_k)
 #       -> (tokens int64 [B], logprobs fp32 [B])
 # for validated, contiguous per-row parameters (log_min_p from noise.log_min_p); x has unit
-# stride along V and any supported dtype.
+# stride along V and any supported dtype. max_top_k: the caller's host bound on the rows'
+# top_k, or None; given, the backend reads nothing back from the device.
 define("sample",
        "(Tensor logits, Tensor seed, Tensor position, Tensor temperature, Tensor top_k, "
-       "Tensor top_p, Tensor min_p, str backend) -> (Tensor, Tensor)")
+       "Tensor top_p, Tensor min_p, str backend, int? max_top_k=None) -> (Tensor, Tensor)")
 define("verify_draft",
        "(Tensor draft_tokens, Tensor num_drafts, Tensor logits, Tensor seed, Tensor position, "
-       "Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, str backend) "
-       "-> (Tensor, Tensor, Tensor)")
+       "Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, str backend, "
+       "int? max_top_k=None) -> (Tensor, Tensor, Tensor)")
 
 
 class SampleOutput(NamedTuple):
@@ -61,60 +62,79 @@ def _row_tensor(op: str, name: str, t, rows: int, dtypes: tuple, device) -> None
         raise ValueError(f"{op}: {name} is on {t.device} but logits are on {device}")
 
 
-def _check_params(op: str, rows: int, device, seed, position, temperature, top_k, top_p,
-                  min_p, values: bool = True) -> None:
+def _check_params(op: str, rows: int, vocab: int, device, seed, position, temperature, top_k,
+                  top_p, min_p, values: bool = True, max_top_k: int | None = None) -> None:
     _row_tensor(op, "seed", seed, rows, (torch.int64,), device)
     _row_tensor(op, "position", position, rows, (torch.int64,), device)
     _row_tensor(op, "temperature", temperature, rows, (torch.float32,), device)
     _row_tensor(op, "top_k", top_k, rows, (torch.int64,), device)
     _row_tensor(op, "top_p", top_p, rows, (torch.float32,), device)
     _row_tensor(op, "min_p", min_p, rows, (torch.float32,), device)
+    if max_top_k is not None and (isinstance(max_top_k, bool) or max_top_k < 0):
+        raise ValueError(f"{op}: max_top_k must be an int >= 0 (0: no row uses top-k), got "
+                         f"{max_top_k!r}")
     if not values or rows == 0:
         return
     # One host sync: every value check at once.
+    active_k = torch.where((top_k > 0) & (top_k < vocab), top_k, 0)  # others: top-k off
     bad = torch.stack([
         (position < 0).any(),
         ~(temperature >= 0).all() | ~torch.isfinite(temperature).all(),
         ~((top_p > 0) & (top_p <= 1)).all(),
         ~((min_p >= 0) & (min_p <= 1)).all(),
+        (active_k > (max_top_k if max_top_k is not None else active_k)).any(),
     ]).tolist()
     what = ("position must be >= 0", "temperature must be finite and >= 0 (0 = greedy)",
-            "top_p must be in (0, 1]", "min_p must be in [0, 1]")
+            "top_p must be in (0, 1]", "min_p must be in [0, 1]",
+            (f"a row's top_k exceeds the host metadata max_top_k={max_top_k} "
+             f"(BIK_DEBUG_CHECKS found it)"))
     for flag, msg in zip(bad, what):
         if flag:
             raise ValueError(f"{op}: {msg}")
 
 
-def _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p, values=True):
+def _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p, values=True,
+                  max_top_k=None):
     check_tensor(op, "logits", logits, 2)
     check_float_dtype(op, "logits", logits)
     if logits.shape[1] == 0:
         raise ValueError(f"{op}: logits {list(logits.shape)} has an empty vocabulary (V = 0)")
-    _check_params(op, logits.shape[0], logits.device, seed, position, temperature, top_k, top_p,
-                  min_p, values)
+    _check_params(op, logits.shape[0], logits.shape[1], logits.device, seed, position,
+                  temperature, top_k, top_p, min_p, values, max_top_k)
+
+
+def _checks_values(max_top_k) -> bool:
+    """Whether a call checks its parameter values (one host sync): unless the caller passed
+    host metadata (max_top_k) and vouches for them, or BIK_DEBUG_CHECKS asks anyway."""
+    return max_top_k is None or debug_checks()
 
 
 # ---- the two backends ------------------------------------------------------------------------
 
-def _sample_rows(op, backend, logits, seed, position, temperature, top_k, top_p, min_p):
+def _sample_rows(op, backend, logits, seed, position, temperature, top_k, top_p, min_p,
+                 max_top_k):
     sample_rows = implementation(op, backend, logits.device)
     x = logits
     if x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
     return sample_rows(x, seed.contiguous(), position.contiguous(), temperature.contiguous(),
-                       top_k.contiguous(), top_p.contiguous(), log_min_p(min_p).contiguous())
+                       top_k.contiguous(), top_p.contiguous(), log_min_p(min_p).contiguous(),
+                       max_top_k)
 
 
 @torch.library.impl("bik::sample", ("cpu", "cuda"))
-def _sample_impl(logits, seed, position, temperature, top_k, top_p, min_p, backend):
+def _sample_impl(logits, seed, position, temperature, top_k, top_p, min_p, backend,
+                 max_top_k=None):
     op = "bik.sample"
-    _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p)
+    _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p,
+                  _checks_values(max_top_k), max_top_k)
     return _sample_rows("sample", backend, logits, seed, position, temperature, top_k, top_p,
-                        min_p)
+                        min_p, max_top_k)
 
 
 @torch.library.register_fake("bik::sample")
-def _sample_fake(logits, seed, position, temperature, top_k, top_p, min_p, backend):
+def _sample_fake(logits, seed, position, temperature, top_k, top_p, min_p, backend,
+                 max_top_k=None):
     _check_sample("bik.sample", logits, seed, position, temperature, top_k, top_p, min_p,
                   values=False)
     rows = logits.shape[0]
@@ -122,7 +142,7 @@ def _sample_fake(logits, seed, position, temperature, top_k, top_p, min_p, backe
             logits.new_empty(rows, dtype=torch.float32))
 
 
-def _check_verify(op, draft_tokens, num_drafts, logits, params, values=True):
+def _check_verify(op, draft_tokens, num_drafts, logits, params, values=True, max_top_k=None):
     check_tensor(op, "logits", logits, 3)
     check_float_dtype(op, "logits", logits)
     check_tensor(op, "draft_tokens", draft_tokens, 2)
@@ -136,7 +156,7 @@ def _check_verify(op, draft_tokens, num_drafts, logits, params, values=True):
                          f"draft_tokens {list(draft_tokens.shape)} [B, K]")
     _row_tensor(op, "num_drafts", num_drafts, rows, (torch.int32, torch.int64), logits.device)
     check_same_device(op, logits=logits, draft_tokens=draft_tokens)
-    _check_params(op, rows, logits.device, *params, values=values)
+    _check_params(op, rows, vocab, logits.device, *params, values=values, max_top_k=max_top_k)
     if values and rows > 0 and not ((num_drafts >= 0) & (num_drafts <= window - 1)).all():
         raise ValueError(f"{op}: num_drafts must be in [0, K] = [0, {window - 1}]; got "
                          f"{num_drafts.tolist()}")
@@ -144,17 +164,18 @@ def _check_verify(op, draft_tokens, num_drafts, logits, params, values=True):
 
 @torch.library.impl("bik::verify_draft", ("cpu", "cuda"))
 def _verify_impl(draft_tokens, num_drafts, logits, seed, position, temperature, top_k, top_p,
-                 min_p, backend):
+                 min_p, backend, max_top_k=None):
     op = "bik.verify_draft"
     params = (seed, position, temperature, top_k, top_p, min_p)
-    _check_verify(op, draft_tokens, num_drafts, logits, params)
+    _check_verify(op, draft_tokens, num_drafts, logits, params, _checks_values(max_top_k),
+                  max_top_k)
     rows, window, vocab = logits.shape
     k = window - 1
     # Target tokens at positions p .. p+K, each exactly as bik.sample would draw it alone.
     rep = [t.repeat_interleave(window) for t in params]
     rep[1] = rep[1] + torch.arange(window, device=logits.device).repeat(rows)
     tokens, logprobs = _sample_rows("verify_draft", backend,
-                                    logits.reshape(rows * window, vocab), *rep)
+                                    logits.reshape(rows * window, vocab), *rep, max_top_k)
     tokens, logprobs = tokens.reshape(rows, window), logprobs.reshape(rows, window)
     j = torch.arange(k, device=logits.device)
     match = (draft_tokens.to(torch.int64) == tokens[:, :k]) & (tokens[:, :k] >= 0) \
@@ -168,7 +189,7 @@ def _verify_impl(draft_tokens, num_drafts, logits, seed, position, temperature, 
 
 @torch.library.register_fake("bik::verify_draft")
 def _verify_fake(draft_tokens, num_drafts, logits, seed, position, temperature, top_k, top_p,
-                 min_p, backend):
+                 min_p, backend, max_top_k=None):
     params = (seed, position, temperature, top_k, top_p, min_p)
     _check_verify("bik.verify_draft", draft_tokens, num_drafts, logits, params, values=False)
     rows, window = logits.shape[:2]
@@ -207,7 +228,8 @@ def _params(op, rows, device, seed, position, temperature, top_k, top_p, min_p):
 
 @documented("sample")
 def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None, top_p=None,
-           min_p=None, backend: str | None = None) -> SampleOutput:
+           min_p=None, max_top_k: int | None = None,
+           backend: str | None = None) -> SampleOutput:
     """Draw one token per row by Gumbel-max, keyed by (seed, position, token id).
 
     Args:
@@ -217,6 +239,10 @@ def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None
             default 1.
         top_k: int or int64 [B] (<= 0 or >= V: off). top_p: (0, 1] (1: off). min_p: [0, 1]
             (0: off). Applied per row in the order top-k, top-p, min-p.
+        max_top_k: host metadata, an int >= every row's top_k that is on (0: no row uses
+            top-k). Given, the op reads nothing back from the device (CUDA-graph safe) and
+            trusts the parameters: their value checks (one host sync otherwise) are skipped
+            unless BIK_DEBUG_CHECKS=1. A larger bound never changes a token.
         backend: {backends}
 
     Returns:
@@ -231,20 +257,21 @@ def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None
     backend = resolve_backend("sample", backend, logits.device)
     params = _params(op, logits.shape[0], logits.device, seed, position, temperature, top_k,
                      top_p, min_p)
-    return SampleOutput(*torch.ops.bik.sample(logits, *params, backend))
+    return SampleOutput(*torch.ops.bik.sample(logits, *params, backend, max_top_k))
 
 
 @documented("verify_draft")
 def verify_draft(draft_tokens: torch.Tensor, num_drafts, logits: torch.Tensor, *, seed,
                  position, temperature=None, top_k=None, top_p=None, min_p=None,
-                 backend: str | None = None) -> VerifyOutput:
+                 max_top_k: int | None = None, backend: str | None = None) -> VerifyOutput:
     """Verify drafted tokens by Gumbel coupling (accept iff the draft equals the target's draw).
 
     Args:
         draft_tokens: [B, K] int; the first num_drafts[b] of row b are real.
         num_drafts: int or int [B] in [0, K].
         logits: [B, K+1, V], the target's logits for positions position[b] ... position[b] + K.
-        seed, position, temperature, top_k, top_p, min_p: as :func:`sample`, per row.
+        seed, position, temperature, top_k, top_p, min_p, max_top_k: as :func:`sample`, per
+            row (with max_top_k, num_drafts is not checked either).
         backend: {backends}
 
     Returns:
@@ -264,4 +291,4 @@ def verify_draft(draft_tokens: torch.Tensor, num_drafts, logits: torch.Tensor, *
                               None)
     params = _params(op, rows, logits.device, seed, position, temperature, top_k, top_p, min_p)
     return VerifyOutput(*torch.ops.bik.verify_draft(draft_tokens, num_drafts, logits, *params,
-                                                    backend))
+                                                    backend, max_top_k))

@@ -18,37 +18,44 @@ __all__ = ["sample_split_vocab"]
 
 
 def _topk_threshold(x: torch.Tensor, t_safe: torch.Tensor, greedy: torch.Tensor,
-                    top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    top_k: torch.Tensor, max_top_k: int | None):
     """(vk, ik) per row: the k-th token in the order (z desc, index asc); a token is kept iff
     z > vk or (z == vk and index <= ik). Exact operations only (IEEE division, sorting,
-    counting), so the kept set is the CPU kernel's. Rows with top-k off keep everything."""
+    counting), so the kept set is the CPU kernel's. Rows with top-k off keep everything.
+
+    One ``topk`` of width ``max_top_k`` (the caller's host bound on the rows' top_k) serves
+    every row, so nothing is read back; without the bound one host sync finds it."""
     rows, v = x.shape
     vk = torch.full((rows,), float("-inf"), dtype=torch.float32, device=x.device)
     ik = torch.full((rows,), v, dtype=torch.int32, device=x.device)
     on = (top_k > 0) & (top_k < v)
-    sel = on.nonzero().flatten()
-    if sel.numel() == 0:
+    if max_top_k is None:
+        max_top_k = int(torch.where(on, top_k, 0).max()) if rows else 0
+    width = min(max_top_k, v - 1)  # top_k >= V is off, so no row needs more
+    if width <= 0 or rows == 0:
         return vk, ik
-    xs = x[sel].float()
-    zs = torch.where(greedy[sel, None], xs, xs / t_safe[sel, None])
-    ks = top_k[sel]
-    kth = torch.topk(zs, int(ks.max()), dim=1, sorted=True).values.gather(1, (ks - 1)[:, None])
+    xs = x.float()
+    zs = torch.where(greedy[:, None], xs, xs / t_safe[:, None])
+    ks = top_k.clamp(1, width)
+    kth = torch.topk(zs, width, dim=1, sorted=True).values.gather(1, (ks - 1)[:, None])
     ahead = ks - (zs > kth).sum(1)  # tokens of value kth to keep, lowest index first
     eq_count = (zs == kth).to(torch.int32).cumsum(1)
-    vk[sel] = kth[:, 0]
-    ik[sel] = (eq_count < ahead[:, None]).sum(1).to(torch.int32)
+    vk = torch.where(on, kth[:, 0], vk)
+    ik = torch.where(on, (eq_count < ahead[:, None]).sum(1).to(torch.int32), ik)
     return vk, ik
 
 
 def sample_split_vocab(launch_sample: Callable, x: torch.Tensor, seed: torch.Tensor,
                        position: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor, log_min_p: torch.Tensor):
+                       top_p: torch.Tensor, log_min_p: torch.Tensor,
+                       max_top_k: int | None = None):
     """(tokens, logprobs) of bik::sample with a GPU ``launch_sample`` (the Triton or the CUDA
-    C++ one: same interface and outputs). Arguments as ``sample_rows`` receives them."""
+    C++ one: same interface and outputs). Arguments as ``sample_rows`` receives them; with
+    ``max_top_k`` given, nothing is read back to the host."""
     rows = x.shape[0]
     greedy = temperature == 0
     t_safe = torch.where(greedy, torch.ones_like(temperature), temperature)
-    vk, ik = _topk_threshold(x, t_safe, greedy, top_k)
+    vk, ik = _topk_threshold(x, t_safe, greedy, top_k, max_top_k)
     key = torch.stack([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, position & 0xFFFFFFFF,
                        (position >> 32) & 0xFFFFFFFF,
                        torch.full_like(seed, STREAM_SAMPLE)], dim=1).contiguous()

@@ -289,7 +289,8 @@ def run_noise_part(fn: str, x: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p):
+def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p,
+                max_top_k=None):
     """The op's entry point on this backend (see bik/ops/sampling/op.py)."""
     return sample_split_vocab(launch_sample, x, seed, position, temperature, top_k, top_p,
-                              log_min_p)
+                              log_min_p, max_top_k)
