@@ -170,6 +170,35 @@ def test_bad_host_metadata_is_a_clear_error_on_the_cpu():
 
 
 @pytest.mark.cpu
+def test_the_cpu_kernel_refuses_metadata_that_would_read_outside_the_cache():
+    """Each was a silent read elsewhere before the checks (found in review): an int64 page
+    that int32 would wrap onto a real one, a cache that is a view of a larger pool, offsets
+    whose sum overflows int64, queries with no sequence."""
+    q, kc, vc, meta = _paged("cpu")
+    bounds = {"max_seqlen_q": 9, "max_seqlen_k": 24}
+    wrapped = meta["block_table"].long()
+    wrapped[0, 0] = 2**32 + 1  # int32 would read it as page 1
+    pool_k, pool_v = torch.cat([kc, kc]), torch.cat([vc, vc])  # 20 blocks
+    beyond = meta["block_table"].clone()
+    beyond[0, 0] = 12  # inside the pool, outside the 10-block cache carved from it
+    for k_cache, v_cache, table in ((kc, vc, wrapped), (pool_k[:10], pool_v[:10], beyond)):
+        for kw in ({}, bounds):
+            with pytest.raises(ValueError, match="bik.attention: .*outside the cache"):
+                bik.attention(q, k_cache, v_cache, **{**meta, "block_table": table}, **kw,
+                              backend="cpu")
+    huge = 2**61 - 1  # * 4 floats per key: 2**63 - 4
+    k = torch.zeros(2, 1, 4)
+    with pytest.raises(ValueError, match="bik.attention_varlen: .*outside the cache"):
+        bik.attention_varlen(torch.ones(1, 1, 4), k, k, cu_seqlens_q=torch.tensor([0, 1]),
+                             cu_seqlens_k=torch.tensor([huge, huge + 1]), causal=False,
+                             max_seqlen_q=1, max_seqlen_k=1, backend="cpu")
+    with pytest.raises(ValueError, match="3 queries but no sequence"):
+        bik.attention(q[:3], kc, vc, cache_seqlens=torch.zeros(0, dtype=torch.int32),
+                      cu_seqlens_q=torch.tensor([3]), block_table=meta["block_table"][:0],
+                      max_seqlen_q=0, max_seqlen_k=0, backend="cpu")
+
+
+@pytest.mark.cpu
 def test_plan_makes_the_validated_calls_checks():
     q, kc, vc, meta = _paged("cpu")
     table = meta["block_table"].clone()

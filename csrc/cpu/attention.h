@@ -238,10 +238,10 @@ static void run_item(const Problem& p, TileFn tile, idx_t kc, idx_t nc, const It
 // The metadata the kernel follows, checked before anything is read through it (O(B + keys)):
 // "" if it is sound, else what is wrong. The op trusts host metadata its caller passes (no
 // device reads), so on the CPU this is what keeps a bad length or page from reading outside
-// q, k, v or out. k_extent: the floats of k (and of v) from p.k on.
+// q, k, v or out. k_extent: the floats of k (and of v) from p.k on, as its shape reaches.
 static std::string check_metadata(const Problem& p, idx_t total_q, idx_t k_extent) {
   const auto at = [](idx_t b) { return "sequence " + std::to_string(b); };
-  if (p.B > 0 && (p.cu_q[0] != 0 || p.cu_q[p.B] != total_q))
+  if (p.cu_q[0] != 0 || p.cu_q[p.B] != total_q)  // cu_q has B + 1 >= 1 entries
     return "cu_seqlens_q must start at 0 and end at total_q = " + std::to_string(total_q);
   const idx_t last = (p.hkv - 1) * p.s_head + p.d;  // floats read from a key's offset on
   for (idx_t b = 0; b < p.B; ++b) {
@@ -255,7 +255,7 @@ static std::string check_metadata(const Problem& p, idx_t total_q, idx_t k_exten
              std::to_string(p.koff_row);
     const idx_t* koff = p.koff + b * p.koff_row;
     for (idx_t t = 0; t < L; ++t)
-      if (koff[t] < 0 || koff[t] + last > k_extent)
+      if (koff[t] < 0 || koff[t] > k_extent - last)  // not koff + last: it could overflow
         return at(b) + ": key " + std::to_string(t) +
                " lies outside the cache (a block_table entry out of range?)";
   }

@@ -148,6 +148,7 @@ def test_mask_broadcasts_2d_and_over_heads():
     ("per-head", "differs between heads"),
     ("sliding-window", "start at different keys"),
     ("causal-then-full", "neither causal nor full"),
+    ("causal-and-bidirectional", "causal for some sequences and full for others"),
 ])
 def test_other_masks_are_counted_fallbacks(mask_name, reason):
     gen = torch.Generator().manual_seed(3)
@@ -161,6 +162,9 @@ def test_other_masks_are_counted_fallbacks(mask_name, reason):
         mask = torch.ones(2, H, 6, 6, dtype=torch.bool).tril()
         mask[:, 1, :, 0] = False
         mask[:, 1, 0, 0] = True
+    elif mask_name == "causal-and-bidirectional":  # not right padding: every row is real
+        mask = torch.stack([torch.ones(6, 6, dtype=torch.bool).tril(),
+                            torch.ones(6, 6, dtype=torch.bool)])[:, None]
     elif mask_name == "sliding-window":  # each query sees its 3 latest keys
         mask = torch.ones(6, 6, dtype=torch.bool).tril().triu(-2)[None, None].repeat(2, 1, 1, 1)
     else:  # rows 2.. see keys 0..4: not a ramp, nor a ramp then a constant end

@@ -32,7 +32,7 @@ class Step:
     slot_mapping: torch.Tensor  # int64 [T]; slot = block * block_size + offset of each new token
     q_lens: tuple[int, ...]  # new tokens per sequence (host copy)
     kv_lens: tuple[int, ...]  # == cache_seqlens (host copy)
-    max_block: int = -1  # the largest block id the table uses (host; -1: none)
+    max_block: int  # the largest block id the table uses (host; -1: none)
 
     @property
     def max_seqlen_q(self) -> int:

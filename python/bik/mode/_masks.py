@@ -80,6 +80,8 @@ def padded_spans(mask: torch.Tensor, nb: int, lq: int, lk: int) -> PaddedSpans:
     count, first, last = count.tolist(), first.tolist(), last.tolist()
     seqs = [_sequence_rows(count[b], first[b], last[b]) for b in range(nb)]
     causal = any(r.kind in ("causal", "tail") for r in seqs)
+    if causal and any(r.kind == "full" for r in seqs):
+        raise MaskNotServed("an attn_mask causal for some sequences and full for others")
     qa, qb, lo, hi, stock = [], [], [], [], []
     for b, r in enumerate(seqs):
         # Real queries: the ramp when the rows after it are right padding's pad queries.
@@ -107,8 +109,9 @@ class _Rows(NamedTuple):
 def _sequence_rows(count: list[int], first: list[int], last: list[int]) -> _Rows:
     """One sequence's mask rows. kind: "empty" (no row sees a key), "one" (one row does),
     "causal" (every row's end steps by one), "tail" (a causal ramp, then rows that see the
-    ramp's keys: right padding's pad queries), "ambiguous" (several rows with one common end:
-    a full mask, or one real query and right padding; the other sequences decide)."""
+    ramp's keys: right padding's pad queries), "full" (several rows see one common run of
+    several keys), "ambiguous" (several rows see one common key: a full mask, or one real
+    query and right padding; the other sequences decide)."""
     rows = [j for j, c in enumerate(count) if c]
     missing = [j for j, c in enumerate(count) if not c]
     if not rows:
@@ -124,6 +127,6 @@ def _sequence_rows(count: list[int], first: list[int], last: list[int]) -> _Rows
         ramp += 1
     if any(e != ends[ramp - 1] for e in ends[ramp:]):
         raise MaskNotServed("an attn_mask that is neither causal nor full per sequence")
-    kinds = {len(ends): "causal", 1: "ambiguous"}
+    kinds = {len(ends): "causal", 1: "ambiguous" if ends[0] == first[a] else "full"}
     kind = "one" if len(ends) == 1 else kinds.get(ramp, "tail")
     return _Rows(kind, a, ramp, first[a], ends, missing)

@@ -14,7 +14,7 @@ __all__ = ["Layout", "Problem", "run_on_gpu"]
 class Layout(NamedTuple):
     """Where a sequence's keys live: paged (table) or one contiguous run per sequence (base)."""
 
-    table: torch.Tensor | None  # int32 [B, max_pages]
+    table: torch.Tensor | None  # int32 or int64 [B, max_pages] (the caller's), contiguous
     base: torch.Tensor | None  # int64 [B], element offset of key 0 (table is None)
     block_size: int
     stride_page: int
@@ -51,7 +51,8 @@ def run_on_gpu(label: str, backend: str, head_dims: tuple[int, ...], launch: Cal
     lse = torch.empty((total_q, hq), dtype=torch.float32, device=q.device)
     lay = p.layout
     launch(q, p.k, p.v, out, lse, cu_q=p.cu_q.to(torch.int32),
-           seqlens_k=p.seqlens_k.to(torch.int32), table=lay.table, base=lay.base,
+           seqlens_k=p.seqlens_k.to(torch.int32),
+           table=None if lay.table is None else lay.table.to(torch.int32), base=lay.base,
            block_size=lay.block_size, stride_page=lay.stride_page, stride_tok=lay.stride_tok,
            max_q_len=p.max_q_len, max_k_len=p.max_k_len, scale=p.scale,
            causal=p.causal)

@@ -57,8 +57,9 @@ def attention_f32(
     assert key_offsets.dim() == 2 and key_offsets.shape[0] == seqlens_k.shape[0]
     for t in (key_offsets, cu_q, seqlens_k):
         assert t.dtype == torch.int64 and t.is_contiguous()
-    # Floats reachable from k's first element (v has the same strides; the smaller extent).
-    extent = min(t.untyped_storage().nbytes() // 4 - t.storage_offset() for t in (k, v))
+    # Floats k's own shape reaches from its first element (not its storage's: a cache may be a
+    # view of a larger pool); v has the same shape and strides.
+    extent = 0 if k.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(k.shape, k.stride()))
     ext.attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), extent,
         key_offsets.data_ptr(), key_offsets.shape[1], k.stride(-2), cu_q.data_ptr(),
@@ -82,7 +83,9 @@ def cpu_keys(k: torch.Tensor, v: torch.Tensor, seqlens_k: torch.Tensor, max_seql
     if table is not None:  # [B, max_len]: each sequence's keys, as offsets (fp32) or rows
         block = k.shape[1]
         pages = min(-(-max_len // block), table.shape[1])
-        page = table[:, :pages].long() * (k.stride(0) if wide else block)
+        # A page past the cache stays past it (clamped, not wrapped by the product), where the
+        # kernel's offset check or the gather's index check stops it.
+        page = table[:, :pages].long().clamp(-1, k.shape[0]) * (k.stride(0) if wide else block)
         within = torch.arange(block) * (k.stride(1) if wide else 1)
         at = (page[:, :, None] + within).reshape(n_seq, pages * block)[:, :max_len]
     elif wide:

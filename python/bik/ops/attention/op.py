@@ -93,6 +93,14 @@ def _read_lengths(op: str, cu_q, seqlens_k, total_q: int, capacity: int) -> tupl
     return cu, lens
 
 
+def _check_some_sequence(op: str, n_seq: int, total_q: int) -> None:
+    """Queries need a sequence to belong to (a shape check: the GPU launchers return at once
+    for B = 0, which would leave the output unwritten)."""
+    if n_seq < 1 and total_q > 0:
+        raise ValueError(f"{op}: {total_q} queries but no sequence (cu_seqlens needs >= 2 "
+                         f"entries)")
+
+
 def _scale(scale: float | None, d: int) -> float:
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 
@@ -147,6 +155,7 @@ def _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
     n_seq = cache_seqlens.shape[0]
     _int_vector(op, "cache_seqlens", cache_seqlens)
     _int_vector(op, "cu_seqlens_q", cu_seqlens_q, n_seq + 1)
+    _check_some_sequence(op, n_seq, q.shape[0])
     if k_cache.stride(-1) != 1:
         raise ValueError(f"{op}: k_cache/v_cache need unit stride along head_dim")
     if block_table is None:
@@ -160,8 +169,10 @@ def _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
         raise ValueError(f"{op}: block_table must be int32/int64 [B={n_seq}, max_blocks], got "
                          f"{list(block_table.shape)} {block_table.dtype}")
     block_size = k_cache.shape[1]
-    table = block_table.to(torch.int32).contiguous()
-    layout = Layout(table, None, block_size, k_cache.stride(0), k_cache.stride(1))
+    # The caller's dtype: narrowing an int64 entry here would turn a bad page into another
+    # page before the CPU kernel's check could see it (the GPU launchers narrow it).
+    layout = Layout(block_table.contiguous(), None, block_size, k_cache.stride(0),
+                    k_cache.stride(1))
     return layout, block_table.shape[1] * block_size
 
 
@@ -225,6 +236,7 @@ def _varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, m
     _check_scale(op, scale)
     _int_vector(op, "cu_seqlens_k", cu_seqlens_k)
     _int_vector(op, "cu_seqlens_q", cu_seqlens_q, cu_seqlens_k.shape[0])
+    _check_some_sequence(op, cu_seqlens_k.shape[0] - 1, q.shape[0])
     if k.stride(-1) != 1:
         raise ValueError(f"{op}: k/v need unit stride along head_dim")
     seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
@@ -243,7 +255,9 @@ def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, b
     run_attention = implementation("attention_varlen", backend, q.device, label=op)
     seqlens_k, bounds = _varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale,
                                      max_seqlen_q, max_seqlen_k)
-    base = cu_seqlens_k[:-1].to(torch.int64) * k.stride(0)
+    # Clamped so an absurd entry stays outside k rather than wrapping into it (the CPU kernel
+    # then refuses it); a sound one is unchanged.
+    base = cu_seqlens_k[:-1].to(torch.int64).clamp(-1, k.shape[0]) * k.stride(0)
     layout = Layout(None, base, 1, 0, k.stride(0))
     return run_attention(op, Problem(q, k, v, layout, cu_seqlens_q, seqlens_k, *bounds, scale,
                                      causal))
