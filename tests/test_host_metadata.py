@@ -247,3 +247,28 @@ def test_too_small_a_max_top_k_changes_tokens(target):
                    backend=target.backend).tokens for s in range(16)])
     assert torch.equal(draws(60), draws(99))
     assert not torch.equal(draws(60), draws(1))
+
+
+@pytest.mark.parametrize("target", targets("cpu", "interpreter", "gpu-triton", "gpu-cuda"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_strided_cache_is_written_and_read_in_place(target, dtype):
+    """vLLM's layer cache, [blocks, Hkv, block_size, 2D] (a page per KV head: K rows, then V
+    rows), viewed as bik's [blocks, block_size, Hkv, D]: written by write_kv_cache and read by
+    attention in place, with the contiguous cache's bits. Nothing is copied whole: the views
+    stay views of the engine's buffer."""
+    dev = target.device
+    q, kc, vc, meta = _paged(dev, dtype)
+    raw = torch.zeros(10, HKV, BLOCK, 2 * D, dtype=dtype, device=dev)
+    pages = raw.view(10, HKV, 2 * BLOCK, D)
+    k_view, v_view = (t.transpose(1, 2) for t in pages.chunk(2, dim=2))
+    rows = torch.arange(10 * BLOCK, device=dev)
+    for view in (k_view, v_view):
+        assert view.data_ptr() in range(raw.data_ptr(), raw.data_ptr() + raw.nbytes)
+    bik.write_kv_cache(k_view, v_view, kc.reshape(-1, HKV, D), vc.reshape(-1, HKV, D), rows,
+                       validate=False)
+    assert torch.equal(k_view, kc) and torch.equal(v_view, vc)
+    want = bik.attention(q, kc, vc, **meta, backend=target.backend)
+    with forbid_host_reads():
+        got = bik.attention(q, k_view, v_view, **meta, max_seqlen_q=9, max_seqlen_k=24,
+                            backend=target.backend)
+    assert torch.equal(got, want)

@@ -1,6 +1,6 @@
 """The house rules of docs/design.md ("House rules"), checked on the package's source (ast).
 
-* Imports point down: cli -> dvr, testing -> models -> bik -> mode -> ops/<op>/op.py -> ops/<op>/<backend>.py
+* Imports point down: cli -> dvr, testing, integrations -> models -> bik -> mode -> ops/<op>/op.py -> ops/<op>/<backend>.py
   -> configs, runtime -> _arch, _dtypes. Lazy imports inside functions count.
 * runtime/ knows no op: it imports nothing of bik but _arch and _dtypes.
 * An op's slice never imports another op's modules (it calls the public torch.ops.bik op).
@@ -29,7 +29,7 @@ LAYERS = [
     ("bik.mode",),
     ("bik",),
     ("bik.models",),
-    ("bik.dvr", "bik.testing"),
+    ("bik.dvr", "bik.testing", "bik.integrations"),
     ("bik.cli", "bik.__main__"),
 ]
 _OP_TOP = {"op", "backward"}  # the modules of a slice that define and register the op

@@ -125,8 +125,10 @@ def _kv_write_cases() -> Iterator[tuple]:
         for d, _, hkv in ATTENTION_HEADS:
             args = {"k_cache_ptr": Ptr(dtype), "v_cache_ptr": Ptr(dtype), "k_ptr": Ptr(dtype),
                     "v_ptr": Ptr(dtype), "slots_ptr": Ptr(torch.int64), "n_slots": 1 << 20,
-                    "stride_kt": hkv * d, "stride_kh": d, "stride_kd": 1, "stride_vt": hkv * d,
-                    "stride_vh": d, "stride_vd": 1}
+                    "page_size": 16, "stride_kc_page": 16 * hkv * d, "stride_kc_tok": hkv * d,
+                    "stride_kc_head": d, "stride_vc_page": 16 * hkv * d, "stride_vc_tok": hkv * d,
+                    "stride_vc_head": d, "stride_kt": hkv * d, "stride_kh": d, "stride_kd": 1,
+                    "stride_vt": hkv * d, "stride_vh": d, "stride_vd": 1}
             yield (write_kv_kernel, args, {"HKV": hkv, "D": d, "BLOCK": write_block(hkv, d)}, 4,
                    1)
 

