@@ -91,3 +91,23 @@ def test_backward_raises_instead_of_silently_dropping_gradients():
     with pytest.raises(NotImplementedError, match="bik.attention: backward is not impl"):
         out.sum().backward()
     assert q.grad is None
+
+
+def test_launcher_checks_survive_python_O():
+    """The CPU launchers hand raw pointers to C++: their checks are real checks, so under
+    ``python -O`` (which strips asserts; the old asserts let this call corrupt the heap) a
+    wrong out still raises ValueError naming the launcher."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from bik.ops.matmul.cpu import matmul_f32\n"
+            "try:\n"
+            "    matmul_f32(torch.randn(8, 64), torch.randn(64, 32), None, torch.empty(2, 2))\n"
+            "except ValueError as e:\n"
+            "    print('raised:', e)\n")
+    proc = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "raised: bik.ops.matmul.cpu.matmul_f32: a [8, 64] @ b [64, 32] needs a contiguous " \
+           "out [8, 32]" in proc.stdout

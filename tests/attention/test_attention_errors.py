@@ -68,6 +68,13 @@ def write(k, slots):
      "bik.write_kv_cache: k .* must be \\[tokens, Hkv, D\\] matching the caches"),
     (lambda: write(torch.zeros(2, 2, 16).half(), torch.tensor([0, 1])), TypeError,
      "bik.write_kv_cache: new k/v"),
+    (lambda: write(torch.zeros(3, 2, 16), torch.tensor([4, -1, 4])), ValueError,
+     r"bik.write_kv_cache: slot_mapping names a slot more than once \(1 repeats\)"),
+    (lambda: bik.write_kv_cache(KC, KC, torch.zeros(1, 2, 16), torch.ones(1, 2, 16),
+                                torch.tensor([0])), ValueError,
+     "bik.write_kv_cache: k_cache and v_cache are the same memory"),
+    (lambda: attn(q=torch.zeros(3, 4, 0), k=torch.zeros(4, 8, 2, 0), v=torch.zeros(4, 8, 2, 0)),
+     ValueError, "bik.attention: head_dim must be >= 1, got 0"),
 ])
 def test_bad_input(call, exc, pattern):
     with pytest.raises(exc, match=pattern):

@@ -292,6 +292,27 @@ def test_bad_input_is_rejected():
         eng.add_request(Request("b", (1, 10**6), 4))
 
 
+@pytest.mark.parametrize("field, value", [
+    ("temperature", float("inf")), ("seed", 2**64), ("seed", -1), ("top_k", 2**63),
+    ("top_k", 1.5), ("seed", True),
+])
+def test_sampling_params_that_a_step_could_not_run_are_rejected(field, value):
+    """Each of these passed add_request and then made every step raise (one bad request
+    stalled all the others)."""
+    with pytest.raises(ValueError, match=f"SamplingParams: {field} must be"):
+        SamplingParams(**{field: value})
+
+
+def test_a_64_bit_seed_is_sampled_with_its_bits():
+    """A seed >= 2**63 runs (as the int64 of its bits, as bik.sample takes an int)."""
+    eng = engine()
+    eng.add_request(Request("s", (1, 2, 3), 4, SamplingParams(temperature=0.8, seed=2**64 - 1)))
+    while eng.has_work:
+        eng.step()
+    out = eng.outputs["s"]
+    assert out.status == Status.FINISHED and len(out.tokens) == 4
+
+
 def test_metrics_summary_has_the_rates():
     eng = engine(window=4, group=2, mismatch_rate=0.5, drafter=NgramDrafter(num_tokens=2))
     run_workload(eng, workload(9, 0.9, repetitive=True, det_fraction=1.0))

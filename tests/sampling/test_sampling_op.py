@@ -88,6 +88,26 @@ def test_errors():
         bik.sample(x, backend="gpu", **ok)
 
 
+@pytest.mark.parametrize("target", targets())
+def test_every_64_bit_seed_is_accepted_with_its_bits(target):
+    """Seeds in [0, 2**64) (random.getrandbits(64)): one >= 2**63 draws what the int64 of the
+    same bits draws, as a tensor; 2**64 and -1 are errors naming the op. Before, 2**63 raised
+    torch's unnamed int64 overflow error."""
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    draw = lambda seed: bik.sample(x, seed=seed, position=5, temperature=1.0,
+                                   backend=target.backend).tokens
+    for seed in (0, 2**63 - 1, 2**63, 2**64 - 1):
+        bits = seed - 2**64 if seed >= 2**63 else seed
+        assert torch.equal(draw(seed), draw(torch.full((3,), bits, dtype=torch.int64)))
+    assert not torch.equal(torch.stack([draw(s) for s in range(2**63, 2**63 + 8)]),
+                           torch.stack([draw(s) for s in range(8)]))  # the high bit matters
+    for bad in (2**64, -1):
+        with pytest.raises(ValueError, match=r"bik.sample: seed must be in \[0, 2\*\*64\)"):
+            draw(bad)
+    with pytest.raises(ValueError, match="bik.sample: top_k must fit in int64"):
+        bik.sample(x, seed=1, position=0, top_k=2**63, backend=target.backend)
+
+
 def test_torch_compile_fullgraph_keeps_the_op():
     """bik.sample traces as one custom op under torch.compile(fullgraph=True), same bits."""
     torch._dynamo.reset()

@@ -28,6 +28,11 @@ class SamplingParams:
                              f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
+        for name, lo, hi in (("seed", 0, 2**64), ("top_k", -(2**63), 2**63)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < hi:
+                raise ValueError(f"SamplingParams: {name} must be an int in [{lo}, {hi}), got "
+                                 f"{value!r}")
 
 
 @dataclass(frozen=True)

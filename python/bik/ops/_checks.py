@@ -22,6 +22,21 @@ def debug_checks() -> bool:
     return _DEBUG_CHECKS
 
 
+def require(ok: bool, fn: str, what: str) -> None:
+    """A check guarding the memory a raw pointer reaches: the CPU launchers hand data_ptr()s to
+    C++, so a wrong shape or dtype there would read or write outside a tensor. ``assert`` would
+    do under ``python -O`` nothing at all."""
+    if not ok:
+        raise ValueError(f"{fn}: {what}")
+
+
+def require_cpu(fn: str, **tensors: torch.Tensor | None) -> None:
+    """Every tensor given is a CPU tensor (a device pointer read on the host would crash)."""
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{fn}: {name} is on {t.device}; this launcher reads CPU memory")
+
+
 def check_tensor(op: str, name: str, t: object, ndim: int | None = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from bik.ops._checks import require, require_cpu
 from bik.runtime import cpu_ext
 
 __all__ = ["exp2_f32", "exp_f32", "unary_f32"]
@@ -22,7 +23,8 @@ def unary_f32(fn: str, x: torch.Tensor) -> torch.Tensor:
     """exp2 or log2 of x elementwise via exp2f/log2f: each output a pure function of its input
     value (torch's CPU kernels may round a SIMD body and a scalar tail differently)."""
     ext = cpu_ext.require()
-    assert x.dtype == torch.float32
+    require_cpu("bik.ops._pointwise.unary_f32", x=x)
+    require(x.dtype == torch.float32, "bik.ops._pointwise.unary_f32", "x must be fp32")
     x = x.contiguous()
     out = torch.empty_like(x)
     ext.unary_f32(x.data_ptr(), out.data_ptr(), x.numel(), fn)

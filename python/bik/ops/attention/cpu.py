@@ -13,6 +13,7 @@ import math
 import torch
 
 from bik.configs import CPU_ATTENTION_SPLIT
+from bik.ops._checks import require, require_cpu
 from bik.ops.attention._layout import Problem
 from bik.runtime import cpu_ext
 
@@ -50,15 +51,26 @@ def attention_f32(
     torch.get_num_threads()) and ``isa`` change speed only.
     """
     ext = cpu_ext.require()
+    fn = "bik.ops.attention.cpu.attention_f32"
+    require_cpu(fn, q=q, k=k, v=v, key_offsets=key_offsets, cu_q=cu_q, seqlens_k=seqlens_k,
+                out=out, lse=lse)
+    require(q.dim() == 3 and k.dim() >= 3 and k.shape == v.shape, fn,
+            "q must be [total_q, Hq, D] and k, v of one shape [..., Hkv, D]")
     total_q, hq, d = q.shape
     hkv = k.shape[-2]
-    assert q.dtype == k.dtype == v.dtype == out.dtype == lse.dtype == torch.float32
-    assert k.stride() == v.stride() and (d <= 1 or (q.stride(2) == 1 and k.stride(-1) == 1))
-    assert out.shape == q.shape and out.is_contiguous() and lse.shape == (total_q, hq)
-    assert lse.is_contiguous() and hq % hkv == 0 and cu_q.shape[0] == seqlens_k.shape[0] + 1
-    assert key_offsets.dim() == 2 and key_offsets.shape[0] == seqlens_k.shape[0]
+    require(q.dtype == k.dtype == v.dtype == out.dtype == lse.dtype == torch.float32, fn,
+            "q, k, v, out and lse must be fp32")
+    require(k.stride() == v.stride() and (d <= 1 or (q.stride(2) == 1 and k.stride(-1) == 1))
+            and k.shape[-1] == d, fn, "k and v need q's D, equal strides, unit stride along D")
+    require(out.shape == q.shape and out.is_contiguous() and lse.shape == (total_q, hq)
+            and lse.is_contiguous(), fn, "out [total_q, Hq, D] and lse [total_q, Hq], contiguous")
+    require(hkv > 0 and hq % hkv == 0 and cu_q.shape == (seqlens_k.shape[0] + 1,), fn,
+            "Hq % Hkv == 0 and cu_q [B + 1] for seqlens_k [B]")
+    require(key_offsets.dim() == 2 and key_offsets.shape[0] == seqlens_k.shape[0], fn,
+            "key_offsets must be [B, max_seqlen_k]")
     for t in (key_offsets, cu_q, seqlens_k):
-        assert t.dtype == torch.int64 and t.is_contiguous()
+        require(t.dtype == torch.int64 and t.is_contiguous(), fn,
+                "key_offsets, cu_q and seqlens_k must be contiguous int64")
     # Floats k's own shape reaches from its first element (not its storage's: a cache may be a
     # view of a larger pool); v has the same shape and strides.
     extent = 0 if k.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(k.shape, k.stride()))

@@ -101,7 +101,9 @@ def _check_some_sequence(op: str, n_seq: int, total_q: int) -> None:
                          f"entries)")
 
 
-def _scale(scale: float | None, d: int) -> float:
+def _scale(op: str, scale: float | None, d: int) -> float:
+    if d < 1:
+        raise ValueError(f"{op}: head_dim must be >= 1, got {d}")
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 
 
@@ -277,12 +279,20 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, b
 def _write_kv_cache_impl(k_cache, v_cache, k, v, slot_mapping, validate=True):
     op = "bik.write_kv_cache"
     _check_kv_write(op, k_cache, v_cache, k, v, slot_mapping)
+    if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():  # (not in the fake)
+        raise ValueError(f"{op}: k_cache and v_cache are the same memory (v would overwrite k)")
     hkv, d = k_cache.shape[-2], k_cache.shape[-1]
     n_slots = k_cache.numel() // (hkv * d)
     if (validate or debug_checks()) and slot_mapping.numel():
-        top = int(slot_mapping.max())  # the one host sync of a validated call
+        slots = slot_mapping.long()
+        used = torch.sort(torch.where(slots >= 0, slots, -1)).values
+        twice = (used[1:] == used[:-1]) & (used[1:] >= 0)
+        top, n_twice = torch.stack([slots.max(), twice.sum()]).tolist()  # the one host sync
         if top >= n_slots:
             raise ValueError(f"{op}: slot {top} is outside the cache's {n_slots} slots")
+        if n_twice:  # which token's K/V would land there is up to the kernel: refuse
+            raise ValueError(f"{op}: slot_mapping names a slot more than once ({n_twice} "
+                             f"repeats)")
     if k_cache.device.type != "cpu":
         from bik.ops.attention.kv_cache_triton import write_rows_triton
 
@@ -370,7 +380,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     check_tensor(op, "q", q, 3)
     backend = resolve_backend("attention", backend, q.device)
     return torch.ops.bik.attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
-                                   _scale(scale, q.shape[-1]), bool(causal), backend,
+                                   _scale(op, scale, q.shape[-1]), bool(causal), backend,
                                    max_seqlen_q, max_seqlen_k)
 
 
@@ -395,7 +405,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     check_tensor(op, "q", q, 3)
     backend = resolve_backend("attention_varlen", backend, q.device)
     out, lse = torch.ops.bik.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                              _scale(scale, q.shape[-1]), bool(causal), backend,
+                                              _scale(op, scale, q.shape[-1]), bool(causal), backend,
                                               max_seqlen_q, max_seqlen_k)
     return AttentionOutput(out, lse)
 
@@ -431,9 +441,9 @@ def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
     Slot s is row ``s`` of the cache viewed as [-1, Hkv, D]: for a paged cache
     s = block * block_size + offset, for a contiguous one s = b * max_len + position.
     Negative slots (padding) are skipped. Pure data movement: it cannot change any bits.
-    ``validate`` (default) checks every slot is inside the cache, one host sync; with
-    ``validate=False`` nothing is read back (CUDA-graph safe) and a slot past the cache is
-    skipped — check the mapping where you build it (or set BIK_DEBUG_CHECKS=1).
+    ``validate`` (default) checks every slot is inside the cache and named once, one host
+    sync; with ``validate=False`` nothing is read back (CUDA-graph safe) and a slot past the
+    cache is skipped — check the mapping where you build it (or set BIK_DEBUG_CHECKS=1).
     """
     torch.ops.bik.write_kv_cache(k_cache, v_cache, k, v, slot_mapping, bool(validate))
 

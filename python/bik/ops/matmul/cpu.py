@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from bik.ops._checks import require, require_cpu
 from bik.runtime import cpu_ext
 
 __all__ = ["launch_matmul", "matmul_f32"]
@@ -31,12 +32,18 @@ def matmul_f32(
     three knobs change speed only and exist for tests and tuning.
     """
     ext = cpu_ext.require()
+    fn = "bik.ops.matmul.cpu.matmul_f32"
+    require_cpu(fn, a=a, b=b, bias=bias, out=out)
+    require(a.dim() == 2 and b.dim() == 2, fn, "a and b must be 2-D")
     M, K = a.shape
     K2, N = b.shape
-    assert K == K2 and out.shape == (M, N) and out.is_contiguous()
-    assert a.dtype == b.dtype == out.dtype == torch.float32
+    require(K == K2 and out.shape == (M, N) and out.is_contiguous(), fn,
+            f"a {list(a.shape)} @ b {list(b.shape)} needs a contiguous out [{M}, {N}], got "
+            f"{list(out.shape)}")
+    require(a.dtype == b.dtype == out.dtype == torch.float32, fn, "a, b and out must be fp32")
     if bias is not None:
-        assert bias.shape == (N,) and bias.dtype == torch.float32 and bias.is_contiguous()
+        require(bias.shape == (N,) and bias.dtype == torch.float32 and bias.is_contiguous(), fn,
+                f"bias must be a contiguous fp32 [{N}]")
     if M == 0 or N == 0:
         return
     ext.matmul_f32(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from bik.ops._checks import require, require_cpu
 from bik.runtime import cpu_ext
 
 __all__ = ["launch_mean", "launch_softmax", "mean_f32", "softmax_f32"]
@@ -18,12 +19,16 @@ def softmax_f32(x: torch.Tensor, out: torch.Tensor, *, log: bool = False,
     position or num_threads.
     """
     ext = cpu_ext.require()
+    fn = "bik.ops.reductions.cpu.softmax_f32"
+    require_cpu(fn, x=x, out=out)
+    require(x.dim() == 2, fn, "x must be 2-D")
     M, N = x.shape
-    assert out.shape == (M, N) and out.is_contiguous()
-    assert x.dtype == out.dtype == torch.float32
+    require(out.shape == (M, N) and out.is_contiguous(), fn,
+            f"x {list(x.shape)} needs a contiguous out of its shape")
+    require(x.dtype == out.dtype == torch.float32, fn, "x and out must be fp32")
     if M == 0 or N == 0:
         return
-    assert x.stride(1) == 1 or N == 1
+    require(x.stride(1) == 1 or N == 1, fn, "x needs unit stride along N")
     ext.softmax_f32(x.data_ptr(), x.stride(0), out.data_ptr(), N, M, N, bool(log),
                     torch.get_num_threads() if num_threads is None else num_threads)
 
@@ -34,12 +39,16 @@ def mean_f32(x: torch.Tensor, out: torch.Tensor, *, num_threads: int | None = No
     x: fp32 with unit stride along N (any row stride); out: fp32 [M] contiguous.
     """
     ext = cpu_ext.require()
+    fn = "bik.ops.reductions.cpu.mean_f32"
+    require_cpu(fn, x=x, out=out)
+    require(x.dim() == 2, fn, "x must be 2-D")
     M, N = x.shape
-    assert out.shape == (M,) and out.is_contiguous() and N >= 1
-    assert x.dtype == out.dtype == torch.float32
+    require(out.shape == (M,) and out.is_contiguous() and N >= 1, fn,
+            f"x {list(x.shape)} (N >= 1) needs a contiguous out [{M}]")
+    require(x.dtype == out.dtype == torch.float32, fn, "x and out must be fp32")
     if M == 0:
         return
-    assert x.stride(1) == 1 or N == 1
+    require(x.stride(1) == 1 or N == 1, fn, "x needs unit stride along N")
     ext.mean_f32(x.data_ptr(), x.stride(0), out.data_ptr(), M, N,
                  torch.get_num_threads() if num_threads is None else num_threads)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from bik.ops._checks import require, require_cpu
 from bik.runtime import cpu_ext
 
 __all__ = ["launch_rms_norm", "rms_norm_f32"]
@@ -25,12 +26,17 @@ def rms_norm_f32(
     bits do not depend on M, its position, num_threads or ``isa``.
     """
     ext = cpu_ext.require()
+    fn = "bik.ops.rms_norm.cpu.rms_norm_f32"
+    require_cpu(fn, x=x, weight=weight, out=out)
+    require(x.dim() == 2, fn, "x must be 2-D")
     M, H = x.shape
-    assert out.shape == (M, H) and out.is_contiguous() and weight.shape == (H,)
-    assert x.dtype == weight.dtype == out.dtype == torch.float32 and weight.is_contiguous()
+    require(out.shape == (M, H) and out.is_contiguous() and weight.shape == (H,), fn,
+            f"x {list(x.shape)} needs a contiguous out of its shape and weight [{H}]")
+    require(x.dtype == weight.dtype == out.dtype == torch.float32 and weight.is_contiguous(),
+            fn, "x, weight and out must be fp32, weight contiguous")
     if M == 0 or H == 0:
         return
-    assert x.stride(1) == 1 or H == 1
+    require(x.stride(1) == 1 or H == 1, fn, "x needs unit stride along H")
     ext.rms_norm_f32(
         x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), H, M, H, float(eps),
         torch.get_num_threads() if num_threads is None else num_threads,

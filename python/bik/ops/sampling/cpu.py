@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from bik.ops._checks import require, require_cpu
 from bik.ops.sampling.noise import STREAM_SAMPLE
 from bik.runtime import cpu_ext
 
@@ -23,8 +24,12 @@ def sample_cpu(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
     """tokens int64 [B], logprobs fp32 [B] for fp32 logits [B, V] (V >= 1) and per-row params:
     seed/position/top_k int64 [B], temperature/top_p/log_min_p fp32 [B] (contiguous)."""
     ext = cpu_ext.require()
+    fn = "bik.ops.sampling.cpu.sample_cpu"
+    require_cpu(fn, logits=logits, seed=seed, position=position, temperature=temperature,
+                top_k=top_k, top_p=top_p, log_min_p=log_min_p)
+    require(logits.dim() == 2, fn, "logits must be 2-D")
     b, v = logits.shape
-    assert logits.dtype == torch.float32 and v >= 1
+    require(logits.dtype == torch.float32 and v >= 1, fn, "logits must be fp32 [B, V >= 1]")
     if b > 0 and v > 1 and logits.stride(1) != 1:
         logits = logits.contiguous()
     tokens = torch.empty(b, dtype=torch.int64)
@@ -32,7 +37,8 @@ def sample_cpu(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
     args = [seed, position, temperature, top_k, top_p, log_min_p]
     for t, dt in zip(args, (torch.int64, torch.int64, torch.float32, torch.int64,
                             torch.float32, torch.float32)):
-        assert t.dtype == dt and t.shape == (b,) and t.is_contiguous()
+        require(t.dtype == dt and t.shape == (b,) and t.is_contiguous(), fn,
+                f"every row parameter must be a contiguous [{b}] tensor of its dtype")
     if b == 0:
         return tokens, logprobs
     ext.sample_f32(logits.data_ptr(), logits.stride(0), b, v, *(t.data_ptr() for t in args),
@@ -58,15 +64,17 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 def bik_log(x: torch.Tensor) -> torch.Tensor:
     """bik_log of fp32 positive normal values (sampling.h), elementwise."""
+    require_cpu("bik.ops.sampling.cpu.bik_log", x=x)
+    require(x.dtype == torch.float32, "bik.ops.sampling.cpu.bik_log", "x must be fp32")
     x = x.contiguous()
-    assert x.dtype == torch.float32
     return _elementwise("log", x, torch.empty_like(x), x.numel())
 
 
 def gumbel_from_unit(u: torch.Tensor) -> torch.Tensor:
     """-bik_log(-bik_log(u)) elementwise for fp32 u in (0, 1)."""
+    require_cpu("bik.ops.sampling.cpu.gumbel_from_unit", u=u)
+    require(u.dtype == torch.float32, "bik.ops.sampling.cpu.gumbel_from_unit", "u must be fp32")
     u = u.contiguous()
-    assert u.dtype == torch.float32
     return _elementwise("gumbel", u, torch.empty_like(u), u.numel())
 
 

@@ -212,7 +212,22 @@ def _per_row(op: str, name: str, value, rows: int, device, dtype, default):
                         f"{type(value).__name__}")
     if dtype == torch.int64 and not isinstance(value, int):
         raise TypeError(f"{op}: {name} must be an int, got {value!r}")
+    if dtype == torch.int64:
+        value = _int64(op, name, value)
     return torch.full((rows,), value, dtype=dtype, device=device)
+
+
+def _int64(op: str, name: str, value: int) -> int:
+    """A Python int as the int64 the kernels read. A seed is 64 bits: one in [2**63, 2**64) is
+    stored as the int64 with the same bits (the noise key is its two 32-bit halves), so every
+    seed in [0, 2**64) works, as ``random.getrandbits(64)`` gives them."""
+    if name == "seed":
+        if not 0 <= value < 2**64:
+            raise ValueError(f"{op}: seed must be in [0, 2**64), got {value}")
+        return value - 2**64 if value >= 2**63 else value
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{op}: {name} must fit in int64, got {value}")
+    return value
 
 
 def _params(op, rows, device, seed, position, temperature, top_k, top_p, min_p):
