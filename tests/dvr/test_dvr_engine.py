@@ -303,6 +303,25 @@ def test_sampling_params_that_a_step_could_not_run_are_rejected(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize("prompt, exc, what", [
+    ((1, 3.7), TypeError, "holds 3.7, not a token id"),
+    ("123", TypeError, "must be token ids, got a string"),
+    ((1, True), TypeError, "holds True"), ((1, -2), ValueError, "negative token id"),
+])
+def test_requests_keep_their_tokens_or_are_refused(prompt, exc, what):
+    """int() used to turn 3.7 into 3 and "123" into (1, 2, 3) silently."""
+    with pytest.raises(exc, match=what):
+        Request("r", prompt, 4)
+    assert Request("r", (torch.tensor(5), 7), 4).prompt == (5, 7)
+
+
+@pytest.mark.parametrize("field", ["max_running", "num_blocks", "block_size"])
+def test_an_engine_that_could_never_progress_is_refused(field):
+    """EngineConfig(max_running=0) was accepted and run() never returned."""
+    with pytest.raises(ValueError, match=f"EngineConfig: {field} must be >= 1, got 0"):
+        EngineConfig(**{field: 0})
+
+
 def test_a_64_bit_seed_is_sampled_with_its_bits():
     """A seed >= 2**63 runs (as the int64 of its bits, as bik.sample takes an int)."""
     eng = engine()

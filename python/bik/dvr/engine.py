@@ -72,6 +72,10 @@ class EngineConfig:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"EngineConfig: prefill_chunk must be >= 1, got "
                              f"{self.prefill_chunk}")
+        for name in ("block_size", "num_blocks", "max_running"):  # 0 would never make progress
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig: {name} must be >= 1, got "
+                                 f"{getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -53,8 +54,28 @@ class Request:
         if self.max_new_tokens < 1:
             raise ValueError(f"Request {self.request_id!r}: max_new_tokens must be >= 1, got "
                              f"{self.max_new_tokens}")
-        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        object.__setattr__(self, "prompt", _token_ids(self.request_id, "prompt", self.prompt))
+        object.__setattr__(self, "eos_token_ids",
+                           _token_ids(self.request_id, "eos_token_ids", self.eos_token_ids))
+
+
+def _token_ids(request_id: str, name: str, tokens) -> tuple[int, ...]:
+    """Token ids as ints, refusing what ``int()`` would silently change (3.7 -> 3, a string's
+    characters, bools); the vocabulary bound is checked by the engine, which knows it."""
+    if isinstance(tokens, (str, bytes)):
+        raise TypeError(f"Request {request_id!r}: {name} must be token ids, got a string")
+    out = []
+    for t in tokens:
+        try:
+            token = operator.index(t)  # ints and integer scalars; not floats
+        except TypeError:
+            token = None
+        if token is None or isinstance(t, bool):
+            raise TypeError(f"Request {request_id!r}: {name} holds {t!r}, not a token id")
+        if token < 0:
+            raise ValueError(f"Request {request_id!r}: {name} holds a negative token id {t}")
+        out.append(token)
+    return tuple(out)
 
 
 class Status(Enum):
