@@ -4,6 +4,7 @@ import dataclasses
 import importlib
 
 import bik
+import pytest
 import torch
 from bik import configs
 
@@ -72,3 +73,12 @@ def test_cpu_extension_carries_its_source_hash():
 
     if cpu_ext.available():
         assert cpu_ext.source_hash() not in (None, "unknown")
+
+
+def test_a_device_it_cannot_describe_is_a_clear_error():
+    """fingerprint("cuda") on a CPU build raised torch's bare AssertionError."""
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="bik.fingerprint: cuda is not available here"):
+            bik.fingerprint("cuda")
+    with pytest.raises(ValueError, match="bik.fingerprint: device must be cpu or cuda, got meta"):
+        bik.fingerprint("meta")

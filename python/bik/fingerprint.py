@@ -85,6 +85,11 @@ def fingerprint(device: torch.device | str | None = None) -> Fingerprint:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"bik.fingerprint: device must be cpu or cuda, got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"bik.fingerprint: {device} is not available here (torch "
+                           f"{torch.__version__}, CUDA build: {torch.version.cuda})")
     arch = device_arch(device)
     backends = {op: _backend_or_error(op, device) for op in OPS}
     config_hash = hashlib.sha256(

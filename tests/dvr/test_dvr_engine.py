@@ -322,6 +322,27 @@ def test_an_engine_that_could_never_progress_is_refused(field):
         EngineConfig(**{field: 0})
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_an_invalid_row_ends_its_request_and_no_other(deterministic):
+    """T = 1e-40 overflows logits / T: bik.sample marks the row invalid (token -1). The engine
+    used to commit -1, feed it back (the embedding wrapped it to the last row) and finish with
+    "length". Now the request ends with reason "invalid_logits" and no -1 in its output (on
+    the fast path of a deterministic request -1 becomes a placeholder the verifier rejects),
+    and the good request beside it equals its solo reference."""
+    bad = Request("bad", (1, 2, 3), 6, SamplingParams(temperature=1e-40), deterministic)
+    good = Request("good", (4, 5, 6, 7), 6, SamplingParams(temperature=0.8, seed=3))
+    eng = engine(window=2)
+    for req in (bad, good):
+        eng.add_request(req)
+    while eng.has_work:
+        eng.step()
+    out = eng.outputs
+    assert out["bad"].status == Status.FINISHED and out["bad"].finish_reason == "invalid_logits"
+    assert all(t >= 0 for t in out["bad"].tokens)
+    want = _reference(good)
+    assert out["good"].tokens == want.tokens and out["good"].logprobs == want.logprobs
+
+
 def test_a_64_bit_seed_is_sampled_with_its_bits():
     """A seed >= 2**63 runs (as the int64 of its bits, as bik.sample takes an int)."""
     eng = engine()

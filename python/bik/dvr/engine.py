@@ -250,7 +250,9 @@ class DVREngine:
                                 [len(s.tokens) for s in group])
         for seq, tok, lp in zip(group, toks, lps):
             if seq.req.deterministic and self.config.verify:
-                tok = self._maybe_corrupt(tok)
+                # An invalid fast-path row (-1) goes on as a placeholder token: verification
+                # accepts a token only if it is the bik draw, so the output cannot change.
+                tok = self._maybe_corrupt(max(tok, 0))
                 seq.tokens.append(tok)
                 seq.unverified_logprobs.append(lp)
             else:
@@ -383,10 +385,14 @@ class DVREngine:
             step, self.cache, kernels, logits_rows)
 
     def _commit(self, seq: _Sequence, toks: list[int], lps: list[float]) -> None:
-        """Append verified (or unverifiable) tokens to the stream; finish on EOS/max tokens."""
+        """Append verified (or unverifiable) tokens to the stream; finish on EOS, max tokens,
+        or an invalid row (token -1: the request ends with reason "invalid_logits")."""
         eos = set(seq.req.eos_token_ids)
         take, reason = len(toks), None
         for i, t in enumerate(toks):
+            if t < 0:  # the sampler's invalid row (NaN / +inf logits): end here, never a token
+                take, reason = i, "invalid_logits"
+                break
             if seq.committed + i + 1 >= seq.req.max_new_tokens:
                 take, reason = i + 1, "length"
                 break

@@ -93,4 +93,4 @@ class RequestOutput:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "eos", "length" or "cancelled"
+    finish_reason: str | None = None  # "eos", "length", "cancelled" or "invalid_logits"
