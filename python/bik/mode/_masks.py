@@ -127,6 +127,12 @@ def _sequence_rows(count: list[int], first: list[int], last: list[int]) -> _Rows
         ramp += 1
     if any(e != ends[ramp - 1] for e in ends[ramp:]):
         raise MaskNotServed("an attn_mask that is neither causal nor full per sequence")
-    kinds = {len(ends): "causal", 1: "ambiguous" if ends[0] == first[a] else "full"}
-    kind = "one" if len(ends) == 1 else kinds.get(ramp, "tail")
+    if len(ends) == 1:
+        kind = "one"
+    elif ramp == len(ends):
+        kind = "causal"
+    elif ramp > 1:
+        kind = "tail"
+    else:  # one common end: a single common key is ambiguous, a longer run is full
+        kind = "ambiguous" if ends[0] == first[a] else "full"
     return _Rows(kind, a, ramp, first[a], ends, missing)

@@ -77,7 +77,7 @@ def run(device, dtype, args) -> list[dict]:
     tokens = NEW_TOKENS * len(PROMPTS)
     records = []
     for dt in dtypes:
-        stock = None
+        stock: dict = {}
         for plugin in (False, True):
             got = _spawn(dt, plugin)
             for mode in ("alone", "batched"):
@@ -92,7 +92,8 @@ def run(device, dtype, args) -> list[dict]:
                 if plugin:
                     rec["vs_stock"] = rec["median_s"] / stock[mode]
                 records.append(rec)
-            stock = stock or {r["mode"]: r["median_s"] for r in records[-2:]}
+            if not plugin:
+                stock = {r["mode"]: r["median_s"] for r in records[-2:]}
     return records
 
 

@@ -20,10 +20,10 @@ CALLS = [0]  # bik.linear calls from vLLM layers in this process
 def _refuse_parallelism() -> None:
     from vllm.distributed import parallel_state as ps
 
-    for name, size in (("tensor", ps.get_tensor_model_parallel_world_size),
-                       ("pipeline", ps.get_pp_group)):
-        degree = size() if name == "tensor" else size().world_size
-        if degree > 1:
+    sizes = {"tensor": ps.get_tensor_model_parallel_world_size,
+             "pipeline": lambda: ps.get_pp_group().world_size}
+    for name, size in sizes.items():
+        if (degree := size()) > 1:
             raise NotImplementedError(
                 f"bik.integrations.vllm: {name} parallel size {degree} is not served yet (a "
                 f"rank's partial sums would depend on the degree); run with size 1 or unset "
