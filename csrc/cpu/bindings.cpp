@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "attention.h"
+#include "c_abi.h"
 #include "contract.h"
 #include "reductions.h"
 #include "sampling.h"
@@ -137,13 +138,12 @@ Isa select_isa(const std::string& want) {
 
 const float* fptr(std::uintptr_t p) { return reinterpret_cast<const float*>(p); }
 
-void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t sbk, idx_t sbn,
-                std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M, idx_t N, idx_t K,
-                int num_threads, const std::string& isa_name, idx_t block_k, idx_t block_n,
-                bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb) {
-  if (M < 0 || N < 0 || K < 0 || batch < 0)
-    throw std::invalid_argument("bik: negative matmul size");
-  const Isa isa = select_isa(isa_name);
+// The product, for sizes checked by the caller; takes no GIL (the pybind entry releases it, the
+// C entry is called from torch's dispatcher, which holds none).
+void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b,
+                idx_t sbk, idx_t sbn, std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M,
+                idx_t N, idx_t K, int num_threads, idx_t block_k, idx_t block_n, bool b_bf16,
+                idx_t batch, idx_t sab, idx_t sbb, idx_t scb) {
   if (M == 0 || N == 0 || batch == 0) return;
   // Blocking (speed only; K blocks store/reload the fp32 acc in order, so bits never change).
   // Few rows: memory bound on B, so read B in long runs: whole weight rows when b = w.t(),
@@ -183,7 +183,6 @@ void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t 
       isa.tile(A, sam, sak, fptr(B), sbk, sbn, bias_p, C, ldc, m0, m1, n0, n1, K, kcb, ncb,
                mine);
   };
-  pybind11::gil_scoped_release nogil;
   if (by_entry) {
     parallel_run(nt, [&](int id) {
       for (idx_t e = batch * id / nt; e < batch * (id + 1) / nt; ++e)
@@ -201,6 +200,18 @@ void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t 
       if (n0 < n1 && m0 < m1) tile(e, m0, m1, n0, n1, scratch + per_thread * size_t(id));
     });
   }
+}
+
+void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t sbk, idx_t sbn,
+                std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M, idx_t N, idx_t K,
+                int num_threads, const std::string& isa_name, idx_t block_k, idx_t block_n,
+                bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb) {
+  if (M < 0 || N < 0 || K < 0 || batch < 0)
+    throw std::invalid_argument("bik: negative matmul size");
+  const Isa isa = select_isa(isa_name);
+  pybind11::gil_scoped_release nogil;
+  matmul_run(isa, a, sam, sak, b, sbk, sbn, bias, c, ldc, M, N, K, num_threads, block_k, block_n,
+             b_bf16, batch, sab, sbb, scb);
 }
 
 void rms_norm_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t w, std::uintptr_t y, idx_t sym,
@@ -347,6 +358,22 @@ void sampling_elementwise(const std::string& fn, std::uintptr_t in, std::uintptr
 }  // namespace
 }  // namespace bik_cpu
 
+// c_abi.h's matmul entry: the widest ISA (resolved once), auto blocking, no exceptions.
+extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
+  if (p->M < 0 || p->N < 0 || p->K < 0 || p->batch < 0) return 1;
+  static const bik_cpu::Isa isa = bik_cpu::select_isa("auto");
+  try {  // a thread that cannot start (std::system_error) must not cross the C boundary
+    bik_cpu::matmul_run(isa, reinterpret_cast<std::uintptr_t>(p->a), p->sam, p->sak,
+                        reinterpret_cast<std::uintptr_t>(p->b), p->sbk, p->sbn,
+                        reinterpret_cast<std::uintptr_t>(p->bias),
+                        reinterpret_cast<std::uintptr_t>(p->c), p->ldc, p->M, p->N, p->K,
+                        p->num_threads, 0, 0, p->b_bf16 != 0, p->batch, p->sab, p->sbb, p->scb);
+  } catch (...) {
+    return 2;
+  }
+  return 0;
+}
+
 PYBIND11_MODULE(_cpu_kernels, m) {
   pthread_atfork(nullptr, nullptr, [] { bik_cpu::forked_child() = true; });
   namespace py = pybind11;
@@ -398,4 +425,13 @@ PYBIND11_MODULE(_cpu_kernels, m) {
       "isa", [](const std::string& want) { return std::string(bik_cpu::select_isa(want).name); },
       py::arg("want") = "auto", "Name of the ISA path `want` resolves to.");
   m.def("isa_supported", &bik_cpu::isa_supported, py::arg("name"));
+  m.def(
+      "c_entry_points",
+      [] {
+        py::dict d;
+        d["abi_version"] = BIK_C_ABI_VERSION;
+        d["matmul_f32"] = reinterpret_cast<std::uintptr_t>(&bik_cpu_matmul_f32);
+        return d;
+      },
+      "Addresses of the c_abi.h entry points (for bik's dispatcher kernels), and its version.");
 }

@@ -70,6 +70,9 @@ def _source_hash() -> str:
     from bik.runtime import cuda_jit  # the CUDA C++ sources (csrc/cuda), as the JIT sees them
 
     h.update(cuda_jit.sources_hash().encode())
+    from bik.runtime import aten_ext  # bik.enable()'s C++ kernels (csrc/aten)
+
+    h.update(aten_ext.source_hash().encode())
     return h.hexdigest()[:16]
 
 

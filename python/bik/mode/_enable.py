@@ -9,10 +9,17 @@ with ``torch.library.get_kernel`` before overriding: the right answer, counted i
 overridden too) and below Dynamo/AOTAutograd (compiled graphs call aten at run time); Inductor
 is told to leave these ops as aten calls while bik is enabled (_inductor.py). While a handler
 runs, the aten calls it makes itself go straight to the original kernels.
+
+At the CPU key, mm / addmm / bmm get C++ kernels instead (csrc/aten/enable_cpu.cpp, built at
+first use: bik.runtime.aten_ext): a Python kernel costs ~15 µs a call around a ~1 µs one-row
+product. They serve the plain calls with the same kernel the handler would run and hand every
+other call to the Python kernel, registered for that on ``bik_enable::<op>`` (aten's schema).
+``BIK_ENABLE_NATIVE=0``, or a build that fails, keeps the Python kernels there.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Iterator
@@ -23,7 +30,8 @@ import torch
 from bik.mode._dispatch_layer import HANDLERS
 from bik.mode._inductor import keep_as_aten_calls
 from bik.mode._numerics import acquire_flags, release_flags
-from bik.mode._stats import route
+from bik.mode._stats import count_native, route
+from bik.runtime import aten_ext, cpu_ext
 
 __all__ = ["OVERRIDES", "disable", "enable", "enabled", "is_enabled"]
 
@@ -47,8 +55,12 @@ _CPU_ONLY = {aten._scaled_dot_product_flash_attention_for_cpu.default,
              aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
              aten.silu.default, aten.silu_backward.default}
 
+# The ops with a C++ kernel at the CPU key (csrc/aten/enable_cpu.cpp), in its counters' order.
+NATIVE_CPU = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+
 _switch_lock = threading.Lock()
-_state: dict = {}  # while enabled: {"library": Library, "undo_inductor": fn}
+_state: dict = {}  # while enabled: {"libraries": [Library], "native": bool, "undo_inductor": fn}
+_twins: list = []  # the Library defining bik_enable::<op> (made once, kept: C++ caches handles)
 _busy = threading.local()  # set while a handler runs in this thread
 
 
@@ -77,8 +89,30 @@ def _dispatch_keys() -> tuple[str, ...]:
     return ("CPU", "CUDA") if torch.cuda.is_available() else ("CPU",)
 
 
-def _register() -> torch.library.Library:
-    library = torch.library.Library("aten", "IMPL")
+def _native_wanted() -> bool:
+    """Use the C++ kernels (built on first use) unless BIK_ENABLE_NATIVE=0 or they cannot
+    be built (then the Python kernels serve those ops too)."""
+    if os.environ.get("BIK_ENABLE_NATIVE", "1") == "0" or not cpu_ext.available():
+        return False
+    if not aten_ext.load():
+        warnings.warn(f"bik.enable(): its C++ kernels for mm / addmm / bmm are unavailable "
+                      f"({aten_ext.unavailable_reason()}); Python kernels serve them (about "
+                      f"15 µs a call more)", RuntimeWarning, stacklevel=4)
+        return False
+    if not _twins:
+        twins = torch.library.Library("bik_enable", "DEF")
+        for op in NATIVE_CPU:
+            twins.define(str(op._schema).split("::", 1)[1])
+        _twins.append(twins)
+        count_native([str(op) for op in NATIVE_CPU], torch.ops.bik_aten.served,
+                     torch.ops.bik_aten.reset_served)
+    return True
+
+
+def _register(native: bool) -> list[torch.library.Library]:
+    libraries = [torch.library.Library("aten", "IMPL")]
+    if native:  # the Python kernels the C++ ones hand their other calls to
+        libraries.append(torch.library.Library("bik_enable", "IMPL"))
     try:
         with warnings.catch_warnings():  # "overriding a previously registered kernel": meant
             warnings.simplefilter("ignore", UserWarning)
@@ -87,12 +121,18 @@ def _register() -> torch.library.Library:
                     if key != "CPU" and op in _CPU_ONLY:
                         continue
                     original = torch.library.get_kernel(op, key)
-                    library.impl(_schema_name(op), _override(op, HANDLERS[op], original), key,
-                                 with_keyset=True)
+                    twin = native and key == "CPU" and op in NATIVE_CPU
+                    target = libraries[1] if twin else libraries[0]
+                    target.impl(_schema_name(op), _override(op, HANDLERS[op], original), key,
+                                with_keyset=True)
+        if native:
+            entries = cpu_ext.require().c_entry_points()
+            torch.ops.bik_aten.install(entries["matmul_f32"], entries["abi_version"])
     except BaseException:
-        library._destroy()
+        for library in libraries:
+            library._destroy()
         raise
-    return library
+    return libraries
 
 
 def is_enabled() -> bool:
@@ -118,14 +158,15 @@ def enable() -> None:
         try:
             undo_inductor = keep_as_aten_calls()
             try:
-                library = _register()
+                native = _native_wanted()
+                libraries = _register(native)
             except BaseException:
                 undo_inductor()
                 raise
         except BaseException:
             release_flags()
             raise
-        _state.update(library=library, undo_inductor=undo_inductor)
+        _state.update(libraries=libraries, native=native, undo_inductor=undo_inductor)
 
 
 def disable() -> None:
@@ -134,9 +175,12 @@ def disable() -> None:
     with _switch_lock:
         if not _state:
             return
-        library, undo_inductor = _state.pop("library"), _state.pop("undo_inductor")
+        libraries, undo_inductor = _state.pop("libraries"), _state.pop("undo_inductor")
         try:
-            library._destroy()
+            if _state.pop("native"):
+                torch.ops.bik_aten.uninstall()  # first: its kernels call the Python twins
+            for library in libraries:
+                library._destroy()
         finally:
             try:
                 undo_inductor()

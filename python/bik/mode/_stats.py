@@ -19,7 +19,8 @@ import torch
 
 from bik.mode._routes import Fallback
 
-__all__ = ["BatchInvarianceWarning", "ModeStats", "mode_stats", "reset_mode_stats", "route"]
+__all__ = ["BatchInvarianceWarning", "ModeStats", "count_native", "mode_stats", "reset_mode_stats",
+           "route"]
 
 _NAME = "bik"
 
@@ -37,6 +38,14 @@ _lock = threading.Lock()  # Counter updates are read-modify-write; engines call 
 _routed: Counter = Counter()  # keyed by the op object; named when read (str(op) costs ~1 µs)
 _fallbacks: Counter = Counter()
 _warned: set[str] = set()
+_native: list = []  # (names, read, reset) of C++ kernels' own counts (bik.enable(): _enable.py)
+
+
+def count_native(names: list[str], read: Callable[[], list[int]],
+                 reset: Callable[[], None]) -> None:
+    """Add the calls C++ kernels served (``read()``: counts in ``names``' order) to
+    :func:`mode_stats`' routed counts."""
+    _native.append((names, read, reset))
 
 
 def mode_stats() -> ModeStats:
@@ -44,7 +53,11 @@ def mode_stats() -> ModeStats:
     and of calls it gave to the original kernel, with the reason. Compiled code is not counted
     call by call: see docs/integration.md for how to inspect a compiled graph."""
     with _lock:
-        return ModeStats({str(op): n for op, n in _routed.items()}, dict(_fallbacks))
+        routed = Counter({str(op): n for op, n in _routed.items()})
+        fallbacks = dict(_fallbacks)
+    for names, read, _ in _native:
+        routed.update({name: n for name, n in zip(names, read()) if n})
+    return ModeStats(dict(routed), fallbacks)
 
 
 def reset_mode_stats() -> None:
@@ -53,6 +66,8 @@ def reset_mode_stats() -> None:
         _routed.clear()
         _fallbacks.clear()
         _warned.clear()
+    for _, _, reset in _native:
+        reset()
 
 
 def _count_fallback(func, fb: Fallback) -> None:

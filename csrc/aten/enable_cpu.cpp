@@ -1,0 +1,211 @@
+// bik.enable()'s dispatcher kernels for aten::mm, aten::addmm and aten::bmm at the CPU key, in
+// C++. A one-row product's kernel takes about a microsecond; a Python kernel at the dispatcher
+// costs ~15 us around it (bik bench boundary), and a model's decode step is mostly such calls.
+//
+// Each kernel serves the calls it can be sure bik's handler would serve (served dtypes, the
+// shapes torch accepts, nonempty, no dispatch mode to observe the call) with bik's fixed-order
+// CPU matmul, the same entry point bik._cpu_kernels runs (handed over by address: one copy of
+// the kernel in the process, c_abi.h), so the bits are the Python route's. Every other call goes
+// to the Python kernel bik.enable() registered on bik_enable::<op> (aten's schema), which serves
+// it or gives it to the original kernel, with torch's own errors. Built against the installed
+// torch at first use (bik/runtime/aten_ext.py); it knows nothing of Python.
+#include <ATen/EmptyTensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <array>
+#include <atomic>
+#include <memory>
+#include <mutex>
+
+#include "c_abi.h"
+
+namespace {
+
+using at::Tensor;
+
+enum Op { kMm, kAddmm, kBmm, kOps };
+
+BikMatmulF32Fn g_matmul = nullptr;
+std::mutex g_switch;
+std::unique_ptr<torch::Library> g_library;  // while installed: the aten overrides
+std::array<std::atomic<int64_t>, kOps> g_served{};
+// Set while this thread is inside the Python kernel: the aten calls bik's own code makes there
+// must reach Python's guard (which sends them to the original kernels), as they would without
+// this file.
+thread_local bool t_in_python = false;
+
+struct InPython {
+  bool previous = t_in_python;
+  InPython() { t_in_python = true; }
+  ~InPython() { t_in_python = previous; }
+};
+
+const c10::DispatchKeySet kCpu(c10::DispatchKey::CPU);
+
+// A thread with no dispatch mode on: a mode (a tracer, a user's) must see bik's own ops, which
+// the Python route gives it.
+bool unobserved() { return !t_in_python && c10::impl::TorchDispatchModeTLS::stack_len() == 0; }
+
+bool served_dtype(c10::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+bool plain(const Tensor& t) { return t.is_cpu() && !t.is_neg() && served_dtype(t.scalar_type()); }
+
+// a [.., M, K] @ b [.., K, N] that torch accepts and bik serves, every size > 0 (empty products
+// are rare; the Python route handles them).
+bool product_served(const Tensor& a, const Tensor& b, int64_t rank) {
+  if (a.dim() != rank || b.dim() != rank || !plain(a) || !plain(b)) return false;
+  if (a.scalar_type() != b.scalar_type() || a.size(-1) != b.size(-2)) return false;
+  if (rank == 3 && a.size(0) != b.size(0)) return false;
+  return a.numel() > 0 && b.numel() > 0;
+}
+
+bool is_one(const c10::Scalar& s) {
+  if (s.isFloatingPoint()) return s.toDouble() == 1.0;
+  if (s.isIntegral(/*includeBool=*/false)) return s.toLong() == 1;
+  return false;  // bool or complex: the Python route decides
+}
+
+// What bik's CPU launcher does (ops/matmul/cpu.py): rows and bias widened to fp32 (exact), a bf16
+// b read as bf16 by the kernel, fp16 b widened first; one fp32 product; rounded once to a's dtype.
+Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
+  const bool batched = a.dim() == 3;
+  const int64_t B = batched ? a.size(0) : 1, M = a.size(-2), K = a.size(-1), N = b.size(-1);
+  const auto dtype = a.scalar_type();
+  const bool f32 = dtype == at::kFloat;
+  // Each skipped call (a no-op .to(), a dispatched empty) is ~0.3 us on a ~1 us product.
+  const Tensor a32 = f32 ? a : a.to(at::kFloat);
+  const bool b_bf16 = dtype == at::kBFloat16;
+  const Tensor bk = dtype == at::kHalf ? b.to(at::kFloat) : b;
+  Tensor bias32;
+  if (bias != nullptr) {
+    bias32 = bias->dim() == 1 ? *bias : bias->reshape({N});
+    if (!f32) bias32 = bias32.to(at::kFloat);
+    if (!bias32.is_contiguous()) bias32 = bias32.contiguous();
+  }
+  Tensor out(batched ? at::detail::empty_cpu({B, M, N}, at::kFloat)
+                     : at::detail::empty_cpu({M, N}, at::kFloat));
+  BikMatmulF32Args args{};
+  args.a = a32.const_data_ptr();
+  args.sam = a32.stride(-2);
+  args.sak = a32.stride(-1);
+  args.b = bk.const_data_ptr();
+  args.sbk = bk.stride(-2);
+  args.sbn = bk.stride(-1);
+  args.bias = bias != nullptr ? bias32.const_data_ptr<float>() : nullptr;
+  args.c = out.mutable_data_ptr<float>();
+  args.ldc = N;
+  args.M = M;
+  args.N = N;
+  args.K = K;
+  args.batch = B;
+  args.sab = batched ? a32.stride(0) : 0;
+  args.sbb = batched ? bk.stride(0) : 0;
+  args.scb = M * N;
+  args.num_threads = at::get_num_threads();
+  args.b_bf16 = b_bf16;
+  const int rc = g_matmul(&args);
+  TORCH_CHECK(rc == 0, "bik.enable(): bik's CPU matmul kernel failed (code ", rc, ")");
+  return f32 ? out : out.to(dtype);
+}
+
+template <class Signature>
+c10::TypedOperatorHandle<Signature> python_kernel(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+using MmSig = Tensor(const Tensor&, const Tensor&);
+using AddmmSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const c10::Scalar&,
+                        const c10::Scalar&);
+
+Tensor mm(c10::DispatchKeySet, const Tensor& a, const Tensor& b) {
+  if (unobserved() && product_served(a, b, 2)) {
+    g_served[kMm].fetch_add(1, std::memory_order_relaxed);
+    return product(a, b, nullptr);
+  }
+  static const auto python = python_kernel<MmSig>("bik_enable::mm");
+  InPython guard;
+  return python.redispatch(kCpu, a, b);
+}
+
+Tensor bmm(c10::DispatchKeySet, const Tensor& a, const Tensor& b) {
+  if (unobserved() && product_served(a, b, 3)) {
+    g_served[kBmm].fetch_add(1, std::memory_order_relaxed);
+    return product(a, b, nullptr);
+  }
+  static const auto python = python_kernel<MmSig>("bik_enable::bmm");
+  InPython guard;
+  return python.redispatch(kCpu, a, b);
+}
+
+// addmm with beta = alpha = 1 and a bias row [N] or [1, N]: F.linear's decomposition.
+Tensor addmm(c10::DispatchKeySet, const Tensor& bias, const Tensor& a, const Tensor& b,
+             const c10::Scalar& beta, const c10::Scalar& alpha) {
+  const auto bias_row = [&] {
+    const int64_t n = b.size(-1);
+    return plain(bias) && bias.scalar_type() == a.scalar_type() &&
+           ((bias.dim() == 1 && bias.size(0) == n) ||
+            (bias.dim() == 2 && bias.size(0) == 1 && bias.size(1) == n));
+  };
+  if (unobserved() && is_one(beta) && is_one(alpha) && product_served(a, b, 2) && bias_row()) {
+    g_served[kAddmm].fetch_add(1, std::memory_order_relaxed);
+    return product(a, b, &bias);
+  }
+  static const auto python = python_kernel<AddmmSig>("bik_enable::addmm");
+  InPython guard;
+  return python.redispatch(kCpu, bias, a, b, beta, alpha);
+}
+
+// torch warns (to stderr, from C++) when a kernel replaces another; replacing is the point here.
+struct Quiet : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+
+void install(int64_t matmul_address, int64_t abi_version) {
+  TORCH_CHECK(abi_version == BIK_C_ABI_VERSION, "bik.enable(): bik._cpu_kernels has C ABI ",
+              abi_version, ", this build expects ", BIK_C_ABI_VERSION, " (rebuild bik)");
+  std::lock_guard<std::mutex> lock(g_switch);
+  if (g_library) return;
+  for (const char* name : {"bik_enable::mm", "bik_enable::addmm", "bik_enable::bmm"})
+    c10::Dispatcher::singleton().findSchemaOrThrow(name, "");  // Python defined them first
+  g_matmul = reinterpret_cast<BikMatmulF32Fn>(matmul_address);
+  Quiet quiet;
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+  auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
+                                                  c10::DispatchKey::CPU, __FILE__, __LINE__);
+  library->impl("mm", TORCH_FN(mm));
+  library->impl("addmm", TORCH_FN(addmm));
+  library->impl("bmm", TORCH_FN(bmm));
+  g_library = std::move(library);
+}
+
+void uninstall() {
+  std::lock_guard<std::mutex> lock(g_switch);
+  g_library.reset();  // the kernels registered before install() are back
+}
+
+std::vector<int64_t> served() {
+  std::vector<int64_t> counts;
+  for (const auto& n : g_served) counts.push_back(n.load(std::memory_order_relaxed));
+  return counts;
+}
+
+void reset_served() {
+  for (auto& n : g_served) n.store(0, std::memory_order_relaxed);
+}
+
+}  // namespace
+
+// Control ops (torch.ops.bik_aten.*), not kernels: they override nothing until install().
+TORCH_LIBRARY(bik_aten, m) {
+  m.def("install(int matmul_address, int abi_version) -> ()", &install);
+  m.def("uninstall() -> ()", &uninstall);
+  m.def("served() -> int[]", &served);  // calls served in C++, in the order mm, addmm, bmm
+  m.def("reset_served() -> ()", &reset_served);
+}

@@ -1,0 +1,132 @@
+"""Builds and loads bik's dispatcher kernels (csrc/aten, ``torch.ops.bik_aten``).
+
+Unlike ``bik._cpu_kernels`` (no torch headers, built at install time), these kernels register
+at torch's dispatcher, so they are compiled against the torch this process runs: at first use,
+with the C++ compiler torch's own extensions use, into ``$BIK_ATEN_CACHE`` or
+``~/.cache/bik/aten``, keyed by the sources, the torch build and the compiler (another venv or
+torch gets its own build). About 10 s once; ``python -c "import bik.runtime.aten_ext as a;
+a.build()"`` builds ahead of time (``make venv`` does). A tmp file + ``os.replace`` makes
+concurrent builders safe.
+
+It never raises at import; :func:`load` returns False (and :func:`unavailable_reason` says why)
+when there is no compiler or the build fails, and callers then keep their Python route.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = ["available", "build", "cache_dir", "library_path", "load", "source_hash",
+           "unavailable_reason"]
+
+_PKG = Path(__file__).resolve().parents[1]
+_BUILD_TIMEOUT_S = 600
+_errors: list[str] = []
+
+
+def _sources() -> tuple[Path, Path]:
+    """(the .cpp, the directory holding c_abi.h): ``bik/_aten_src`` in an installed wheel,
+    ``<repo>/csrc`` in a checkout or an editable install."""
+    shipped = _PKG / "_aten_src"
+    if (shipped / "enable_cpu.cpp").is_file():
+        return shipped / "enable_cpu.cpp", shipped
+    csrc = _PKG.parents[1] / "csrc"
+    return csrc / "aten" / "enable_cpu.cpp", csrc / "cpu"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BIK_ATEN_CACHE") or Path.home() / ".cache" / "bik" / "aten")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def _command(cxx: str, out: Path) -> list[str]:
+    import torch
+    from torch.utils import cpp_extension
+
+    source, include = _sources()
+    torch_lib = Path(torch.__file__).parent / "lib"
+    return [cxx, "-O2", "-std=c++20", "-fPIC", "-shared", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{include}",
+            str(source), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
+            f"-Wl,-rpath,{torch_lib}"]
+
+
+def source_hash() -> str:
+    """Hash of the kernels' sources (bik.fingerprint covers them)."""
+    source, include = _sources()
+    h = hashlib.sha256()
+    for path in (source, include / "c_abi.h"):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def library_path() -> Path:
+    """Where the build for this torch and these sources lives (it may not exist yet)."""
+    import torch
+
+    cxx = _compiler() or "c++"
+    h = hashlib.sha256(source_hash().encode())
+    h.update(" ".join(_command(cxx, Path("out"))).encode())  # torch's path, flags, compiler
+    h.update(torch.__version__.encode())
+    return cache_dir() / f"bik_aten-{h.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compile the kernels unless this build exists; return its path. RuntimeError (with the
+    compiler's output) when it fails."""
+    path = library_path()
+    if path.is_file():
+        return path
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True, check=False,
+                              timeout=_BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed (exit {done.returncode}):\n"
+                               f"{(done.stderr or done.stdout)[-4000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.cache
+def load() -> bool:
+    """Build (if needed) and load the kernels into this process; True when
+    ``torch.ops.bik_aten`` is there. Never raises: a failure is kept for
+    :func:`unavailable_reason`."""
+    import torch
+
+    try:
+        torch.ops.load_library(str(build()))
+    except Exception as exc:  # noqa: BLE001 - no compiler, a failed build, a bad .so
+        _errors.append(f"{type(exc).__name__}: {exc}")
+        return False
+    return True
+
+
+def available() -> bool:
+    """True when the kernels are loaded (or :func:`load` can load them)."""
+    return load()
+
+
+def unavailable_reason() -> str:
+    """Why :func:`load` failed ("" when it did not, or was not called)."""
+    return _errors[-1] if _errors else ""
+

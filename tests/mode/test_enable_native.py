@@ -1,0 +1,184 @@
+"""bik.enable()'s C++ kernels for aten::mm / addmm / bmm at the CPU key (csrc/aten/enable_cpu.cpp).
+
+They must give the Python kernels' bits on every call they serve, hand every other call to the
+Python kernel (same result, same errors, counted there), and leave the dispatcher exactly as
+they found it.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import bik
+import pytest
+import torch
+import torch.nn.functional as F
+from bik.runtime import aten_ext, cpu_ext
+from bik.testing import rows_alone_vs_batched, same_bits
+from bik.testing.controls import split_by_m_matmul
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
+needs_native = pytest.mark.skipif(not aten_ext.available(),
+                                  reason=f"no C++ kernels: {aten_ext.unavailable_reason()}")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    bik.disable()
+    bik.reset_mode_stats()
+    yield
+    bik.disable()
+
+
+def _native_served() -> int:
+    return sum(torch.ops.bik_aten.served())
+
+
+def _run(call, *, native: bool):
+    """(result, served by C++, routed or fallen back in Python) of ``call()`` under enable()."""
+    os.environ["BIK_ENABLE_NATIVE"] = "1" if native else "0"
+    try:
+        bik.reset_mode_stats()
+        before = _native_served()
+        with bik.enabled():
+            out = call()
+        stats = bik.mode_stats()
+        return out, _native_served() - before, stats
+    finally:
+        del os.environ["BIK_ENABLE_NATIVE"]
+
+
+def _operands(gen, dtype, layout):
+    a = torch.randn(5, 70, generator=gen).to(dtype)
+    b = torch.randn(70, 33, generator=gen).to(dtype)
+    if layout == "b = w.t()":
+        b = torch.randn(33, 70, generator=gen).to(dtype).t()
+    elif layout == "strided rows":
+        a = torch.randn(10, 140, generator=gen).to(dtype)[::2, ::2]
+    elif layout == "one row":
+        a = a[:1]
+    return a, b
+
+
+SERVED = {
+    "mm": lambda a, b, bias: torch.mm(a, b),
+    "addmm bias [N]": lambda a, b, bias: torch.addmm(bias, a, b),
+    "addmm bias [1, N]": lambda a, b, bias: torch.addmm(bias.unsqueeze(0), a, b),
+    "linear 3-D input": lambda a, b, bias: F.linear(a.unsqueeze(0).expand(2, -1, -1), b.t(), bias),
+    "bmm": lambda a, b, bias: torch.bmm(a.expand(3, -1, -1), b.unsqueeze(0).expand(3, -1, -1)),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("layout", ["contiguous", "b = w.t()", "strided rows", "one row"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(SERVED))
+def test_native_kernels_give_the_python_kernels_bits(name, dtype, layout, gen):
+    a, b = _operands(gen, dtype, layout)
+    bias = torch.randn(b.shape[1], generator=gen).to(dtype)
+    call = lambda: SERVED[name](a, b, bias)
+    native, served, _ = _run(call, native=True)
+    python, python_served, stats = _run(call, native=False)
+    assert served >= 1 and python_served == 0  # each route was the one that ran
+    assert stats.routed and not stats.fallbacks
+    assert native.dtype == python.dtype == dtype and native.shape == python.shape
+    assert same_bits(native, python)
+
+
+@needs_native
+def test_native_counts_join_mode_stats_and_reset_with_them(gen):
+    a, b = torch.randn(2, 8, generator=gen), torch.randn(8, 4, generator=gen)
+    _, served, stats = _run(lambda: (torch.mm(a, b), torch.mm(a, b)), native=True)
+    assert served == 2 and stats.routed == {"aten.mm.default": 2}
+    bik.reset_mode_stats()
+    assert not bik.mode_stats().routed and _native_served() == 0
+
+
+DECLINED = {  # calls the C++ kernels leave to the Python kernel: (call, torch raises)
+    "addmm alpha=2": (lambda a, b, x: torch.addmm(x[0], a, b, alpha=2), False),
+    "addmm beta=0.5": (lambda a, b, x: torch.addmm(x[0], a, b, beta=0.5), False),
+    "addmm bias [M, N]": (lambda a, b, x: torch.addmm(x[1], a, b), False),
+    "mm int64": (lambda a, b, x: torch.mm(a.long(), b.long()), False),
+    "mm fp64": (lambda a, b, x: torch.mm(a.double(), b.double()), False),
+    "mm no rows": (lambda a, b, x: torch.mm(a[:0], b), False),
+    "mm K = 0": (lambda a, b, x: torch.mm(a[:, :0], b[:0]), False),
+    "mm mixed dtypes": (lambda a, b, x: torch.mm(a, b.bfloat16()), True),
+    "mm shapes": (lambda a, b, x: torch.mm(a, b[:3]), True),
+    "bmm batch sizes": (lambda a, b, x: torch.bmm(a.expand(2, -1, -1), b.expand(3, -1, -1)),
+                        True),
+    "addmm bias that does not broadcast": (lambda a, b, x: torch.addmm(x[0][:2], a, b), True),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(DECLINED))
+def test_declined_calls_get_the_python_kernels_result_or_torchs_error(name, gen):
+    a, b = torch.randn(3, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    extra = (torch.randn(4, generator=gen), torch.randn(3, 4, generator=gen))
+    fn, raises = DECLINED[name]
+    call = lambda: fn(a, b, extra)
+    if raises:
+        with pytest.raises(Exception) as stock_error:
+            call()
+        with bik.enabled(), pytest.raises(type(stock_error.value)) as error:
+            call()
+        assert str(error.value) == str(stock_error.value)
+        assert _native_served() == 0
+        return
+    native, served, native_stats = _run(call, native=True)
+    python, _, python_stats = _run(call, native=False)
+    assert served == 0
+    assert native_stats == python_stats  # the same routed / fallback counts, from Python
+    assert same_bits(native, python)
+
+
+@needs_native
+def test_native_route_is_batch_invariant_where_stock_and_a_split_by_m_reference_fail(gen):
+    w = torch.randn(192, 256, generator=gen)
+    pool = torch.randn(16, 256, generator=gen)
+    check = lambda f: rows_alone_vs_batched(f, pool, (1, 4, 16))
+    with torch.no_grad():
+        assert not check(lambda x: F.linear(x, w)).ok  # stock, measured here
+        assert not check(lambda x: split_by_m_matmul(x, w.t())).ok
+        before = _native_served()
+        with bik.enabled():
+            report = check(lambda x: F.linear(x, w))
+        assert _native_served() > before
+    assert report.ok, report.summary()
+
+
+@needs_native
+def test_disable_restores_the_dispatch_tables_exactly():
+    names = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mm.out")
+    before = {n: torch._C._dispatch_dump_table(n) for n in names}
+    with bik.enabled():
+        assert torch._C._dispatch_dump_table("aten::mm") != before["aten::mm"]
+    with bik.enabled():  # twice: the second install must find a clean table too
+        pass
+    assert {n: torch._C._dispatch_dump_table(n) for n in names} == before
+    twin = torch._C._dispatch_dump_table("bik_enable::mm").splitlines()
+    assert not [line for line in twin if line.startswith("CPU:")]  # its Python kernel is gone
+
+
+def test_a_failed_build_warns_and_keeps_the_python_route(tmp_path):
+    """No compiler (CXX=false) and an empty cache: enable() still routes, through Python."""
+    script = textwrap.dedent("""
+        import warnings, torch, bik
+        a, b = torch.randn(2, 8), torch.randn(8, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with bik.enabled():
+                out = torch.mm(a, b)
+        assert torch.equal(out, bik.matmul(a, b))
+        assert bik.mode_stats().routed == {"aten.mm.default": 1}, bik.mode_stats()
+        messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+        assert any("C++ kernels for mm" in m and "false failed" in m for m in messages), messages
+        print("ok")
+    """)
+    env = dict(os.environ, CXX="false", BIK_ATEN_CACHE=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=False,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
