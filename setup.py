@@ -88,7 +88,7 @@ class BuildPyWithCuda(build_py):
             aten = root / "_aten_src"
             shutil.rmtree(aten, ignore_errors=True)
             aten.mkdir(parents=True)
-            for src in (Path("csrc/aten/enable_cpu.cpp"), Path("csrc/cpu/c_abi.h")):
+            for src in (Path("csrc/aten/dispatch_cpu.cpp"), Path("csrc/cpu/c_abi.h")):
                 shutil.copy2(src, aten / src.name)
         if os.environ.get("BIK_BUILD_CUDA", "0") not in ("", "0"):
             aot = _cuda_aot()

@@ -1,4 +1,5 @@
-"""bik.enable()'s C++ kernels for aten::mm / addmm / bmm at the CPU key (csrc/aten/enable_cpu.cpp).
+"""bik.enable()'s C++ kernels for aten::mm / addmm / bmm at the CPU key
+(csrc/aten/dispatch_cpu.cpp).
 
 They must give the Python kernels' bits on every call they serve, hand every other call to the
 Python kernel (same result, same errors, counted there), and leave the dispatcher exactly as
@@ -175,7 +176,7 @@ def test_a_failed_build_warns_and_keeps_the_python_route(tmp_path):
         assert torch.equal(out, bik.matmul(a, b))
         assert bik.mode_stats().routed == {"aten.mm.default": 1}, bik.mode_stats()
         messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
-        assert any("C++ kernels for mm" in m and "false failed" in m for m in messages), messages
+        assert any("dispatcher kernels for mm" in m and "false failed" in m for m in messages), messages
         print("ok")
     """)
     env = dict(os.environ, CXX="false", BIK_ATEN_CACHE=str(tmp_path))

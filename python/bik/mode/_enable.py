@@ -10,8 +10,8 @@ overridden too) and below Dynamo/AOTAutograd (compiled graphs call aten at run t
 is told to leave these ops as aten calls while bik is enabled (_inductor.py). While a handler
 runs, the aten calls it makes itself go straight to the original kernels.
 
-At the CPU key, mm / addmm / bmm get C++ kernels instead (csrc/aten/enable_cpu.cpp, built at
-first use: bik.runtime.aten_ext): a Python kernel costs ~15 µs a call around a ~1 µs one-row
+At the CPU key, mm / addmm / bmm get C++ kernels instead (csrc/aten/dispatch_cpu.cpp, made
+ready by _native.py): a Python kernel costs ~15 µs a call around a ~1 µs one-row
 product. They serve the plain calls with the same kernel the handler would run and hand every
 other call to the Python kernel, registered for that on ``bik_enable::<op>`` (aten's schema).
 ``BIK_ENABLE_NATIVE=0``, or a build that fails, keeps the Python kernels there.
@@ -19,7 +19,6 @@ other call to the Python kernel, registered for that on ``bik_enable::<op>`` (at
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections.abc import Iterator
@@ -27,11 +26,11 @@ from contextlib import contextmanager
 
 import torch
 
+from bik.mode import _native
 from bik.mode._dispatch_layer import HANDLERS
 from bik.mode._inductor import keep_as_aten_calls
 from bik.mode._numerics import acquire_flags, release_flags
 from bik.mode._stats import count_native, route
-from bik.runtime import aten_ext, cpu_ext
 
 __all__ = ["OVERRIDES", "disable", "enable", "enabled", "is_enabled"]
 
@@ -55,7 +54,7 @@ _CPU_ONLY = {aten._scaled_dot_product_flash_attention_for_cpu.default,
              aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
              aten.silu.default, aten.silu_backward.default}
 
-# The ops with a C++ kernel at the CPU key (csrc/aten/enable_cpu.cpp), in its counters' order.
+# The ops with a C++ kernel at the CPU key (csrc/aten/dispatch_cpu.cpp), in its counters' order.
 NATIVE_CPU = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 _switch_lock = threading.Lock()
@@ -92,12 +91,7 @@ def _dispatch_keys() -> tuple[str, ...]:
 def _native_wanted() -> bool:
     """Use the C++ kernels (built on first use) unless BIK_ENABLE_NATIVE=0 or they cannot
     be built (then the Python kernels serve those ops too)."""
-    if os.environ.get("BIK_ENABLE_NATIVE", "1") == "0" or not cpu_ext.available():
-        return False
-    if not aten_ext.load():
-        warnings.warn(f"bik.enable(): its C++ kernels for mm / addmm / bmm are unavailable "
-                      f"({aten_ext.unavailable_reason()}); Python kernels serve them (about "
-                      f"15 µs a call more)", RuntimeWarning, stacklevel=4)
+    if not _native.ready():
         return False
     if not _twins:
         twins = torch.library.Library("bik_enable", "DEF")
@@ -126,8 +120,7 @@ def _register(native: bool) -> list[torch.library.Library]:
                     target.impl(_schema_name(op), _override(op, HANDLERS[op], original), key,
                                 with_keyset=True)
         if native:
-            entries = cpu_ext.require().c_entry_points()
-            torch.ops.bik_aten.install(entries["matmul_f32"], entries["abi_version"])
+            torch.ops.bik_aten.install()
     except BaseException:
         for library in libraries:
             library._destroy()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from bik.mode import _native
 from bik.ops._direct import direct_ok
 from bik.ops._registry import launcher
 from bik.ops.matmul.op import run_bmm, run_matmul
@@ -58,8 +59,43 @@ class _Direct:
     attention_varlen_backward = torch.ops.bik.attention_varlen_backward
 
 
+class _Compiled:
+    """torch.ops.bik's signatures for a graph being compiled with grad off: the CPU products
+    as ``bik_aten::matmul`` / ``bmm`` (C++: no Python impl or autograd wrapper at run time,
+    where the compiled step calls them ~200 times; csrc/aten/dispatch_cpu.cpp), the rest as
+    ``torch.ops.bik``."""
+
+    @staticmethod
+    def matmul(a, b, bias, out_dtype, backend):
+        if backend != "cpu":
+            return torch.ops.bik.matmul(a, b, bias, out_dtype, backend)
+        return torch.ops.bik_aten.matmul(a, b, bias, out_dtype)
+
+    @staticmethod
+    def bmm(a, b, out_dtype, backend):
+        if backend != "cpu":
+            return torch.ops.bik.bmm(a, b, out_dtype, backend)
+        return torch.ops.bik_aten.bmm(a, b, out_dtype)
+
+    softmax = torch.ops.bik.softmax
+    log_softmax = torch.ops.bik.log_softmax
+    mean = torch.ops.bik.mean
+    rms_norm = torch.ops.bik.rms_norm
+    attention_varlen = torch.ops.bik.attention_varlen
+    attention_varlen_backward = torch.ops.bik.attention_varlen_backward
+
+
+def _compiled_products() -> bool:
+    """Compiling (not exporting: an exported program keeps bik's portable ops) with grad off,
+    and the C++ kernels ready."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting() \
+        and not torch.is_grad_enabled() and _native.ready()
+
+
 def bik_ops(*tensors):
     """``_Direct`` when no one can observe skipping torch.ops.bik for these inputs
-    (ops/_direct.py), else ``torch.ops.bik``. Dims handed to the direct ops must be normalised
-    (sorted, >= 0)."""
-    return _Direct if direct_ok(*tensors) else torch.ops.bik
+    (ops/_direct.py), ``_Compiled`` in a graph compiled with grad off, else ``torch.ops.bik``.
+    Dims handed to the direct ops must be normalised (sorted, >= 0)."""
+    if direct_ok(*tensors):
+        return _Direct
+    return _Compiled if _compiled_products() else torch.ops.bik

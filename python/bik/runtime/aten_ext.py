@@ -34,10 +34,10 @@ def _sources() -> tuple[Path, Path]:
     """(the .cpp, the directory holding c_abi.h): ``bik/_aten_src`` in an installed wheel,
     ``<repo>/csrc`` in a checkout or an editable install."""
     shipped = _PKG / "_aten_src"
-    if (shipped / "enable_cpu.cpp").is_file():
-        return shipped / "enable_cpu.cpp", shipped
+    if (shipped / "dispatch_cpu.cpp").is_file():
+        return shipped / "dispatch_cpu.cpp", shipped
     csrc = _PKG.parents[1] / "csrc"
-    return csrc / "aten" / "enable_cpu.cpp", csrc / "cpu"
+    return csrc / "aten" / "dispatch_cpu.cpp", csrc / "cpu"
 
 
 def cache_dir() -> Path:

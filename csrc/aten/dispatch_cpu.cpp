@@ -1,14 +1,19 @@
-// bik.enable()'s dispatcher kernels for aten::mm, aten::addmm and aten::bmm at the CPU key, in
-// C++. A one-row product's kernel takes about a microsecond; a Python kernel at the dispatcher
-// costs ~15 us around it (bik bench boundary), and a model's decode step is mostly such calls.
+// bik's CPU products at torch's dispatcher, in C++ (torch.ops.bik_aten). A one-row product's
+// kernel takes about a microsecond; a Python kernel at the dispatcher costs ~15 us around it
+// (bik bench boundary), and a model's decode step is mostly such calls. Two users:
 //
-// Each kernel serves the calls it can be sure bik's handler would serve (served dtypes, the
-// shapes torch accepts, nonempty, no dispatch mode to observe the call) with bik's fixed-order
-// CPU matmul, the same entry point bik._cpu_kernels runs (handed over by address: one copy of
-// the kernel in the process, c_abi.h), so the bits are the Python route's. Every other call goes
-// to the Python kernel bik.enable() registered on bik_enable::<op> (aten's schema), which serves
-// it or gives it to the original kernel, with torch's own errors. Built against the installed
-// torch at first use (bik/runtime/aten_ext.py); it knows nothing of Python.
+// * bik.enable() (mode/_enable.py) installs kernels for aten::mm, aten::addmm and aten::bmm at
+//   the CPU key. Each serves the calls it can be sure bik's handler would serve (served dtypes,
+//   the shapes torch accepts, nonempty, no dispatch mode to observe the call) and hands every
+//   other call to the Python kernel bik.enable() registered on bik_enable::<op> (aten's
+//   schema), which serves it or gives it to the original kernel, with torch's own errors.
+// * batch_invariant_mode() under torch.compile with grad off (mode/_kernels.py) puts
+//   bik_aten::matmul / bik_aten::bmm in the graph: bik::matmul / bik::bmm on the CPU backend
+//   without their Python impl and autograd wrapper; any call they do not serve is bik's op.
+//
+// Both run bik's fixed-order CPU matmul through the entry point bik._cpu_kernels runs (handed
+// over by address: one copy of the kernel in the process, c_abi.h), so the bits are the Python
+// route's. Built against the installed torch at first use (bik/runtime/aten_ext.py).
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -162,19 +167,55 @@ Tensor addmm(c10::DispatchKeySet, const Tensor& bias, const Tensor& a, const Ten
   return python.redispatch(kCpu, bias, a, b, beta, alpha);
 }
 
+// ---- the compiled mode's ops -------------------------------------------------------------------
+
+bool same_dtype_row(const std::optional<Tensor>& bias, const Tensor& a, int64_t n) {
+  return !bias || (plain(*bias) && bias->scalar_type() == a.scalar_type() && bias->dim() == 1 &&
+                   bias->size(0) == n);
+}
+
+bool keeps_dtype(std::optional<c10::ScalarType> out_dtype, const Tensor& a) {
+  return !out_dtype || *out_dtype == a.scalar_type();
+}
+
+Tensor compiled_matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& bias,
+                       std::optional<c10::ScalarType> out_dtype) {
+  if (product_served(a, b, 2) && keeps_dtype(out_dtype, a) && same_dtype_row(bias, a, b.size(1)))
+    return product(a, b, bias ? &*bias : nullptr);
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("bik::matmul", "").typed<Tensor(
+          const Tensor&, const Tensor&, const std::optional<Tensor>&,
+          std::optional<c10::ScalarType>, c10::string_view)>();
+  return op.call(a, b, bias, out_dtype, "cpu");
+}
+
+Tensor compiled_bmm(const Tensor& a, const Tensor& b, std::optional<c10::ScalarType> out_dtype) {
+  if (product_served(a, b, 3) && keeps_dtype(out_dtype, a)) return product(a, b, nullptr);
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("bik::bmm", "").typed<Tensor(
+          const Tensor&, const Tensor&, std::optional<c10::ScalarType>, c10::string_view)>();
+  return op.call(a, b, out_dtype, "cpu");
+}
+
+// ---- control -----------------------------------------------------------------------------------
+
+void set_cpu_kernels(int64_t matmul_address, int64_t abi_version) {
+  TORCH_CHECK(abi_version == BIK_C_ABI_VERSION, "bik: bik._cpu_kernels has C ABI ", abi_version,
+              ", its dispatcher kernels expect ", BIK_C_ABI_VERSION, " (rebuild bik)");
+  g_matmul = reinterpret_cast<BikMatmulF32Fn>(matmul_address);
+}
+
 // torch warns (to stderr, from C++) when a kernel replaces another; replacing is the point here.
 struct Quiet : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
 
-void install(int64_t matmul_address, int64_t abi_version) {
-  TORCH_CHECK(abi_version == BIK_C_ABI_VERSION, "bik.enable(): bik._cpu_kernels has C ABI ",
-              abi_version, ", this build expects ", BIK_C_ABI_VERSION, " (rebuild bik)");
+void install() {
+  TORCH_CHECK(g_matmul != nullptr, "bik.enable(): set_cpu_kernels() was not called");
   std::lock_guard<std::mutex> lock(g_switch);
   if (g_library) return;
   for (const char* name : {"bik_enable::mm", "bik_enable::addmm", "bik_enable::bmm"})
     c10::Dispatcher::singleton().findSchemaOrThrow(name, "");  // Python defined them first
-  g_matmul = reinterpret_cast<BikMatmulF32Fn>(matmul_address);
   Quiet quiet;
   c10::WarningUtils::WarningHandlerGuard guard(&quiet);
   auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
@@ -202,10 +243,18 @@ void reset_served() {
 
 }  // namespace
 
-// Control ops (torch.ops.bik_aten.*), not kernels: they override nothing until install().
+// Control ops, and the compiled mode's products. Nothing is overridden until install().
 TORCH_LIBRARY(bik_aten, m) {
-  m.def("install(int matmul_address, int abi_version) -> ()", &install);
+  m.def("set_cpu_kernels(int matmul_address, int abi_version) -> ()", &set_cpu_kernels);
+  m.def("install() -> ()", &install);
   m.def("uninstall() -> ()", &uninstall);
   m.def("served() -> int[]", &served);  // calls served in C++, in the order mm, addmm, bmm
   m.def("reset_served() -> ()", &reset_served);
+  m.def("matmul(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype) -> Tensor");
+  m.def("bmm(Tensor a, Tensor b, ScalarType? out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(bik_aten, CPU, m) {
+  m.impl("matmul", TORCH_FN(compiled_matmul));
+  m.impl("bmm", TORCH_FN(compiled_bmm));
 }

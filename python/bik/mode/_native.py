@@ -1,0 +1,54 @@
+"""bik's C++ dispatcher kernels (csrc/aten/dispatch_cpu.cpp, ``torch.ops.bik_aten``), made
+ready once per process for the front ends: loaded (built at first use by
+bik.runtime.aten_ext), handed bik._cpu_kernels' matmul entry point, and given the fake kernels
+torch.compile traces the compiled mode's ops with.
+
+``BIK_ENABLE_NATIVE=0`` (read on every :func:`ready` call) keeps every front end on its Python
+kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+from bik.runtime import aten_ext, cpu_ext
+
+__all__ = ["ready"]
+
+
+@torch.compiler.assume_constant_result  # asked while Dynamo traces a handler: a constant
+def ready() -> bool:
+    """True when the C++ kernels can serve (loaded, unless ``BIK_ENABLE_NATIVE=0``). The first
+    call may build them (about 15 s, once per environment); a failed build warns once."""
+    return os.environ.get("BIK_ENABLE_NATIVE", "1") != "0" and _load()
+
+
+@functools.cache
+def _load() -> bool:
+    if not cpu_ext.available():
+        return False
+    if not aten_ext.load():
+        warnings.warn(f"bik: its C++ dispatcher kernels for mm / addmm / bmm are unavailable "
+                      f"({aten_ext.unavailable_reason()}); Python kernels serve them (about "
+                      f"15 µs a call more)", RuntimeWarning, stacklevel=4)
+        return False
+    entries = cpu_ext.require().c_entry_points()
+    torch.ops.bik_aten.set_cpu_kernels(entries["matmul_f32"], entries["abi_version"])
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    """bik_aten::matmul / bmm trace like bik::matmul / bmm (the same checks and shapes)."""
+
+    @torch.library.register_fake("bik_aten::matmul")
+    def _matmul(a, b, bias, out_dtype):
+        return torch.ops.bik.matmul(a, b, bias, out_dtype, "cpu")
+
+    @torch.library.register_fake("bik_aten::bmm")
+    def _bmm(a, b, out_dtype):
+        return torch.ops.bik.bmm(a, b, out_dtype, "cpu")
