@@ -13,7 +13,8 @@ __all__ = ["BlockPool", "OutOfBlocksError", "blocks_for"]
 
 
 class OutOfBlocksError(RuntimeError):
-    """The pool cannot satisfy an allocation (the engine preempts nothing: size it up front)."""
+    """The pool cannot satisfy an allocation (the engine reserves each step's blocks first and
+    preempts to make room, so it never lets this escape a step)."""
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -11,6 +11,11 @@ One ``step()``:
    KV in the same slots, and the KV past the kept tokens is freed;
 3. decode every other running request one token with the fast kernels.
 
+Before those, the step reserves the KV blocks each running request may take in it; when the pool
+cannot hold them, the latest admitted requests are preempted (their blocks freed, their
+unverified tokens dropped) and wait to be recomputed: prompt and committed tokens prefilled
+again, which on bik kernels gives the same logits, so the output does not change.
+
 Because bik's kernels are batch-invariant, the verifier's logits for a token do not depend on
 the group, the window or the padding, so every deterministic request's committed output is
 the request decoded alone on bik kernels (bik.dvr.reference.reference_decode), token for token
@@ -25,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bik.dvr.blocks import BlockPool
+from bik.dvr.blocks import BlockPool, blocks_for
 from bik.dvr.drafter import NgramDrafter
 from bik.dvr.metrics import EngineMetrics
 from bik.dvr.requests import Request, RequestOutput, Status
@@ -98,6 +103,8 @@ class _Sequence:
     committed: int = 0  # generated tokens committed
     kv_len: int = 0  # tokens whose K/V is in the cache
     blocks: list[int] = field(default_factory=list)
+    prefill_target: int = 0  # tokens to prefill before sampling: the prompt, or after a
+    # preemption the prompt and the committed tokens
 
     @property
     def prompt_len(self) -> int:
@@ -113,7 +120,7 @@ class _Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return self.kv_len < self.prompt_len
+        return self.kv_len < self.prefill_target
 
     def ends_within(self, tokens: list[int]) -> bool:
         """Would these generated tokens (after the committed ones) finish the request?"""
@@ -156,9 +163,23 @@ class DVREngine:
         if any(not 0 <= t < vocab for t in req.prompt):
             raise ValueError(f"DVREngine: request {req.request_id!r} has prompt tokens outside "
                              f"[0, {vocab})")
+        context = self.model.config.max_position_embeddings
+        if len(req.prompt) + req.max_new_tokens > context:
+            raise ValueError(f"DVREngine: request {req.request_id!r} needs positions up to "
+                             f"{len(req.prompt) + req.max_new_tokens} (prompt "
+                             f"{len(req.prompt)} + max_new_tokens {req.max_new_tokens}), past "
+                             f"the model's context of {context}")
+        need = blocks_for(self._max_kv(req), self.config.block_size) + self._dummy_blocks()
+        if need > self.config.num_blocks:
+            raise ValueError(
+                f"DVREngine: request {req.request_id!r} can never fit: prompt "
+                f"{len(req.prompt)} + max_new_tokens {req.max_new_tokens} may need {need} KV "
+                f"blocks of {self.config.block_size} tokens, the pool has "
+                f"{self.config.num_blocks}")
         out = RequestOutput(req.request_id)
         self._outputs[req.request_id] = out
-        self._waiting.append(_Sequence(req, out, order=-1, tokens=list(req.prompt)))
+        self._waiting.append(_Sequence(req, out, order=-1, tokens=list(req.prompt),
+                                       prefill_target=len(req.prompt)))
         return out
 
     def cancel(self, request_id: str) -> None:
@@ -199,13 +220,65 @@ class DVREngine:
 
     # ---- scheduling ---------------------------------------------------------------------
 
+    def _lookahead(self) -> int:
+        """KV rows past a request's tokens one verifier pass may write: its drafts, or the
+        fixed shape's padding."""
+        drafts = self.config.drafter.num_tokens if self.config.drafter else 0
+        return self.config.window + drafts + 1 if self.config.verifier == "fixed" else drafts
+
+    def _max_kv(self, req: Request) -> int:
+        return len(req.prompt) + req.max_new_tokens + self._lookahead()
+
+    def _dummy_blocks(self) -> int:
+        """Blocks the fixed-shape verifier's dummy requests hold during a pass."""
+        if self.config.verifier != "fixed":
+            return 0
+        return (self.config.group - 1) * blocks_for(self._lookahead(), self.config.block_size)
+
+    def _step_blocks(self, seq: _Sequence) -> int:
+        """Blocks ``seq`` may add in one step: a prefill chunk; or, once prefilled, a decoded
+        token, a verifier pass over its tokens and drafts and a decode after it."""
+        if seq.prefilling and self.config.prefill_chunk is not None \
+                and seq.kv_len + self.config.prefill_chunk < seq.prefill_target:
+            rows = seq.kv_len + self.config.prefill_chunk
+        else:
+            rows = min(len(seq.tokens) + 1 + self._lookahead(), self._max_kv(seq.req))
+        return max(0, blocks_for(rows, self.config.block_size) - len(seq.blocks))
+
     def _admit(self) -> None:
+        """Admit waiting requests while this step's blocks fit, then preempt the latest
+        admitted running requests until the running ones' fit (add_request checked that a
+        request alone always fits)."""
+        reserve = self._dummy_blocks() if self.config.verify else 0
+        budget = self.pool.num_free - reserve - sum(self._step_blocks(s) for s in self._running)
         while self._waiting and len(self._running) < self.config.max_running:
+            need = self._step_blocks(self._waiting[0])
+            if need > budget and self._running:
+                break  # it waits for blocks to come back
             seq = self._waiting.pop(0)
             seq.order = self._admitted
             self._admitted += 1
             seq.out.status = Status.RUNNING
             self._running.append(seq)
+            budget -= need
+        while budget < 0 and len(self._running) > 1:
+            victim = max(self._running, key=lambda s: s.order)
+            budget += self._step_blocks(victim) + len(victim.blocks)
+            self._preempt(victim)
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Free a running request's KV and send it back to the front of the queue; it will
+        prefill its prompt and committed tokens again (unverified ones are dropped)."""
+        self._running.remove(seq)
+        self.pool.free(seq.blocks)
+        seq.blocks.clear()
+        del seq.tokens[seq.boundary:]
+        seq.unverified_logprobs.clear()
+        seq.kv_len = 0
+        seq.prefill_target = len(seq.tokens)
+        seq.out.status = Status.WAITING
+        self._waiting.insert(0, seq)
+        self.metrics.preemptions += 1
 
     def _is_ready(self, seq: _Sequence) -> bool:
         if not seq.req.deterministic or seq.prefilling or not self.config.verify:
@@ -223,8 +296,8 @@ class DVREngine:
             kernels = self.verifier if det else self.fast
             spans = []
             for seq in group:
-                end = seq.prompt_len if self.config.prefill_chunk is None else min(
-                    seq.prompt_len, seq.kv_len + self.config.prefill_chunk)
+                end = seq.prefill_target if self.config.prefill_chunk is None else min(
+                    seq.prefill_target, seq.kv_len + self.config.prefill_chunk)
                 spans.append((seq, seq.tokens[seq.kv_len:end]))
             t0 = time.perf_counter()
             logits = self._forward(kernels, spans, last_only=True)
