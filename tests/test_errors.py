@@ -45,6 +45,42 @@ def test_bad_input_names_op_and_shapes(call, exc, pattern):
         call()
 
 
+_SPARSE = torch.zeros(4, 8).to_sparse()
+_DENSE_ONLY = {
+    "matmul": lambda: bik.matmul(_SPARSE, B),
+    "linear weight": lambda: bik.linear(A, _SPARSE),
+    "bmm": lambda: bik.bmm(_SPARSE.unsqueeze(0), B.unsqueeze(0)),
+    "rms_norm": lambda: bik.rms_norm(_SPARSE, torch.zeros(8)),
+    "rms_norm weight": lambda: bik.rms_norm(A, torch.zeros(8).to_sparse()),
+    "softmax": lambda: bik.softmax(_SPARSE, -1),
+    "log_softmax": lambda: bik.log_softmax(_SPARSE, -1),
+    "mean": lambda: bik.mean(_SPARSE, -1),
+    "sample": lambda: bik.sample(_SPARSE, seed=0, position=0),
+    "attention_varlen": lambda: bik.attention_varlen(
+        torch.zeros(4, 1, 8).to_sparse(), torch.zeros(4, 1, 8), torch.zeros(4, 1, 8),
+        cu_seqlens_q=torch.tensor([0, 4]), cu_seqlens_k=torch.tensor([0, 4])),
+}
+
+
+@pytest.mark.parametrize("name", list(_DENSE_ONLY))
+def test_sparse_inputs_name_the_op(name):
+    """Before: "Cannot access data pointer ...", "reshape is not implemented for sparse
+    tensors", or the dispatcher's NotImplementedError for the SparseCPU key."""
+    op = name.split()[0]
+    with pytest.raises(TypeError, match=rf"bik.{op}: \w+ must be a dense \(strided\) tensor, "
+                                        r"got layout sparse_coo"):
+        _DENSE_ONLY[name]()
+
+
+def test_rms_norm_refuses_a_bool_eps_and_zeros_a_row_whose_square_overflows():
+    with pytest.raises(TypeError, match="bik.rms_norm: eps must be a float, got bool"):
+        bik.rms_norm(A, torch.ones(8), eps=True)  # torch.ops.bik would take it as 1.0
+    x = torch.tensor([[2e19, 1.0, -3.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    out = bik.rms_norm(x, torch.ones(4))
+    assert torch.equal(out[0], torch.zeros(4))  # (2e19)^2 is inf in fp32: rstd = 0
+    assert torch.equal(out[1], bik.rms_norm(x[1:], torch.ones(4))[0])  # its neighbour is fine
+
+
 def test_registered_ops_check_inputs_too():
     with pytest.raises(ValueError, match="bik.matmul: a .* disagree on K"):
         torch.ops.bik.matmul(A, torch.zeros(5, 3), None, None, "cpu")

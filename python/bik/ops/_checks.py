@@ -40,6 +40,9 @@ def require_cpu(fn: str, **tensors: torch.Tensor | None) -> None:
 def check_tensor(op: str, name: str, t: object, ndim: int | None = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided:  # sparse, mkldnn: bik's kernels read strided memory
+        raise TypeError(f"{op}: {name} must be a dense (strided) tensor, got layout "
+                        f"{str(t.layout).removeprefix('torch.')}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{op}: {name} must be {ndim}-D, got shape {list(t.shape)}")
     return t

@@ -185,10 +185,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         ``out`` (x's shape and dtype) without a residual; ``(out, h)`` with one, where
         ``h = x + residual`` rounded to x.dtype and ``out = rms_norm(h)``. Each row's bits depend
         only on that row, weight, eps and the kernel configuration (see :func:`bik.fingerprint`).
-        A row containing NaN or inf gives NaN for that row only (inf makes mean(h^2) inf).
+        Non-finite rows stay within their row: a NaN makes the row NaN; an inf makes
+        mean(h^2) inf, so rstd = 0: inf entries become NaN and finite ones 0 (or -0). h^2
+        overflows fp32 for |h| >~ 1.8e19, which acts as inf there: the whole row becomes 0.
     """
     op = "bik.rms_norm"
     check_tensor(op, "x", x)
+    check_tensor(op, "weight", weight)
+    check_eps(op, eps)  # here: torch.ops.bik's float argument would turn True into 1.0
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least 1 dim, got a 0-D tensor")
     backend = resolve_backend("rms_norm", backend, x.device, label=op)
