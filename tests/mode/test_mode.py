@@ -290,6 +290,65 @@ def test_leaving_under_another_function_mode_raises_and_keeps_both():
     assert torch._C._len_torch_function_stack() == 0
 
 
+def _dispatch_flags():
+    import torch.utils._python_dispatch as pd
+
+    return (pd._is_in_torch_dispatch_mode, pd._is_in_non_infra_torch_dispatch_mode,
+            pd._is_in_any_mode_without_ignore_compile_internals,
+            torch.get_float32_matmul_precision())
+
+
+@pytest.mark.parametrize("raised", [True, False], ids=["exception in flight", "no exception"])
+@pytest.mark.parametrize("kind", ["dispatch", "function"])
+def test_a_block_left_under_another_mode_turns_bik_off_and_keeps_the_users_error(raised, kind):
+    """Before: bik's RuntimeError replaced the user's exception, and bik's mode stayed on at
+    depth 1 with TF32 off after the block had ended."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class OtherDispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class OtherFunctions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # the mode holds "highest" while on
+    try:
+        _leave_under_another_mode(raised, kind, seen, OtherDispatch, OtherFunctions)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _leave_under_another_mode(raised, kind, seen, OtherDispatch, OtherFunctions):
+    before = (_dispatch_flags(), torch._C._len_torch_dispatch_stack(),
+              torch._C._len_torch_function_stack())
+    other = OtherDispatch() if kind == "dispatch" else OtherFunctions()
+    expected = ValueError if raised else RuntimeError
+    with pytest.raises(expected) as error, bik.batch_invariant_mode():
+        other.__enter__()
+        if raised:
+            raise ValueError("the user's own error")
+    if raised:
+        assert str(error.value) == "the user's own error"
+    else:
+        assert "bik's mode is now off" in str(error.value)
+    assert not bik.is_batch_invariant_mode_enabled()
+    torch.ones(2) + 1  # the other mode is still on, and alone
+    assert seen
+    other.__exit__(None, None, None)
+    after = (_dispatch_flags(), torch._C._len_torch_dispatch_stack(),
+             torch._C._len_torch_function_stack())
+    assert after == before  # every stack and flag back to where it was
+    with bik.batch_invariant_mode():  # and the mode works again
+        assert bik.is_batch_invariant_mode_enabled()
+
+
 def test_exception_inside_a_compiled_function_that_enters_the_mode(gen):
     w = torch.randn(3, 8, generator=gen)
 

@@ -55,19 +55,71 @@ def _eager_enter() -> None:
     _tls.depth = depth + 1
 
 
-def _check_exit(layer: BikFunctionMode) -> None:
-    """Leaving must pop bik's own layers: refuse while a mode entered after them is active."""
+def _misnesting(layer: BikFunctionMode) -> str | None:
+    """Why leaving now would not pop bik's own layers (a mode entered after them is still
+    active), or None."""
     stack_len = torch._C._len_torch_function_stack()
     top = torch._C._get_function_stack_at(stack_len - 1) if stack_len else None
     if top is not layer:
-        raise RuntimeError(f"bik.batch_invariant_mode: another TorchFunctionMode "
-                           f"({type(top).__name__}) was entered after bik's mode and is still "
-                           f"active; exit it first")
+        return (f"bik.batch_invariant_mode: another TorchFunctionMode ({type(top).__name__}) "
+                f"was entered after bik's mode and is still active")
     if getattr(_tls, "depth", 0) == 1 and _get_current_dispatch_mode() is not _tls.dispatch_layer:
-        raise RuntimeError(
-            f"bik.batch_invariant_mode: another TorchDispatchMode "
-            f"({type(_get_current_dispatch_mode()).__name__}) was entered after bik's mode "
-            f"and is still active; exit it first")
+        return (f"bik.batch_invariant_mode: another TorchDispatchMode "
+                f"({type(_get_current_dispatch_mode()).__name__}) was entered after bik's mode "
+                f"and is still active")
+    return None
+
+
+def _check_exit(layer: BikFunctionMode) -> None:
+    """Leaving must pop bik's own layers: refuse while a mode entered after them is active."""
+    problem = _misnesting(layer)
+    if problem is not None:
+        raise RuntimeError(f"{problem}; exit it first")
+
+
+def _pop_from_under(stack_len, stack_at, pop, push, layer, fix_up=None) -> None:
+    """Take ``layer`` out of a mode stack from under the modes entered after it, which stay
+    active in their order (``fix_up(mode right above)`` runs before they are pushed back)."""
+    above = []
+    while stack_len() and stack_at(stack_len() - 1) is not layer:
+        above.append(pop())
+    if stack_len():
+        pop()
+    if above and fix_up is not None:
+        fix_up(above[-1])
+    for mode in reversed(above):
+        push(mode)
+
+
+def _leave_misnested(layer: BikFunctionMode) -> None:
+    """Turn this entry of bik's mode off although a mode entered after it is still on: bik's
+    layers leave the stacks from under it, the numerics flags are released, and the other mode
+    stays active (it is its owner's to exit)."""
+    c = torch._C
+    _pop_from_under(c._len_torch_function_stack, c._get_function_stack_at,
+                    c._pop_torch_function_stack, c._push_on_torch_function_stack, layer)
+    if _tls.depth == 1 and _get_current_dispatch_mode() is _tls.dispatch_layer:
+        _eager_exit()  # only the function layer was misnested
+        return
+    if _tls.depth == 1:
+        dispatch = _tls.dispatch_layer
+        saved = [dispatch.old_dispatch_mode_flags.pop(),
+                 dispatch.old_non_infra_dispatch_mode_flags.pop(),
+                 dispatch.old_without_ignore_compile_internals_dispatch_mode_flags.pop()]
+
+        def inherit_flags(mode):  # what the mode above restores on exit: the state before bik's
+            if isinstance(mode, torch.utils._python_dispatch.TorchDispatchMode):
+                mode.old_dispatch_mode_flags[-1] = saved[0]
+                mode.old_non_infra_dispatch_mode_flags[-1] = saved[1]
+                mode.old_without_ignore_compile_internals_dispatch_mode_flags[-1] = saved[2]
+
+        # The global "a mode is on" flags stay as they are: the other mode keeps them true.
+        _pop_from_under(c._len_torch_dispatch_stack, c._get_dispatch_stack_at,
+                        lambda: c._pop_torch_dispatch_stack(None),
+                        c._push_on_torch_dispatch_stack, dispatch, inherit_flags)
+        _tls.dispatch_layer = None
+        release_flags()
+    _tls.depth -= 1
 
 
 def _eager_exit() -> None:
@@ -99,7 +151,15 @@ class _BatchInvariantMode(BikFunctionMode):
 
     def __exit__(self, exc_type, exc, tb):
         if not torch.compiler.is_compiling():
-            _check_exit(self)
+            problem = _misnesting(self)
+            if problem is not None:
+                # A block cannot be left twice: turn bik's mode off anyway. An exception in
+                # flight is the user's and propagates; without one, say what was left open.
+                _leave_misnested(self)
+                if exc_type is None:
+                    raise RuntimeError(f"{problem}: bik's mode is now off in this thread, the "
+                                       f"other mode is still on (exit modes in reverse order)")
+                return
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
@@ -132,7 +192,8 @@ def set_batch_invariant_mode(enabled: bool) -> None:
     if not stack:
         raise RuntimeError("bik.set_batch_invariant_mode(False): the mode is not on in this "
                            "thread (each False must match an earlier True in the same thread)")
-    stack[-1].__exit__(None, None, None)  # raises, leaving the stack as it is, if it cannot
+    _check_exit(stack[-1])  # raises, leaving the stack as it is, if it cannot leave
+    stack[-1].__exit__(None, None, None)
     stack.pop()
 
 
