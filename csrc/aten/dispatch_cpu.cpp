@@ -39,9 +39,9 @@ BikMatmulF32Fn g_matmul = nullptr;
 std::mutex g_switch;
 std::unique_ptr<torch::Library> g_library;  // while installed: the aten overrides
 std::array<std::atomic<int64_t>, kOps> g_served{};
-// Set while this thread is inside the Python kernel: the aten calls bik's own code makes there
-// must reach Python's guard (which sends them to the original kernels), as they would without
-// this file.
+// Set while this thread is inside the Python kernel these kernels handed a call to: an aten
+// mm / addmm / bmm made there goes to Python too, whose guard sends it to the original kernel.
+// (Calls made inside bik's other Python handlers are served here; none makes one today.)
 thread_local bool t_in_python = false;
 
 struct InPython {
@@ -115,6 +115,8 @@ Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
   args.scb = M * N;
   args.num_threads = at::get_num_threads();
   args.b_bf16 = b_bf16;
+  TORCH_CHECK(g_matmul != nullptr, "bik: its CPU matmul kernel was not handed over "
+              "(torch.ops.bik_aten.set_cpu_kernels; bik.mode._native does it)");
   const int rc = g_matmul(&args);
   TORCH_CHECK(rc == 0, "bik.enable(): bik's CPU matmul kernel failed (code ", rc, ")");
   return f32 ? out : out.to(dtype);

@@ -160,8 +160,52 @@ def test_disable_restores_the_dispatch_tables_exactly():
     with bik.enabled():  # twice: the second install must find a clean table too
         pass
     assert {n: torch._C._dispatch_dump_table(n) for n in names} == before
-    twin = torch._C._dispatch_dump_table("bik_enable::mm").splitlines()
-    assert not [line for line in twin if line.startswith("CPU:")]  # its Python kernel is gone
+
+
+def _run_script(script: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)],
+                          env=dict(os.environ, **env), capture_output=True, text=True,
+                          check=False, timeout=300)
+
+
+@needs_native
+def test_a_kernel_hand_over_that_fails_warns_and_keeps_the_python_route():
+    """A loaded library whose C ABI does not match this bik._cpu_kernels (an older build)."""
+    done = _run_script("""
+        import warnings, torch, bik
+        from bik.runtime import cpu_ext
+        ext = cpu_ext.require()
+        entries = ext.c_entry_points()
+        ext.c_entry_points = lambda: {**entries, "abi_version": entries["abi_version"] + 1}
+        a, b = torch.randn(2, 8), torch.randn(8, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):  # the failure is remembered, not retried
+                with bik.enabled():
+                    assert torch.equal(torch.mm(a, b), bik.matmul(a, b))
+        messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+        assert len(messages) == 1 and "C ABI" in messages[0], messages
+        print("ok")
+    """)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@needs_native
+def test_the_compiled_ops_refuse_to_run_before_the_kernel_is_handed_over():
+    """Loading the library alone (a public call) must not leave a null kernel to call: it
+    was a segfault."""
+    done = _run_script("""
+        import torch
+        from bik.runtime import aten_ext
+        assert aten_ext.load()
+        try:
+            torch.ops.bik_aten.matmul(torch.randn(2, 3), torch.randn(3, 4), None, None)
+        except RuntimeError as exc:
+            assert "not handed over" in str(exc), exc
+            print("ok")
+    """)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode,
+                                                                  done.stderr[-3000:])
 
 
 def test_a_failed_build_warns_and_keeps_the_python_route(tmp_path):

@@ -19,6 +19,7 @@ other call to the Python kernel, registered for that on ``bik_enable::<op>`` (at
 
 from __future__ import annotations
 
+import atexit
 import threading
 import warnings
 from collections.abc import Iterator
@@ -58,8 +59,8 @@ _CPU_ONLY = {aten._scaled_dot_product_flash_attention_for_cpu.default,
 NATIVE_CPU = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 _switch_lock = threading.Lock()
-_state: dict = {}  # while enabled: {"libraries": [Library], "native": bool, "undo_inductor": fn}
-_twins: list = []  # the Library defining bik_enable::<op> (made once, kept: C++ caches handles)
+_state: dict = {}  # while enabled: {"library": Library, "native": bool, "undo_inductor": fn}
+_twins: list = []  # bik_enable::<op>, defined with their Python kernels once, kept
 _busy = threading.local()  # set while a handler runs in this thread
 
 
@@ -94,19 +95,29 @@ def _native_wanted() -> bool:
     if not _native.ready():
         return False
     if not _twins:
-        twins = torch.library.Library("bik_enable", "DEF")
-        for op in NATIVE_CPU:
-            twins.define(str(op._schema).split("::", 1)[1])
-        _twins.append(twins)
+        _twins.extend(_define_twins())
         count_native([str(op) for op in NATIVE_CPU], torch.ops.bik_aten.served,
                      torch.ops.bik_aten.reset_served)
+        atexit.register(disable)  # before torch's finalizers remove the twins at exit
     return True
 
 
-def _register(native: bool) -> list[torch.library.Library]:
-    libraries = [torch.library.Library("aten", "IMPL")]
-    if native:  # the Python kernels the C++ ones hand their other calls to
-        libraries.append(torch.library.Library("bik_enable", "IMPL"))
+def _define_twins() -> list[torch.library.Library]:
+    """bik_enable::<op> with aten's schema and, at the CPU key, the Python kernel the C++ one
+    hands its other calls to. Made once and kept: a C++ kernel already past its check when
+    disable() runs may still hand its call over, and the C++ side caches the handles."""
+    defs = torch.library.Library("bik_enable", "DEF")
+    kernels = torch.library.Library("bik_enable", "IMPL")
+    for op in NATIVE_CPU:
+        defs.define(str(op._schema).split("::", 1)[1])
+        original = torch.library.get_kernel(op, "CPU")  # nothing bik's is registered yet
+        kernels.impl(_schema_name(op), _override(op, HANDLERS[op], original), "CPU",
+                     with_keyset=True)
+    return [defs, kernels]
+
+
+def _register(native: bool) -> torch.library.Library:
+    library = torch.library.Library("aten", "IMPL")
     try:
         with warnings.catch_warnings():  # "overriding a previously registered kernel": meant
             warnings.simplefilter("ignore", UserWarning)
@@ -114,18 +125,17 @@ def _register(native: bool) -> list[torch.library.Library]:
                 for op in OVERRIDES:
                     if key != "CPU" and op in _CPU_ONLY:
                         continue
+                    if native and key == "CPU" and op in NATIVE_CPU:
+                        continue  # the C++ kernel, installed below
                     original = torch.library.get_kernel(op, key)
-                    twin = native and key == "CPU" and op in NATIVE_CPU
-                    target = libraries[1] if twin else libraries[0]
-                    target.impl(_schema_name(op), _override(op, HANDLERS[op], original), key,
-                                with_keyset=True)
+                    library.impl(_schema_name(op), _override(op, HANDLERS[op], original), key,
+                                 with_keyset=True)
         if native:
             torch.ops.bik_aten.install()
     except BaseException:
-        for library in libraries:
-            library._destroy()
+        library._destroy()
         raise
-    return libraries
+    return library
 
 
 def is_enabled() -> bool:
@@ -152,14 +162,14 @@ def enable() -> None:
             undo_inductor = keep_as_aten_calls()
             try:
                 native = _native_wanted()
-                libraries = _register(native)
+                library = _register(native)
             except BaseException:
                 undo_inductor()
                 raise
         except BaseException:
             release_flags()
             raise
-        _state.update(libraries=libraries, native=native, undo_inductor=undo_inductor)
+        _state.update(library=library, native=native, undo_inductor=undo_inductor)
 
 
 def disable() -> None:
@@ -168,12 +178,11 @@ def disable() -> None:
     with _switch_lock:
         if not _state:
             return
-        libraries, undo_inductor = _state.pop("libraries"), _state.pop("undo_inductor")
+        library, undo_inductor = _state.pop("library"), _state.pop("undo_inductor")
         try:
             if _state.pop("native"):
-                torch.ops.bik_aten.uninstall()  # first: its kernels call the Python twins
-            for library in libraries:
-                library._destroy()
+                torch.ops.bik_aten.uninstall()
+            library._destroy()
         finally:
             try:
                 undo_inductor()

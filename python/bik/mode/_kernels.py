@@ -67,13 +67,13 @@ class _Compiled:
 
     @staticmethod
     def matmul(a, b, bias, out_dtype, backend):
-        if backend != "cpu":
+        if backend != "cpu" or not _native.ready():  # asked only here: it may build them
             return torch.ops.bik.matmul(a, b, bias, out_dtype, backend)
         return torch.ops.bik_aten.matmul(a, b, bias, out_dtype)
 
     @staticmethod
     def bmm(a, b, out_dtype, backend):
-        if backend != "cpu":
+        if backend != "cpu" or not _native.ready():
             return torch.ops.bik.bmm(a, b, out_dtype, backend)
         return torch.ops.bik_aten.bmm(a, b, out_dtype)
 
@@ -86,10 +86,10 @@ class _Compiled:
 
 
 def _compiled_products() -> bool:
-    """Compiling (not exporting: an exported program keeps bik's portable ops) with grad off,
-    and the C++ kernels ready."""
+    """Compiling (not exporting: an exported program keeps bik's portable ops) with grad
+    off."""
     return torch.compiler.is_compiling() and not torch.compiler.is_exporting() \
-        and not torch.is_grad_enabled() and _native.ready()
+        and not torch.is_grad_enabled()
 
 
 def bik_ops(*tensors):

@@ -3,14 +3,16 @@ ready once per process for the front ends: loaded (built at first use by
 bik.runtime.aten_ext), handed bik._cpu_kernels' matmul entry point, and given the fake kernels
 torch.compile traces the compiled mode's ops with.
 
-``BIK_ENABLE_NATIVE=0`` (read on every :func:`ready` call) keeps every front end on its Python
-kernels.
+``BIK_ENABLE_NATIVE=0`` keeps every front end on its Python kernels: ``bik.enable()`` reads it
+when called; a graph compiled with grad off reads it when traced (a graph compiled earlier keeps
+what it was traced with).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
 
 import torch
@@ -27,19 +29,26 @@ def ready() -> bool:
     return os.environ.get("BIK_ENABLE_NATIVE", "1") != "0" and _load()
 
 
+_lock = threading.Lock()  # enable() and a compile trace in another thread may both ask first
+
+
 @functools.cache
 def _load() -> bool:
-    if not cpu_ext.available():
-        return False
-    if not aten_ext.load():
-        warnings.warn(f"bik: its C++ dispatcher kernels for mm / addmm / bmm are unavailable "
-                      f"({aten_ext.unavailable_reason()}); Python kernels serve them (about "
-                      f"15 µs a call more)", RuntimeWarning, stacklevel=4)
-        return False
-    entries = cpu_ext.require().c_entry_points()
-    torch.ops.bik_aten.set_cpu_kernels(entries["matmul_f32"], entries["abi_version"])
-    _register_fakes()
-    return True
+    with _lock:
+        if not cpu_ext.available():
+            return False
+        try:
+            if not aten_ext.load():
+                raise RuntimeError(aten_ext.unavailable_reason())
+            entries = cpu_ext.require().c_entry_points()  # absent from an older build
+            torch.ops.bik_aten.set_cpu_kernels(entries["matmul_f32"], entries["abi_version"])
+            _register_fakes()
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the Python kernels
+            warnings.warn(f"bik: its C++ dispatcher kernels for mm / addmm / bmm are "
+                          f"unavailable ({exc}); Python kernels serve them (about 15 µs a "
+                          f"call more)", RuntimeWarning, stacklevel=5)
+            return False
+        return True
 
 
 def _register_fakes() -> None:
