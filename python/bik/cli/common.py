@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
+import math
 import platform
 from pathlib import Path
 
@@ -15,10 +17,44 @@ from bik import _dtypes
 DTYPES = {d.short: d.dtype for d in _dtypes.DTYPES}  # the CLI spells dtypes as the configs do
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (a bad value is argparse's one-line error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be finite and >= 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 def pick_device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"bik: --device must be cpu or cuda, got {name!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bik: --device cuda asked for, but torch sees no CUDA device")
     return device

@@ -8,11 +8,24 @@ its solo reference token for token and logprob for logprob.
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import torch
 from rich.progress import Progress
 from rich.table import Table
 
-from bik.cli.common import DTYPES, make_console, pick_device, run_metadata, write_json
+from bik.cli.common import (
+    DTYPES,
+    fraction,
+    make_console,
+    non_negative_float,
+    non_negative_int,
+    pick_device,
+    positive_int,
+    run_metadata,
+    write_json,
+)
 from bik.dvr import DVREngine, EngineConfig, NgramDrafter, reference_decode
 from bik.dvr.kernels import BikKernels, FastKernels
 from bik.dvr.workload import make_workload, run_workload
@@ -20,31 +33,39 @@ from bik.dvr.workload import make_workload, run_workload
 __all__ = ["add_dvr_arguments", "load_model", "run_dvr"]
 
 
+def _model_arg(text: str) -> str:
+    """--model: 'smollm2' or an existing checkpoint directory (argparse's error otherwise)."""
+    if text != "smollm2" and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'smollm2' nor a checkpoint "
+                                         f"directory")
+    return text
+
+
 def add_dvr_arguments(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
-    p.add_argument("--model", metavar="DIR", default=None,
+    p.add_argument("--model", metavar="DIR", default=None, type=_model_arg,
                    help="a Hugging Face Llama checkpoint directory, or 'smollm2' for the real "
                         "SmolLM2-135M-Instruct (make checkpoint; default: the embedded tiny "
                         "model)")
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="a text prompt (repeatable; needs a checkpoint with a tokenizer, whose "
                         "chat template is applied; default there: a few built-in ones)")
-    p.add_argument("--requests", type=int, default=12)
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--det-fraction", type=float, default=0.75)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("-K", "--window", type=int, default=4, help="unverified tokens per window")
-    p.add_argument("-N", "--group", type=int, default=4, help="requests per verifier pass")
+    p.add_argument("--requests", type=positive_int, default=12)
+    p.add_argument("--max-new-tokens", type=positive_int, default=24)
+    p.add_argument("--det-fraction", type=fraction, default=0.75)
+    p.add_argument("--temperature", type=non_negative_float, default=0.8)
+    p.add_argument("--top-k", type=non_negative_int, default=0)
+    p.add_argument("-K", "--window", type=positive_int, default=4, help="unverified tokens per window")
+    p.add_argument("-N", "--group", type=positive_int, default=4, help="requests per verifier pass")
     p.add_argument("--verifier", choices=("exact", "fixed"), default="exact")
-    p.add_argument("--drafter", type=int, default=0, metavar="TOKENS",
+    p.add_argument("--drafter", type=non_negative_int, default=0, metavar="TOKENS",
                    help="prompt-lookup drafter proposing up to TOKENS tokens (0: off)")
-    p.add_argument("--mismatch-rate", type=float, default=0.2,
+    p.add_argument("--mismatch-rate", type=fraction, default=0.2,
                    help="fraction of fast-path tokens replaced, to force rollbacks")
-    p.add_argument("--arrival-spread", type=int, default=8,
+    p.add_argument("--arrival-spread", type=non_negative_int, default=8,
                    help="requests arrive over the first this-many steps")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--no-verdict", action="store_true", help="skip the solo reference decode")
     p.add_argument("--json", metavar="PATH")
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from bik.cli.common import positive_int
+
 __all__ = ["main"]
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v)
+    return tuple(positive_int(v) for v in text.split(",") if v)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("op", choices=tuple(BENCHES))
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     bench.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"))
-    bench.add_argument("--backend", default=None, help="bik backend (default: by device)")
+    bench.add_argument("--backend", default=None, choices=("triton", "cuda", "cpu"),
+                       help="bik backend (default: by device)")
     bench.add_argument("--ms", type=_ints, default=None,
                        help="comma-separated batch sizes (attention: decode batches)")
     bench.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
@@ -39,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="with --real (default bf16)")
     demo.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
                       help="with --real: HF's attn_implementation (default sdpa, HF's own)")
-    demo.add_argument("--new-tokens", type=int, default=48, help="with --real (default 48)")
+    demo.add_argument("--new-tokens", type=positive_int, default=48,
+                      help="with --real (default 48)")
 
     check = sub.add_parser("check", help="run the invariance harness on this device")
     check.add_argument("--device", default=None)

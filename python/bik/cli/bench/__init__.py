@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 
 from bik.cli.common import DTYPES, make_console, pick_device, run_metadata, write_json
+from bik.ops._registry import BackendUnavailableError, resolve_backend
 
 __all__ = ["BENCHES", "run_bench"]
 
@@ -37,12 +38,30 @@ def _save_plot(bench, records: list[dict], path: str) -> None:
     bench.plot(records, plt, path)
 
 
+# The op whose backends a bench's --backend chooses among (benches not listed take none).
+BACKEND_OP = {"matmul": "matmul", "rmsnorm": "rms_norm", "attention": "attention",
+              "sample": "sample", "boundary": "matmul"}
+
+
+def _check_backend(name: str, backend: str | None, device) -> None:
+    """A --backend the bench cannot run is a one-line error before any work."""
+    if backend is None:
+        return
+    if name not in BACKEND_OP:
+        raise SystemExit(f"bik bench {name}: --backend does not apply to this bench")
+    try:
+        resolve_backend(BACKEND_OP[name], backend, device)
+    except (BackendUnavailableError, ValueError) as exc:
+        raise SystemExit(f"bik bench {name}: {exc}") from None
+
+
 def run_bench(args) -> int:
     bench = importlib.import_module(BENCHES[args.op])
     if args.plot and bench.plot is None:
         raise SystemExit(f"bik bench {args.op}: --plot is not available for this bench")
     console = make_console()
     device = pick_device(args.device)
+    _check_backend(args.op, args.backend, device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     records = bench.run(device, dtype, args)
     bench.render(records, console)
