@@ -50,6 +50,7 @@ def test_bench_quick_json_and_plot(tmp_path, op):
     assert all(r["bik_rows_identical"] for r in recs)
     assert all(set(r["bik_ms"]) == {"p20", "p50", "p80"} for r in recs)
     assert data["meta"]["versions"]["torch"] and data["meta"]["timestamp"]
+    assert len(data["meta"]["load_average"]) == 3 and data["meta"]["threads"] >= 1
     assert png.stat().st_size > 1000
 
 

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import platform
 from pathlib import Path
 
@@ -70,6 +71,12 @@ def run_metadata(device: torch.device) -> dict:
         "gpu": gpu,
         "cpu": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "thread_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+                       if k in os.environ},
+        "cpus": os.cpu_count(),
+        # 1/5/15-minute load averages when the run ended: a loaded machine explains noisy rows
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
         "versions": fp.versions,
         "fingerprint": fp.as_dict(),
