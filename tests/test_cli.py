@@ -54,9 +54,12 @@ def test_bench_quick_json_and_plot(tmp_path, op):
     assert png.stat().st_size > 1000
 
 
-def test_bench_attention_quick_json(tmp_path):
+def test_bench_attention_quick_json(tmp_path, capsys):
     out = tmp_path / "a.json"
     assert main(["bench", "attention", "--quick", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80  # 14 columns: split, not squeezed to "c…" (was ~185)
+    assert not any("…" in line for line in lines)
     recs = json.loads(out.read_text())["records"]
     assert {r["workload"] for r in recs} == {"decode", "verify", "prefill"}
     assert all(r["bik_rows_identical"] for r in recs)
@@ -181,3 +184,26 @@ def test_a_backend_that_cannot_run_is_refused_before_the_bench(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "matmul", "--backend", "triton", "--quick"])
     assert "backend='triton' got CPU tensors" in str(exit_.value.code)
+
+
+def test_print_table_splits_wide_tables_repeating_the_key_columns():
+    import io
+
+    from bik.cli.common import print_table
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="wide")
+    for name in ["name", *(f"metric number {i}" for i in range(9))]:
+        table.add_column(name)
+    for r in range(3):
+        table.add_row(f"row{r}", *(f"{r}.{i:06d}" for i in range(9)))
+    buf = io.StringIO()
+    print_table(Console(file=buf, width=80), table, keys=1)
+    text = buf.getvalue()
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in text
+    assert text.count("wide (1/") == 1 and "row2" in text
+    assert all(f"metric number {i}" in text and f"2.{i:06d}" in text for i in range(9))
+    parts = text.count("┏")
+    assert parts >= 2 and text.count("┃ name") == parts  # the key column leads every part

@@ -9,7 +9,7 @@ from rich.table import Table
 
 import bik
 from bik._dtypes import dtype_name
-from bik.cli.common import make_console, pick_device, run_metadata, write_json
+from bik.cli.common import make_console, pick_device, print_table, run_metadata, write_json
 from bik.testing import rows_alone_vs_batched, split_by_m_matmul
 from bik.testing.harness import M_SWEEP
 from bik.testing.suites import bmm_suite, matmul_suite, reduction_suite, rms_norm_suite
@@ -125,7 +125,7 @@ def run_check(args) -> int:
     for r in rows:
         verdict = "bit-identical" if r["ok"] else f"[red]{r['mismatches']} rows differ"
         table.add_row(r["check"], str(r["rows"]), verdict)
-    console.print(table)
+    print_table(console, table, keys=1)
     console.print(
         "harness negative control (split-K chosen by M): "
         + ("rejected, as it must be" if ctl["harness_rejects_batch_dependent_reference"]

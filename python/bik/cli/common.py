@@ -89,10 +89,52 @@ def write_json(path: str, payload: dict) -> None:
 
 
 def make_console():
-    """A rich console; when output is not a terminal (CI, pipes) use a width that fits the
-    tables instead of rich's 80-column default."""
+    """A rich console as wide as the terminal, 80 columns when output is not a terminal (CI,
+    pipes); :func:`print_table` splits what does not fit."""
     import sys
 
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=140)
+    return Console() if sys.stdout.isatty() else Console(width=80)
+
+
+def _column_width(column) -> int:
+    from rich.text import Text
+
+    cells = [column.header, *column.cells]
+    return max(Text.from_markup(c).cell_len if isinstance(c, str) else 8 for c in cells) + 3
+
+
+def print_table(console, table, *, keys: int = 1) -> None:
+    """Print a rich Table, split into as many tables as the console's width needs: each part
+    repeats the first ``keys`` columns (what names a row) and takes the next columns that fit.
+    The cells are never truncated; --json keeps every field anyway."""
+    from rich.measure import Measurement
+    from rich.table import Table
+
+    natural = Measurement.get(console, console.options.update_width(10**5), table).maximum
+    if natural <= console.width:
+        console.print(table)
+        return
+    columns = table.columns
+    widths = [_column_width(c) for c in columns]
+    base = 1 + sum(widths[:keys])
+    parts, part, used = [], [], base
+    for i in range(keys, len(columns)):
+        if part and used + widths[i] > console.width:
+            parts.append(part)
+            part, used = [], base
+        part.append(i)
+        used += widths[i]
+    parts.append(part)
+    cells = [list(c.cells) for c in columns]
+    for n, part in enumerate(parts, 1):
+        chosen = [*range(keys), *part]
+        title = f"{table.title} ({n}/{len(parts)})" if table.title else None
+        out = Table(title=title)
+        for i in chosen:
+            out.add_column(columns[i].header, justify=columns[i].justify,
+                           overflow=columns[i].overflow)
+        for row in range(table.row_count):
+            out.add_row(*(cells[i][row] for i in chosen))
+        console.print(out)

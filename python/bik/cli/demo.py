@@ -18,7 +18,7 @@ from rich.table import Table
 
 import bik
 from bik._dtypes import dtype_name
-from bik.cli.common import make_console, pick_device
+from bik.cli.common import make_console, pick_device, print_table
 
 HIDDEN, FFN = 512, 1536
 BATCHES = (1, 2, 3, 4, 8, 32, 128)
@@ -84,7 +84,7 @@ def _print_table(console, title: str, key: str, rows: list[dict]) -> tuple[bool,
         s_ok, b_ok = r["stock"] == rows[0]["stock"], r["bik"] == rows[0]["bik"]
         table.add_row(str(r[key]), r["stock"], "yes" if s_ok else "[red]no",
                       r["bik"], "yes" if b_ok else "[red]NO")
-    console.print(table)
+    print_table(console, table, keys=1)
     return len({r["stock"] for r in rows}) > 1, len({r["bik"] for r in rows}) == 1
 
 

@@ -12,7 +12,7 @@ import torch
 from rich.table import Table
 
 import bik
-from bik.cli.common import make_console
+from bik.cli.common import make_console, print_table
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
            "Give me three tips for learning Python.", "Why is the sky blue?",
@@ -47,7 +47,7 @@ def run_demo_real(args) -> int:
     for s, b in zip(runs["stock"], runs["bik"]):
         table.add_row(s.prompt, mark(s.tokens_equal), mark(s.logprobs_equal),
                       mark(b.tokens_equal), mark(b.logprobs_equal))
-    console.print(table)
+    print_table(console, table, keys=1)
     for s in runs["stock"]:
         if not s.tokens_equal:
             console.print(f"[bold]{s.prompt}[/]\n  stock alone:   {s.alone}\n"

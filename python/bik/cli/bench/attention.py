@@ -35,6 +35,7 @@ from rich.table import Table
 import bik
 from bik._dtypes import dtype_name
 from bik.cli.bench.sweep import backends_for
+from bik.cli.common import print_table
 from bik.cli.timing import time_ms
 from bik.ops._registry import resolve_backend
 from bik.testing.harness import same_bits
@@ -266,8 +267,6 @@ def _fmt(t) -> str:
 
 
 def render_attention(records: list[dict], console: Console) -> None:
-    if not console.is_terminal:  # logs: rich would wrap the 14 columns at 80 characters
-        console = Console(width=190)
     r0 = records[0]
     table = Table(title=f"attention (Hq {r0['Hq']} / Hkv {r0['Hkv']}, D {r0['D']}, {r0['dtype']}, "
                         f"page {r0['page_size']}, copy {r0['copy_gbps']:.0f} GB/s)")
@@ -287,7 +286,7 @@ def render_attention(records: list[dict], console: Console) -> None:
                       f"{r['bik_gbps']:.3g}", f"{100 * r['bik_bw_fraction']:.3g}",
                       f"{r['bik_tflops']:.3g}", "yes" if r["bik_rows_identical"] else "[red]NO",
                       same_t, r["torch_backend"])
-    console.print(table)
+    print_table(console, table, keys=4 + int(with_backend))
 
 
 def plot_attention(records: list[dict], plt, path: str) -> None:

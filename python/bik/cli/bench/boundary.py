@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 import bik
+from bik.cli.common import print_table
 from bik.cli.timing import time_ms
 from bik.ops._registry import resolve_backend
 
@@ -86,7 +87,7 @@ def render(records: list[dict], console: Console) -> None:
     for r in records:
         table.add_row(r["call"], f"{r['p20']:.1f}", f"{r['p50']:.1f}", f"{r['p80']:.1f}",
                       f"{r['ratio']:.1f}x", "noisy" if r["noisy"] else "")
-    console.print(table)
+    print_table(console, table, keys=1)
 
 
 plot = None  # a handful of numbers: the table says it all

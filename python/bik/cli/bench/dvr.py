@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bik._dtypes import dtype_name
+from bik.cli.common import print_table
 from bik.dvr import DVREngine, EngineConfig
 from bik.dvr.kernels import BikKernels, FastKernels
 from bik.dvr.workload import make_workload, run_workload
@@ -157,7 +158,7 @@ def render_dvr(records: list[dict], console: Console) -> None:
                       *((f"{r['vs_hf']:.2f}",) if real else ()),
                       *((f"{r['recompute_fraction']:.3f}", f"{r['rollback_rate']:.3f}",
                          f"{r['verify_rows_per_committed']:.2f}") if engine else ("",) * 3))
-    console.print(table)
+    print_table(console, table, keys=1)
 
 
 def run(device, dtype, args) -> list[dict]:

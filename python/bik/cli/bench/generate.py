@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 import bik
+from bik.cli.common import print_table
 
 __all__ = ["plot", "render", "run"]
 
@@ -123,7 +124,7 @@ def render(records: list[dict], console: Console) -> None:
         table.add_row(r["config"], f"{r['first_s']:.1f}", f"{r['median_s']:.2f}",
                       f"{r['min_s']:.2f}-{r['max_s']:.2f}", f"{r['ratio']:.2f}x",
                       "noisy" if r["noisy"] else "")
-    console.print(table)
+    print_table(console, table, keys=1)
 
 
 plot = None

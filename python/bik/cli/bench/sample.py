@@ -17,6 +17,7 @@ from rich.table import Table
 import bik
 from bik._dtypes import dtype_name
 from bik.cli.bench.sweep import backends_for
+from bik.cli.common import print_table
 from bik.cli.timing import time_ms
 
 __all__ = ["bench_sample", "plot", "render", "render_sample", "run"]
@@ -77,7 +78,7 @@ def render_sample(records: list[dict], console: Console) -> None:
                       f"{r['multinomial_ms']['p50']:.3f}", f"{r['argmax_ms']['p50']:.3f}",
                       f"{r['bik_gbps']:.1f}", f"{r['frac_of_copy']:.2f}",
                       "yes" if r["bik_rows_identical"] else "[red]NO")
-    console.print(table)
+    print_table(console, table, keys=2 + int(with_backend))
 
 
 def run(device, dtype, args) -> list[dict]:

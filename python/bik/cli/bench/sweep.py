@@ -8,6 +8,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bik.cli.common import print_table
 from bik.cli.timing import time_ms
 from bik.ops._registry import resolve_backend
 
@@ -79,7 +80,7 @@ def render_sweep(records: list[dict], console: Console) -> None:
                       f"{r['bik_ms']['p50']:.3f}", f"{r['torch_ms']['p50']:.3f}", rate,
                       f"{r['speedup']:.2f}", "yes" if r["bik_rows_identical"] else "[red]NO",
                       "yes" if r["torch_rows_identical"] else "no")
-    console.print(table)
+    print_table(console, table, keys=2 + int(with_backend))
 
 
 def plot_sweep(records: list[dict], plt, path: str) -> None:

@@ -20,6 +20,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from bik.cli.common import print_table
+
 __all__ = ["plot", "render", "run"]
 
 REPEATS = 3
@@ -108,7 +110,7 @@ def render(records: list[dict], console: Console) -> None:
                       f"{r['min_s']:.2f}-{r['max_s']:.2f}",
                       f"{r['vs_stock']:.2f}x" if "vs_stock" in r else "1.00x",
                       "[yellow]noisy" if r["noisy"] else "")
-    console.print(table)
+    print_table(console, table, keys=3)
 
 
 if __name__ == "__main__":
