@@ -207,3 +207,35 @@ def test_print_table_splits_wide_tables_repeating_the_key_columns():
     assert all(f"metric number {i}" in text and f"2.{i:06d}" in text for i in range(9))
     parts = text.count("┏")
     assert parts >= 2 and text.count("┃ name") == parts  # the key column leads every part
+
+
+def test_progress_shows_on_a_terminal_only():
+    """bik check and bik bench dvr ran for a minute or more with no output on a terminal."""
+    import os
+    import select
+
+    script = ("import time\nfrom bik.cli.common import progress\n"
+              "with progress('checking things', 3) as advance:\n"
+              "    for _ in range(3):\n        time.sleep(0.3)\n        advance()\n")
+
+    def output(on_tty: bool) -> str:
+        master, slave = os.openpty() if on_tty else os.pipe()[::-1]
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=slave,
+                                 stderr=subprocess.STDOUT)
+        os.close(slave)
+        chunks = []
+        while True:
+            ready, _, _ = select.select([master], [], [], 30)
+            try:
+                chunk = os.read(master, 4096) if ready else b""
+            except OSError:  # the pty closed with the child
+                chunk = b""
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(master)
+        assert child.wait(timeout=60) == 0
+        return b"".join(chunks).decode(errors="replace")
+
+    assert "checking things" in output(on_tty=True)
+    assert output(on_tty=False) == ""

@@ -9,7 +9,14 @@ from rich.table import Table
 
 import bik
 from bik._dtypes import dtype_name
-from bik.cli.common import make_console, pick_device, print_table, run_metadata, write_json
+from bik.cli.common import (
+    make_console,
+    pick_device,
+    print_table,
+    progress,
+    run_metadata,
+    write_json,
+)
 from bik.testing import rows_alone_vs_batched, split_by_m_matmul
 from bik.testing.harness import M_SWEEP
 from bik.testing.suites import bmm_suite, matmul_suite, reduction_suite, rms_norm_suite
@@ -44,13 +51,18 @@ def _rows(reports, prefix: str = "") -> list[dict]:
 def check_rows(device: torch.device, quick: bool) -> list[dict]:
     plan = _plan(device, quick)
     reports = []
-    for dtype in DTYPES:
-        reports += _matmul_norm_reports(device, dtype, None, plan)
-        # softmax, log_softmax, mean: row lengths odd and a power of two
-        reports += reduction_suite(device=device, dtype=dtype, backend=None, ms=plan["ms"],
-                                   lengths=plan["lengths"])
-        reports += _attention_reports(device, dtype, plan["attention_len"])
-    reports.append(_sample_report(device, plan["ms"]))
+    with progress(f"bik check on {device}", 3 * len(DTYPES) + 1) as advance:
+        for dtype in DTYPES:
+            reports += _matmul_norm_reports(device, dtype, None, plan)
+            advance()
+            # softmax, log_softmax, mean: row lengths odd and a power of two
+            reports += reduction_suite(device=device, dtype=dtype, backend=None, ms=plan["ms"],
+                                       lengths=plan["lengths"])
+            advance()
+            reports += _attention_reports(device, dtype, plan["attention_len"])
+            advance()
+        reports.append(_sample_report(device, plan["ms"]))
+        advance()
     return _rows(reports) + _cuda_backend_rows(device, plan)
 
 

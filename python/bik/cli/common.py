@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -96,6 +97,22 @@ def make_console():
     from rich.console import Console
 
     return Console() if sys.stdout.isatty() else Console(width=80)
+
+
+@contextmanager
+def progress(description: str, total: int):
+    """A transient progress bar on a terminal, advanced by calling what this yields; nothing
+    when output is not a terminal (logs stay clean)."""
+    import sys
+
+    if not sys.stdout.isatty():
+        yield lambda: None
+        return
+    from rich.progress import Progress
+
+    with Progress(console=make_console(), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda: bar.advance(task)
 
 
 def _column_width(column) -> int:

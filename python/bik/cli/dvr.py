@@ -56,7 +56,8 @@ def add_dvr_arguments(p) -> None:
     p.add_argument("--det-fraction", type=fraction, default=0.75)
     p.add_argument("--temperature", type=non_negative_float, default=0.8)
     p.add_argument("--top-k", type=non_negative_int, default=0)
-    p.add_argument("-K", "--window", type=positive_int, default=4, help="unverified tokens per window")
+    p.add_argument("-K", "--window", type=positive_int, default=4,
+                   help="unverified tokens per window")
     p.add_argument("-N", "--group", type=positive_int, default=4, help="requests per verifier pass")
     p.add_argument("--verifier", choices=("exact", "fixed"), default="exact")
     p.add_argument("--drafter", type=non_negative_int, default=0, metavar="TOKENS",

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bik._dtypes import dtype_name
-from bik.cli.common import print_table
+from bik.cli.common import print_table, progress
 from bik.dvr import DVREngine, EngineConfig
 from bik.dvr.kernels import BikKernels, FastKernels
 from bik.dvr.workload import make_workload, run_workload
@@ -107,26 +107,28 @@ def bench_dvr(device, dtype, quick: bool, *, window: int = 16, group: int = 8,
         max_new = (8, 16) if quick else (96, 128) if on_gpu else (48, 64)
     repeats = 1 if quick else repeats
     records = []
-    for i, (name, decode, verify, det, mismatch) in enumerate(runs):
-        arrivals = make_workload(vocab_size=model.config.vocab_size, num_requests=num_requests,
-                                 seed=0, det_fraction=det, prompt_len=(16, 64),
-                                 max_new_tokens=max_new, temperature=0.0, prompts=prompts)
-        config = EngineConfig(window=window, group=group, verify=verify,
-                              mismatch_rate=mismatch, num_blocks=num_requests * 16,
-                              block_size=16)
-        if i == 0:
-            _run_once(model, device, dtype, arrivals, config, decode)  # warm-up
-        runs = sorted((_run_once(model, device, dtype, arrivals, config, decode)
-                       for _ in range(repeats)), key=lambda s: s["wall_s"])
-        s = runs[len(runs) // 2]
-        tokens = s.pop("tokens")
-        det_ids = [a.request.request_id for a in arrivals if a.request.deterministic]
-        s["_det_tokens"] = {rid: tokens[rid] for rid in det_ids}
-        records.append({"op": "dvr", "run": name, "model": model_name,
-                        "dtype": dtype_name(dtype), "requests": num_requests,
-                        "window": window, "group": group, "det_fraction": det,
-                        "mismatch_rate": mismatch,
-                        "repeats": repeats, "tokens_per_s": s["committed_tokens_per_s"], **s})
+    with progress("bik bench dvr", len(runs)) as advance:
+        for i, (name, decode, verify, det, mismatch) in enumerate(runs):
+            arrivals = make_workload(vocab_size=model.config.vocab_size, num_requests=num_requests,
+                                     seed=0, det_fraction=det, prompt_len=(16, 64),
+                                     max_new_tokens=max_new, temperature=0.0, prompts=prompts)
+            config = EngineConfig(window=window, group=group, verify=verify,
+                                  mismatch_rate=mismatch, num_blocks=num_requests * 16,
+                                  block_size=16)
+            if i == 0:
+                _run_once(model, device, dtype, arrivals, config, decode)  # warm-up
+            timed = sorted((_run_once(model, device, dtype, arrivals, config, decode)
+                            for _ in range(repeats)), key=lambda s: s["wall_s"])
+            s = timed[len(timed) // 2]
+            tokens = s.pop("tokens")
+            det_ids = [a.request.request_id for a in arrivals if a.request.deterministic]
+            s["_det_tokens"] = {rid: tokens[rid] for rid in det_ids}
+            records.append({"op": "dvr", "run": name, "model": model_name,
+                            "dtype": dtype_name(dtype), "requests": num_requests,
+                            "window": window, "group": group, "det_fraction": det,
+                            "mismatch_rate": mismatch,
+                            "repeats": repeats, "tokens_per_s": s["committed_tokens_per_s"], **s})
+            advance()
     fast_rate = records[0]["tokens_per_s"]
     bik_only = records[1]["_det_tokens"]
     for r in records:
@@ -144,12 +146,17 @@ def bench_dvr(device, dtype, quick: bool, *, window: int = 16, group: int = 8,
     return records
 
 
+def _same(ok) -> str:
+    """The determinism check's cell: deterministic outputs equal bik-only decoding's."""
+    return "" if ok is None else "yes" if ok else "[red]NO"
+
+
 def render_dvr(records: list[dict], console: Console) -> None:
     table = Table(title=f"bik bench dvr ({records[0]['model']}, {records[0]['dtype']}, "
                         f"K={records[0]['window']}, N={records[0]['group']})")
     real = "vs_hf" in records[0]
     cols = ("run", "tokens/s", "vs fast") + (("vs HF",) if real else ()) + (
-        "recompute", "rollback rate", "verify rows / token")
+        "recompute", "rollback rate", "verify rows / token", "det = bik-only")
     for col in cols:
         table.add_column(col, justify="left" if col == "run" else "right")
     for r in records:
@@ -157,7 +164,8 @@ def render_dvr(records: list[dict], console: Console) -> None:
         table.add_row(r["run"], f"{r['tokens_per_s']:.1f}", f"{r['vs_fast']:.2f}",
                       *((f"{r['vs_hf']:.2f}",) if real else ()),
                       *((f"{r['recompute_fraction']:.3f}", f"{r['rollback_rate']:.3f}",
-                         f"{r['verify_rows_per_committed']:.2f}") if engine else ("",) * 3))
+                         f"{r['verify_rows_per_committed']:.2f}") if engine else ("",) * 3),
+                      _same(r.get("det_outputs_equal_bik_only")))
     print_table(console, table, keys=1)
 
 
