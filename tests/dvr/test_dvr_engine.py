@@ -169,6 +169,34 @@ def test_drafter_changes_nothing_but_passes(wrong_every):
         assert m.drafts_accepted < m.drafted
 
 
+class FaultyDrafter(OracleDrafter):
+    """The oracle, except that it raises for one request and proposes tokens outside the
+    vocabulary for another."""
+
+    def __init__(self, arrivals, vocab):
+        super().__init__(arrivals)
+        self.raises_for, self.garbage_for = arrivals[0].request.prompt, arrivals[1].request.prompt
+        self.vocab = vocab
+
+    def propose(self, tokens, limit=None):
+        if tuple(tokens[:len(self.raises_for)]) == self.raises_for:
+            raise KeyError("the drafter's own bug")
+        if tuple(tokens[:len(self.garbage_for)]) == self.garbage_for:
+            return [self.vocab + 5, -1]
+        return super().propose(tokens, limit)
+
+
+def test_a_failing_drafter_costs_its_drafts_not_the_step():
+    """Before: the drafter's exception escaped step() and every request stopped; a draft
+    outside the vocabulary reached the embedding."""
+    arrivals = workload(5, 0.9, det_fraction=1.0)
+    eng = engine(window=2, group=2, drafter=FaultyDrafter(arrivals, model().config.vocab_size))
+    with pytest.warns(RuntimeWarning, match="the drafter raised for request 'r0'"):
+        outputs = run_workload(eng, arrivals)
+    assert_matches_reference(arrivals, outputs)
+    assert eng.metrics.drafter_errors > 0 and eng.metrics.drafts_accepted > 0
+
+
 def test_ngram_drafter_proposes_what_followed_the_latest_match():
     d = NgramDrafter(num_tokens=3, max_ngram=2)
     assert d.propose([5, 6, 7, 8, 5, 6]) == [7, 8, 5]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -392,7 +393,21 @@ class DVREngine:
         if drafter is None or seq.ends_within(unverified):
             return []
         room = seq.req.max_new_tokens - seq.committed - len(unverified) - 1
-        return drafter.propose(seq.tokens, limit=room) if room > 0 else []
+        if room <= 0:
+            return []
+        try:
+            drafts = [int(t) for t in drafter.propose(seq.tokens, limit=room)][:room]
+        except Exception as exc:  # noqa: BLE001 - a drafter's failure must not stop a step
+            self.metrics.drafter_errors += 1
+            if self.metrics.drafter_errors == 1:
+                warnings.warn(f"DVREngine: the drafter raised for request "
+                              f"{seq.req.request_id!r} ({type(exc).__name__}: {exc}); that "
+                              f"window is verified without drafts (counted in "
+                              f"metrics.drafter_errors, warned once)", RuntimeWarning,
+                              stacklevel=2)
+            return []
+        vocab = self.model.config.vocab_size
+        return drafts if all(0 <= t < vocab for t in drafts) else []  # a bad draft: none
 
     def _verifier_forward(self, spans):
         """The verifier's pass; returns (logits of the real rows, first row of each span)."""

@@ -21,6 +21,7 @@ class EngineMetrics:
     forced_mismatches: int = 0
     drafted: int = 0
     drafts_accepted: int = 0
+    drafter_errors: int = 0  # drafter calls that raised (that window went without drafts)
     preemptions: int = 0  # running requests sent back to wait (KV freed, recomputed later)
     wall_s: float = 0.0
     fast_s: float = 0.0
