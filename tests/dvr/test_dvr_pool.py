@@ -64,6 +64,39 @@ def test_an_exhausted_pool_preempts_and_the_outputs_stay_the_references(cfg):
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
+class _Overeager:
+    """Declares 1 draft token and proposes as many as it is allowed (from a review)."""
+
+    num_tokens = 1
+
+    def propose(self, tokens, limit=None):
+        return [tokens[-1]] * (limit or 1)
+
+
+@pytest.mark.parametrize("verifier, num_blocks", [("fixed", 256), ("exact", 14), ("exact", 12)])
+def test_a_drafter_past_its_num_tokens_is_cut_to_it(verifier, num_blocks):
+    """Before: the fixed verifier's rows spilled into the next request's (a wrong output),
+    and the exact one outgrew the reserved blocks (OutOfBlocksError from step())."""
+    reqs = [Request("a", prompt=(5, 6, 7, 8), max_new_tokens=12),
+            Request("b", prompt=(9, 10, 11), max_new_tokens=12)]
+    eng = _engine(window=2, group=2, verifier=verifier, drafter=_Overeager(),
+                  num_blocks=num_blocks, block_size=2)
+    for req in reqs:
+        eng.add_request(req)
+    out = eng.run()
+    for req in reqs:
+        assert out[req.request_id].tokens == reference(req).tokens
+
+
+def test_a_drafter_must_say_how_many_tokens_it_proposes():
+    class Unbounded:
+        def propose(self, tokens, limit=None):
+            return []
+
+    with pytest.raises(ValueError, match="the drafter must have an int num_tokens"):
+        EngineConfig(drafter=Unbounded())
+
+
 def test_without_the_reservation_the_same_load_runs_out_of_blocks(monkeypatch):
     """The control: with admission and preemption off (every request admitted at once, as
     before), the same workload raises OutOfBlocksError from step()."""

@@ -337,7 +337,7 @@ def _leave_under_another_mode(raised, kind, seen, OtherDispatch, OtherFunctions)
     if raised:
         assert str(error.value) == "the user's own error"
     else:
-        assert "bik's mode is now off" in str(error.value)
+        assert "this block's bik mode is now off" in str(error.value)
     assert not bik.is_batch_invariant_mode_enabled()
     torch.ones(2) + 1  # the other mode is still on, and alone
     assert seen

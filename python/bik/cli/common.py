@@ -91,12 +91,14 @@ def write_json(path: str, payload: dict) -> None:
 
 def make_console():
     """A rich console as wide as the terminal, 80 columns when output is not a terminal (CI,
-    pipes); :func:`print_table` splits what does not fit."""
+    pipes); :func:`print_table` splits the tables that do not fit."""
     import sys
 
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=80)
+    # In logs, prose lines stay whole (soft wrap: greps and tests see them on one line);
+    # tables are laid out for 80 columns either way.
+    return Console() if sys.stdout.isatty() else Console(width=80, soft_wrap=True)
 
 
 @contextmanager

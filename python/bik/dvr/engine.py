@@ -24,6 +24,8 @@ and logprob for logprob. Design and measured overheads: docs/design.md (decode-v
 
 from __future__ import annotations
 
+import itertools
+import operator
 import random
 import time
 import warnings
@@ -78,6 +80,10 @@ class EngineConfig:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"EngineConfig: prefill_chunk must be >= 1, got "
                              f"{self.prefill_chunk}")
+        drafts = getattr(self.drafter, "num_tokens", None) if self.drafter is not None else 0
+        if isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 0:
+            raise ValueError(f"EngineConfig: the drafter must have an int num_tokens >= 0 (the "
+                             f"most tokens it proposes), got {drafts!r}")
         for name in ("block_size", "num_blocks", "max_running"):  # 0 would never make progress
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig: {name} must be >= 1, got "
@@ -224,6 +230,8 @@ class DVREngine:
     def _lookahead(self) -> int:
         """KV rows past a request's tokens one verifier pass may write: its drafts, or the
         fixed shape's padding."""
+        if not self.config.verify:
+            return 0
         drafts = self.config.drafter.num_tokens if self.config.drafter else 0
         return self.config.window + drafts + 1 if self.config.verifier == "fixed" else drafts
 
@@ -232,7 +240,7 @@ class DVREngine:
 
     def _dummy_blocks(self) -> int:
         """Blocks the fixed-shape verifier's dummy requests hold during a pass."""
-        if self.config.verifier != "fixed":
+        if self.config.verifier != "fixed" or not self.config.verify:
             return 0
         return (self.config.group - 1) * blocks_for(self._lookahead(), self.config.block_size)
 
@@ -392,11 +400,16 @@ class DVREngine:
         drafter = self.config.drafter
         if drafter is None or seq.ends_within(unverified):
             return []
-        room = seq.req.max_new_tokens - seq.committed - len(unverified) - 1
+        # At most num_tokens: the step's block reservation and the fixed shape count on it.
+        room = min(seq.req.max_new_tokens - seq.committed - len(unverified) - 1,
+                   drafter.num_tokens)
         if room <= 0:
             return []
-        try:
-            drafts = [int(t) for t in drafter.propose(seq.tokens, limit=room)][:room]
+        try:  # a copy of the tokens, and never more than room read from what it returns
+            proposed = drafter.propose(list(seq.tokens), limit=room)
+            drafts = [operator.index(t) for t in itertools.islice(proposed, room)]
+            if any(isinstance(t, bool) for t in drafts):
+                raise TypeError("a draft token is a bool")
         except Exception as exc:  # noqa: BLE001 - a drafter's failure must not stop a step
             self.metrics.drafter_errors += 1
             if self.metrics.drafter_errors == 1:
@@ -404,7 +417,7 @@ class DVREngine:
                               f"{seq.req.request_id!r} ({type(exc).__name__}: {exc}); that "
                               f"window is verified without drafts (counted in "
                               f"metrics.drafter_errors, warned once)", RuntimeWarning,
-                              stacklevel=2)
+                              stacklevel=5)
             return []
         vocab = self.model.config.vocab_size
         return drafts if all(0 <= t < vocab for t in drafts) else []  # a bad draft: none

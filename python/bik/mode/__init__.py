@@ -79,16 +79,19 @@ def _check_exit(layer: BikFunctionMode) -> None:
 
 def _pop_from_under(stack_len, stack_at, pop, push, layer, fix_up=None) -> None:
     """Take ``layer`` out of a mode stack from under the modes entered after it, which stay
-    active in their order (``fix_up(mode right above)`` runs before they are pushed back)."""
+    active in their order (``fix_up(those modes, the lowest last)`` runs before they are pushed
+    back)."""
     above = []
     while stack_len() and stack_at(stack_len() - 1) is not layer:
         above.append(pop())
     if stack_len():
         pop()
-    if above and fix_up is not None:
-        fix_up(above[-1])
-    for mode in reversed(above):
-        push(mode)
+    try:
+        if above and fix_up is not None:
+            fix_up(above)
+    finally:  # the other modes go back whatever happens
+        for mode in reversed(above):
+            push(mode)
 
 
 def _leave_misnested(layer: BikFunctionMode) -> None:
@@ -107,11 +110,16 @@ def _leave_misnested(layer: BikFunctionMode) -> None:
                  dispatch.old_non_infra_dispatch_mode_flags.pop(),
                  dispatch.old_without_ignore_compile_internals_dispatch_mode_flags.pop()]
 
-        def inherit_flags(mode):  # what the mode above restores on exit: the state before bik's
-            if isinstance(mode, torch.utils._python_dispatch.TorchDispatchMode):
-                mode.old_dispatch_mode_flags[-1] = saved[0]
-                mode.old_non_infra_dispatch_mode_flags[-1] = saved[1]
-                mode.old_without_ignore_compile_internals_dispatch_mode_flags[-1] = saved[2]
+        def inherit_flags(above):  # what the mode right above restores on exit: bik's saved
+            mode = above[-1]
+            names = ("old_dispatch_mode_flags", "old_non_infra_dispatch_mode_flags",
+                     "old_without_ignore_compile_internals_dispatch_mode_flags")
+            flags = [getattr(mode, n, None) for n in names]
+            # Only an instance entered once, through __enter__ (which filled these deques):
+            # otherwise which entry is bik's cannot be told, and the flags are left as they are.
+            if above.count(mode) == 1 and all(flags):
+                for deque, value in zip(flags, saved):
+                    deque[-1] = value
 
         # The global "a mode is on" flags stay as they are: the other mode keeps them true.
         _pop_from_under(c._len_torch_dispatch_stack, c._get_dispatch_stack_at,
@@ -157,7 +165,7 @@ class _BatchInvariantMode(BikFunctionMode):
                 # flight is the user's and propagates; without one, say what was left open.
                 _leave_misnested(self)
                 if exc_type is None:
-                    raise RuntimeError(f"{problem}: bik's mode is now off in this thread, the "
+                    raise RuntimeError(f"{problem}: this block's bik mode is now off, the "
                                        f"other mode is still on (exit modes in reverse order)")
                 return
         try:
