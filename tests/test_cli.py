@@ -49,6 +49,7 @@ def test_bench_quick_json_and_plot(tmp_path, op):
     assert {r["M"] for r in recs} == {1, 3, 16}
     assert all(r["bik_rows_identical"] for r in recs)
     assert all(set(r["bik_ms"]) == {"p20", "p50", "p80"} for r in recs)
+    assert all(isinstance(r["noisy"], bool) for r in recs)  # p80 > 1.5 x p20 on either side
     assert data["meta"]["versions"]["torch"] and data["meta"]["timestamp"]
     assert len(data["meta"]["load_average"]) == 3 and data["meta"]["threads"] >= 1
     assert png.stat().st_size > 1000
@@ -64,6 +65,7 @@ def test_bench_attention_quick_json(tmp_path, capsys):
     assert {r["workload"] for r in recs} == {"decode", "verify", "prefill"}
     assert all(r["bik_rows_identical"] for r in recs)
     assert all(r["bik_ms"]["p50"] > 0 and r["bik_gbps"] > 0 for r in recs)
+    assert all(isinstance(r["noisy"], bool) for r in recs)
 
 
 def test_bench_boundary(tmp_path):

@@ -9,6 +9,12 @@ from collections.abc import Callable
 import torch
 
 QUANTILES = (0.2, 0.5, 0.8)
+NOISY = 1.5  # a timing whose p80 exceeds this times its p20 is flagged: its ratios are not firm
+
+
+def noisy(*timings: dict | None) -> bool:
+    """True when any of these p20/p50/p80 timings spreads past :data:`NOISY`."""
+    return any(t is not None and t["p80"] > NOISY * t["p20"] for t in timings)
 
 
 def _quantiles(samples: list[float]) -> dict:

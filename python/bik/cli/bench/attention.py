@@ -36,7 +36,7 @@ import bik
 from bik._dtypes import dtype_name
 from bik.cli.bench.sweep import backends_for
 from bik.cli.common import print_table
-from bik.cli.timing import time_ms
+from bik.cli.timing import noisy, time_ms
 from bik.ops._registry import resolve_backend
 from bik.testing.harness import same_bits
 
@@ -239,6 +239,7 @@ def _one(w: Workload, heads, dtype, device, backend: str, seed: int) -> dict:
     rec["bik_tflops"] = 4 * d * pairs / rec["bik_ms"]["p50"] / 1e9
     rec["torch_gbps"] = nbytes / rec["torch_ms"]["p50"] / 1e6 if call else None
     rec["speedup"] = rec["torch_ms"]["p50"] / rec["bik_ms"]["p50"] if call else None
+    rec["noisy"] = noisy(rec["bik_ms"], rec["torch_ms"] if call else None)
     return rec
 
 
@@ -275,7 +276,7 @@ def render_attention(records: list[dict], console: Console) -> None:
         table.add_column("backend")
     for col in ("workload", "B", "context", "q_len", "bik ms", "kernel ms", "torch ms", "speedup",
                 "bik GB/s", "% copy", "bik TFLOP/s", "bik rows same", "torch rows same",
-                "torch backend"):
+                "torch backend", ""):
         table.add_column(col, justify="left" if col in ("workload", "torch backend") else "right")
     for r in records:
         same_t = {True: "yes", False: "no", None: "-"}[r["torch_rows_identical"]]
@@ -285,7 +286,7 @@ def render_attention(records: list[dict], console: Console) -> None:
                       "-" if r["speedup"] is None else f"{r['speedup']:.2f}",
                       f"{r['bik_gbps']:.3g}", f"{100 * r['bik_bw_fraction']:.3g}",
                       f"{r['bik_tflops']:.3g}", "yes" if r["bik_rows_identical"] else "[red]NO",
-                      same_t, r["torch_backend"])
+                      same_t, r["torch_backend"], "[yellow]noisy" if r["noisy"] else "")
     print_table(console, table, keys=4 + int(with_backend))
 
 
@@ -311,6 +312,7 @@ def plot_attention(records: list[dict], plt, path: str) -> None:
                 [r["speedup"] for r in pre])
     axes[2].set_xlabel("B x tokens (prefill)")
     for ax in axes:
+        ax.set_yscale("log")  # one outlier ratio must not flatten the rest
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_ylabel("torch time / bik time")
     if dec:

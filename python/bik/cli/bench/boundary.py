@@ -16,13 +16,12 @@ from rich.table import Table
 
 import bik
 from bik.cli.common import print_table
-from bik.cli.timing import time_ms
+from bik.cli.timing import NOISY, time_ms
 from bik.ops._registry import resolve_backend
 
 __all__ = ["bench_boundary", "plot", "render", "run"]
 
 LOOP = 200  # calls per sample
-NOISY = 1.5  # p80 / p20 above this: flag the row
 
 
 def _per_call_us(fn, device, budget_s: float) -> dict:

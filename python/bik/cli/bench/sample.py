@@ -18,7 +18,7 @@ import bik
 from bik._dtypes import dtype_name
 from bik.cli.bench.sweep import backends_for
 from bik.cli.common import print_table
-from bik.cli.timing import time_ms
+from bik.cli.timing import noisy, time_ms
 
 __all__ = ["bench_sample", "plot", "render", "render_sample", "run"]
 
@@ -58,6 +58,7 @@ def bench_sample(device, dtype, backend, quick: bool, bs=None) -> list[dict]:
                 "multinomial_ms": t_mult, "argmax_ms": t_argmax, "copy_ms": t_copy,
                 "bik_gbps": bik_gbps, "copy_gbps": copy_gbps, "frac_of_copy": bik_gbps / copy_gbps,
                 "speedup_vs_multinomial": t_mult["p50"] / t_bik["p50"],
+                "noisy": noisy(t_bik, t_mult),
             })
         for rec in records[-len(bs):]:
             rec["bik_rows_identical"] = len(set(first)) == 1
@@ -70,14 +71,15 @@ def render_sample(records: list[dict], console: Console) -> None:
     if with_backend:
         table.add_column("backend")
     for col in ("V", "B", "bik ms", "softmax+multinomial ms", "argmax ms", "bik GB/s",
-                "of copy", "row 0 same"):
+                "of copy", "row 0 same", ""):
         table.add_column(col, justify="right")
     for r in records:
         table.add_row(*([r["backend"]] if with_backend else []), str(r["V"]), str(r["B"]),
                       f"{r['bik_ms']['p50']:.3f}",
                       f"{r['multinomial_ms']['p50']:.3f}", f"{r['argmax_ms']['p50']:.3f}",
                       f"{r['bik_gbps']:.1f}", f"{r['frac_of_copy']:.2f}",
-                      "yes" if r["bik_rows_identical"] else "[red]NO")
+                      "yes" if r["bik_rows_identical"] else "[red]NO",
+                      "[yellow]noisy" if r["noisy"] else "")
     print_table(console, table, keys=2 + int(with_backend))
 
 

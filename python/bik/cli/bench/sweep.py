@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bik.cli.common import print_table
-from bik.cli.timing import time_ms
+from bik.cli.timing import noisy, time_ms
 from bik.ops._registry import resolve_backend
 
 __all__ = ["CPU_MS", "GPU_MS", "backends_for", "default_ms", "plot_sweep", "render_sweep",
@@ -55,7 +55,7 @@ def sweep(device, pool, ms, bik_fn, torch_fn, work, base: dict) -> list[dict]:
         records.append(base | {
             "M": m, "bik_ms": t_bik, "torch_ms": t_torch,
             f"bik_{key}": units / t_bik["p50"], f"torch_{key}": units / t_torch["p50"],
-            "speedup": t_torch["p50"] / t_bik["p50"],
+            "speedup": t_torch["p50"] / t_bik["p50"], "noisy": noisy(t_bik, t_torch),
         })
     for rec in records:
         rec["bik_rows_identical"] = _row_bits_stable(bik_out)
@@ -71,7 +71,8 @@ def render_sweep(records: list[dict], console: Console) -> None:
         table.add_column("backend")
     for col in (["N x K"] if is_mm else ["H"]) + ["M", "bik ms", "torch ms",
                                                    "bik TFLOP/s" if is_mm else "bik GB/s",
-                                                   "speedup", "bik rows same", "torch rows same"]:
+                                                   "speedup", "bik rows same", "torch rows same",
+                                                   ""]:
         table.add_column(col, justify="right")
     for r in records:
         rate = f"{r['bik_tflops']:.2f}" if is_mm else f"{r['bik_gbps']:.1f}"
@@ -79,7 +80,8 @@ def render_sweep(records: list[dict], console: Console) -> None:
                       f"{r['N']}x{r['K']}" if is_mm else str(r["H"]), str(r["M"]),
                       f"{r['bik_ms']['p50']:.3f}", f"{r['torch_ms']['p50']:.3f}", rate,
                       f"{r['speedup']:.2f}", "yes" if r["bik_rows_identical"] else "[red]NO",
-                      "yes" if r["torch_rows_identical"] else "no")
+                      "yes" if r["torch_rows_identical"] else "no",
+                      "[yellow]noisy" if r["noisy"] else "")
     print_table(console, table, keys=2 + int(with_backend))
 
 
@@ -93,6 +95,7 @@ def plot_sweep(records: list[dict], plt, path: str) -> None:
         rows = [r for r in records if key(r) == label]
         ax.plot([r["M"] for r in rows], [r["speedup"] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # one outlier ratio must not flatten the rest
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("M (rows in the batch)")
     ax.set_ylabel("torch time / bik time")
