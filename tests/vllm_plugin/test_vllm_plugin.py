@@ -51,7 +51,7 @@ def test_plugin_fp32_alone_equals_batched(bik_fp32):
     assert bik_fp32["batch"] == {"tokens_differ": 0, "logprobs_differ": 0}
     assert all(bik_fp32["needle"].values()), bik_fp32["needle"]
     stats = bik_fp32["stats"]
-    assert stats["linear_calls"] > 0 and stats["attention_calls"] > 0
+    assert stats["linear_calls"] > 0 and stats["attention_calls"] > 0 and stats["norm_calls"] > 0
     assert stats["unrouted"] == {}, stats  # no vLLM batch-dependent kernel ran
 
 

