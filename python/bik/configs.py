@@ -15,7 +15,8 @@ import torch
 
 from bik._dtypes import info
 
-__all__ = ["CUDA_ATTENTION_HEAD_DIMS", "CUDA_DEFINES", "TRITON_ATTENTION_HEAD_DIMS",
+__all__ = ["CUDA_ATTENTION_HEAD_DIMS", "CUDA_DEFINES", "SAMPLER_GREEDY_BELOW",
+           "TRITON_ATTENTION_HEAD_DIMS",
            "AttentionConfig", "CudaAttentionConfig", "CudaMatmulConfig", "MatmulConfig",
            "RMSNormConfig", "ReductionConfig", "SamplingConfig", "arch_family", "attention_config",
            "cuda_attention_config", "cuda_matmul_config", "cuda_options",
@@ -137,6 +138,7 @@ def config_table() -> dict:
                       for arch, row in _ATTENTION_BASE.items()},
         "cpu_attention_split": CPU_ATTENTION_SPLIT,
         "sampling": {arch: vars(c) for arch, c in _SAMPLING.items()},
+        "sampler_greedy_below": SAMPLER_GREEDY_BELOW,
         "cuda": cuda_config_table(),
     }
 
@@ -189,6 +191,13 @@ _SAMPLING = {
     "sm80": SamplingConfig(block=1024, split=16384, num_warps=8),
     "interpreter": SamplingConfig(block=64, split=128, num_warps=4),
 }
+
+
+# A temperature below this draws its row greedily (as T = 0), on every backend: the limit of
+# Gumbel-max as T -> 0+ (noise of at most ~19.4 T moves no token whose logit is that far below
+# the max). Without it x / T overflows fp32 for tiny T and the row came back invalid (-1).
+# vLLM treats temperatures below the same 1e-5 as greedy. Compared in fp32.
+SAMPLER_GREEDY_BELOW = 1e-5
 
 
 def sampling_config(arch: str) -> SamplingConfig:

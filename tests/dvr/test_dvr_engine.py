@@ -352,14 +352,22 @@ def test_an_engine_that_could_never_progress_is_refused(field):
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_an_invalid_row_ends_its_request_and_no_other(deterministic):
-    """T = 1e-40 overflows logits / T: bik.sample marks the row invalid (token -1). The engine
-    used to commit -1, feed it back (the embedding wrapped it to the last row) and finish with
-    "length". Now the request ends with reason "invalid_logits" and no -1 in its output (on
-    the fast path of a deterministic request -1 becomes a placeholder the verifier rejects),
-    and the good request beside it equals its solo reference."""
-    bad = Request("bad", (1, 2, 3), 6, SamplingParams(temperature=1e-40), deterministic)
+    """NaN logits (here: a NaN embedding row that only the bad request's prompt uses) make
+    bik.sample mark the row invalid (token -1). The engine used to commit -1, feed it back (the
+    embedding wrapped it to the last row) and finish with "length". Now the request ends with
+    reason "invalid_logits" and no -1 in its output (on the fast path of a deterministic
+    request -1 becomes a placeholder the verifier rejects), and the good request beside it
+    equals its solo reference."""
     good = Request("good", (4, 5, 6, 7), 6, SamplingParams(temperature=0.8, seed=3))
-    eng = engine(window=2)
+    want = _reference(good)
+    poisoned = next(t for t in range(1, 100) if t not in (*good.prompt, *want.tokens))
+    broken = embedded_model(seed=0)
+    broken.embed = broken.embed.clone()  # the LM head keeps its own (tied) tensor
+    broken.embed[poisoned] = float("nan")
+    bad = Request("bad", (1, poisoned, 3), 6, SamplingParams(temperature=0.7, seed=1),
+                  deterministic)
+    eng = DVREngine(broken, EngineConfig(num_blocks=256, block_size=8, window=2),
+                    fast_kernels=FastKernels(), verify_kernels=BIK)
     for req in (bad, good):
         eng.add_request(req)
     while eng.has_work:
@@ -367,7 +375,6 @@ def test_an_invalid_row_ends_its_request_and_no_other(deterministic):
     out = eng.outputs
     assert out["bad"].status == Status.FINISHED and out["bad"].finish_reason == "invalid_logits"
     assert all(t >= 0 for t in out["bad"].tokens)
-    want = _reference(good)
     assert out["good"].tokens == want.tokens and out["good"].logprobs == want.logprobs
 
 

@@ -108,6 +108,28 @@ def test_every_64_bit_seed_is_accepted_with_its_bits(target):
         bik.sample(x, seed=1, position=0, top_k=2**63, backend=target.backend)
 
 
+@pytest.mark.parametrize("target", targets())
+def test_a_tiny_temperature_draws_greedily(target):
+    """0 < T < 1e-5 draws as T = 0 (the limit of Gumbel-max as T -> 0+), on every backend, in
+    sample and verify_draft. Before, T = 1e-40 overflowed x / T and the row came back invalid
+    (token -1, logprob NaN). From 1e-5 on the row is tempered: a near-tie is then decided by
+    the noise, so some seed draws the other token."""
+    x = torch.tensor([[1.0, 3.0, 3.0 - 1e-6, -2.0], [0.5, -1.0, 2.0, 2.0]])
+    greedy = bik.sample(x, seed=9, position=3, temperature=0.0, backend=target.backend)
+    assert greedy.tokens.tolist() == [1, 2]
+    for t in (1e-40, 1e-20, 9.99e-6):
+        out = bik.sample(x, seed=9, position=3, temperature=t, backend=target.backend)
+        assert torch.equal(out.tokens, greedy.tokens)
+        assert torch.equal(out.logprobs, greedy.logprobs)
+    verified = bik.verify_draft(torch.tensor([[1]]), torch.tensor([1]), x[None, :2], seed=9,
+                                position=3, temperature=1e-30, backend=target.backend)
+    assert verified.num_accepted.tolist() == [1] and verified.tokens.tolist() == [[1, 2]]
+    # Row 1 ties exactly at 2.0: tempered (T = 1e-5), the noise picks 2 or 3 by seed.
+    tempered = {int(bik.sample(x[1:], seed=s, position=3, temperature=1e-5,
+                               backend=target.backend).tokens) for s in range(8)}
+    assert tempered == {2, 3}
+
+
 def test_torch_compile_fullgraph_keeps_the_op():
     """bik.sample traces as one custom op under torch.compile(fullgraph=True), same bits."""
     torch._dynamo.reset()

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from bik._dtypes import dtype_name
+from bik.configs import SAMPLER_GREEDY_BELOW
 from bik.ops._checks import check_float_dtype, check_same_device, check_tensor, debug_checks
 from bik.ops._registry import define, documented, implementation, resolve_backend
 from bik.ops.sampling.noise import bik_log_torch, log_min_p
@@ -114,6 +115,8 @@ def _checks_values(max_top_k) -> bool:
 def _sample_rows(op, backend, logits, seed, position, temperature, top_k, top_p, min_p,
                  max_top_k):
     sample_rows = implementation(op, backend, logits.device)
+    # The contract's greedy limit, here for every backend (a device op: nothing read back).
+    temperature = torch.where(temperature < SAMPLER_GREEDY_BELOW, 0.0, temperature)
     x = logits
     if x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
@@ -251,7 +254,8 @@ def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None
         logits: [B, V] fp32/bf16/fp16 (computed in fp32), V >= 1.
         seed, position: int or int64 [B]; position is the absolute index of the token drawn.
         temperature: float or fp32 [B], >= 0 (0 = greedy argmax, lowest index on ties);
-            default 1.
+            below 1e-5 (``bik.configs.SAMPLER_GREEDY_BELOW``) the row is greedy too, the
+            limit as T -> 0+; default 1.
         top_k: int or int64 [B] (<= 0 or >= V: off). top_p: (0, 1] (1: off). min_p: [0, 1]
             (0: off). Applied per row in the order top-k, top-p, min-p.
         max_top_k: host metadata, an int >= every row's top_k that is on (0: no row uses
