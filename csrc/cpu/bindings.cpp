@@ -96,18 +96,22 @@ struct Isa {
   idx_t nrw, mr;
   size_t (*scratch_per_thread)(idx_t, idx_t);
   void (*tile)(const float*, idx_t, idx_t, const float*, idx_t, idx_t, const float*, float*,
-               idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
+               idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*, const float*);
   // The same with a bf16 B (bit patterns), widened exactly while packing.
   void (*tile_bf16)(const float*, idx_t, idx_t, const std::uint16_t*, idx_t, idx_t,
                     const float*, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
-                    idx_t, float*);
+                    idx_t, float*, const float*);
+  // pack_b for an fp32 / bf16 B: b[pc:pc+kc, jc:jc+nc] -> panels dst[p][k][nrw].
+  void (*pack)(const float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
+  void (*pack_bf16)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
   void (*rms)(const float*, idx_t, const float*, float*, idx_t, idx_t, idx_t, idx_t, float);
 };
 
 #define BIK_ISA_ENTRY(ns)                                                                    \
   Isa {                                                                                      \
 #ns, ns::NRW, ns::MR, &ns::matmul_scratch_per_thread, &ns::matmul_tile<float>,          \
-        &ns::matmul_tile<std::uint16_t>, &ns::rms_norm_rows                                  \
+        &ns::matmul_tile<std::uint16_t>, &ns::pack_b<float>, &ns::pack_b<std::uint16_t>,     \
+        &ns::rms_norm_rows                                                                   \
   }
 
 bool isa_supported(const std::string& name) {
@@ -143,14 +147,16 @@ const float* fptr(std::uintptr_t p) { return reinterpret_cast<const float*>(p); 
 void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b,
                 idx_t sbk, idx_t sbn, std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M,
                 idx_t N, idx_t K, int num_threads, idx_t block_k, idx_t block_n, bool b_bf16,
-                idx_t batch, idx_t sab, idx_t sbb, idx_t scb) {
+                idx_t batch, idx_t sab, idx_t sbb, idx_t scb, std::uintptr_t packed = 0) {
   if (M == 0 || N == 0 || batch == 0) return;
   // Blocking (speed only; K blocks store/reload the fp32 acc in order, so bits never change).
   // Few rows: memory bound on B, so read B in long runs: whole weight rows when b = w.t(),
   // wide row segments when b is row-major. Many rows: cache-sized blocks for reuse.
+  // A packed B (one entry) is read in place: long K runs, and N blocks only bound the loop.
   const bool few_rows = M < 4 * isa.mr;
-  idx_t kcb = few_rows ? (sbk == 1 && sbn != 1 ? 2048 : 128) : 256;
-  idx_t ncb = few_rows ? (sbk == 1 && sbn != 1 ? isa.nrw : 4096) : 512;
+  const bool by_column = sbk == 1 && sbn != 1 && !packed;
+  idx_t kcb = few_rows ? (packed ? 2048 : by_column ? 2048 : 128) : 256;
+  idx_t ncb = few_rows ? (by_column ? isa.nrw : 4096) : 512;
   if (block_k > 0) kcb = block_k;
   if (block_n > 0) ncb = block_n;
   kcb = std::max<idx_t>(1, std::min(kcb, K));
@@ -176,12 +182,13 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
     const float* A = fptr(a) + e * sab;
     const std::uintptr_t B = b + std::uintptr_t(e * sbb) * b_size;
     float* C = reinterpret_cast<float*>(c) + e * scb;
+    const float* P = packed ? fptr(packed) : nullptr;
     if (b_bf16)
       isa.tile_bf16(A, sam, sak, reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p,
-                    C, ldc, m0, m1, n0, n1, K, kcb, ncb, mine);
+                    C, ldc, m0, m1, n0, n1, K, kcb, ncb, mine, P);
     else
       isa.tile(A, sam, sak, fptr(B), sbk, sbn, bias_p, C, ldc, m0, m1, n0, n1, K, kcb, ncb,
-               mine);
+               mine, P);
   };
   if (by_entry) {
     parallel_run(nt, [&](int id) {
@@ -205,13 +212,29 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
 void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t sbk, idx_t sbn,
                 std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M, idx_t N, idx_t K,
                 int num_threads, const std::string& isa_name, idx_t block_k, idx_t block_n,
-                bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb) {
+                bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb, std::uintptr_t packed) {
   if (M < 0 || N < 0 || K < 0 || batch < 0)
     throw std::invalid_argument("bik: negative matmul size");
+  if (packed && batch != 1) throw std::invalid_argument("bik: a packed B serves one entry");
   const Isa isa = select_isa(isa_name);
   pybind11::gil_scoped_release nogil;
   matmul_run(isa, a, sam, sak, b, sbk, sbn, bias, c, ldc, M, N, K, num_threads, block_k, block_n,
-             b_bf16, batch, sab, sbb, scb);
+             b_bf16, batch, sab, sbb, scb, packed);
+}
+
+// All of b[K, N] packed once into the matmul's panels for `isa_name` (dst: panels * K * nrw
+// floats, sized by the caller from matmul_panel_width); pure copies, exact.
+void matmul_pack_b(std::uintptr_t b, idx_t sbk, idx_t sbn, idx_t K, idx_t N, bool b_bf16,
+                   const std::string& isa_name, std::uintptr_t dst) {
+  if (K < 0 || N < 0) throw std::invalid_argument("bik: negative matmul size");
+  const Isa isa = select_isa(isa_name);
+  if (K == 0 || N == 0) return;
+  pybind11::gil_scoped_release nogil;
+  float* d = reinterpret_cast<float*>(dst);
+  if (b_bf16)
+    isa.pack_bf16(reinterpret_cast<const std::uint16_t*>(b), sbk, sbn, 0, K, 0, N, d);
+  else
+    isa.pack(fptr(b), sbk, sbn, 0, K, 0, N, d);
 }
 
 void rms_norm_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t w, std::uintptr_t y, idx_t sym,
@@ -388,11 +411,19 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("num_threads"),
         py::arg("isa") = "auto", py::arg("block_k") = 0, py::arg("block_n") = 0,
         py::arg("b_bf16") = false, py::arg("batch") = 1, py::arg("sab") = 0, py::arg("sbb") = 0,
-        py::arg("scb") = 0,
+        py::arg("scb") = 0, py::arg("packed") = 0,
         "c[M,N] (row pitch ldc) = a[M,K] @ b[K,N] (+ bias[N]); raw pointers, element strides.\n"
         "isa/block_k/block_n (0 = auto) change speed only, never bits (tests check this).\n"
         "b_bf16: b holds bf16 bit patterns, widened exactly to fp32 while packing.\n"
-        "batch entries e < batch: a + e*sab, b + e*sbb, c + e*scb (elements; b's in its dtype).");
+        "batch entries e < batch: a + e*sab, b + e*sbb, c + e*scb (elements; b's in its dtype).\n"
+        "packed: b as matmul_pack_b wrote it for the same isa (b unread; batch 1), same bits.");
+  m.def("matmul_pack_b", &bik_cpu::matmul_pack_b, py::arg("b"), py::arg("sbk"), py::arg("sbn"),
+        py::arg("K"), py::arg("N"), py::arg("b_bf16"), py::arg("isa"), py::arg("dst"),
+        "dst[p][k][nrw] = b[k, p*nrw + j] (0 past N): all of b[K, N] in the matmul's panels.");
+  m.def(
+      "matmul_panel_width",
+      [](const std::string& want) { return bik_cpu::select_isa(want).nrw; },
+      py::arg("isa") = "auto", "Columns per packed B panel (nrw) of the ISA path `want`.");
   m.def("rms_norm_f32", &bik_cpu::rms_norm_f32, py::arg("x"), py::arg("sxm"), py::arg("w"),
         py::arg("y"), py::arg("sym"), py::arg("M"), py::arg("H"), py::arg("eps"),
         py::arg("num_threads"), py::arg("isa") = "auto",

@@ -225,11 +225,15 @@ static size_t matmul_scratch_per_thread(idx_t kcb, idx_t ncb) {
   return ((size_t(kcb) * size_t(ncb) + 15) & ~size_t(15)) + size_t(MC) * size_t(kcb) + 16;
 }
 
-// One thread's share: rows [m0, m1), columns [n0, n1). K is never split.
+// One thread's share: rows [m0, m1), columns [n0, n1). K is never split. `packed`, when not
+// null, is all of B packed once by pack_b (dst[p][k][NRW] for k in [0, K), every panel p of N):
+// its panel rows are the ones pack_b would write for each block, read in place, so the micro
+// kernel sees the same values in the same order (same bits) without packing on every call.
 template <class TB>
 static void matmul_tile(const float* a, idx_t sam, idx_t sak, const TB* b, idx_t sbk,
                         idx_t sbn, const float* bias, float* c, idx_t ldc, idx_t m0, idx_t m1,
-                        idx_t n0, idx_t n1, idx_t K, idx_t KC, idx_t NC, float* scratch) {
+                        idx_t n0, idx_t n1, idx_t K, idx_t KC, idx_t NC, float* scratch,
+                        const float* packed) {
   float* bufb = scratch;
   float* bufa = scratch + ((size_t(KC) * size_t(NC) + 15) & ~size_t(15));
   for (idx_t jc = n0; jc < n1; jc += NC) {
@@ -239,7 +243,15 @@ static void matmul_tile(const float* a, idx_t sam, idx_t sak, const TB* b, idx_t
       const idx_t kc = K - pc < KC ? K - pc : KC;
       const bool first = pc == 0;
       const bool last = pc + kc >= K;
-      pack_b(b, sbk, sbn, pc, kc, jc, nc, bufb);
+      // Panel jr / NRW of this block starts at pb + (jr / NRW) * panel_stride.
+      const float* pb = bufb;
+      idx_t panel_stride = kc * NRW;
+      if (packed) {
+        pb = packed + (jc / NRW) * K * NRW + pc * NRW;  // jc is a multiple of NRW
+        panel_stride = K * NRW;
+      } else {
+        pack_b(b, sbk, sbn, pc, kc, jc, nc, bufb);
+      }
       for (idx_t ic = m0; ic < m1; ic += MC) {
         const idx_t mc = m1 - ic < MC ? m1 - ic : MC;
         pack_a(a, sam, sak, ic, mc, pc, kc, bufa);
@@ -250,7 +262,7 @@ static void matmul_tile(const float* a, idx_t sam, idx_t sak, const TB* b, idx_t
             const float* bb = (last && bias) ? bias + jc + jr : nullptr;
             float* cc = c + (ic + ir) * ldc + jc + jr;
             micro_rows(rows, std::make_integer_sequence<int, MR>{}, bufa + ir * kc,
-                       bufb + jr * kc, kc, cc, ldc, cols, first, bb);
+                       pb + (jr / NRW) * panel_stride, kc, cc, ldc, cols, first, bb);
           }
         }
       }

@@ -37,7 +37,7 @@ from bik.ops.attention import (
     plan_attention_varlen,
     write_kv_cache,
 )
-from bik.ops.matmul import bmm, linear, matmul
+from bik.ops.matmul import PackedWeight, bmm, linear, matmul
 from bik.ops.reductions import log_softmax, mean, softmax
 from bik.ops.rms_norm import rms_norm
 from bik.ops.sampling import SampleOutput, VerifyOutput, sample, verify_draft
@@ -52,6 +52,7 @@ __all__ = [
     "BatchInvarianceWarning",
     "Fingerprint",
     "ModeStats",
+    "PackedWeight",
     "SampleOutput",
     "VerifyOutput",
     "attention",

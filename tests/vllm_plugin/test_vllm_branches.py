@@ -193,3 +193,24 @@ def test_linear_methods_get_bik_gemm_on_cuda(monkeypatch):
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     with pytest.raises(NotImplementedError, match="tensor parallel size 2 is not served"):
         gemm(None, x, w, b)
+
+
+@pytest.mark.parametrize("pack", ["1", "0"])
+def test_cpu_linear_is_bik_linear_packed_or_not(monkeypatch, pack):
+    """layer.cpu_linear after the plugin's weight-load hook gives bik.linear's bits, from a
+    weight packed once (default) or read on every call (BIK_VLLM_PACK_WEIGHTS=0)."""
+    from vllm.distributed import parallel_state
+
+    monkeypatch.setenv("BIK_VLLM_PACK_WEIGHTS", pack)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_pp_group",
+                        lambda: type("Group", (), {"world_size": 1})())
+    layer = torch.nn.Linear(96, 200, dtype=torch.bfloat16)
+    linear._dispatch(layer, remove_weight=False)
+    assert hasattr(layer.cpu_linear, "packed") == (pack == "1")
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    calls = linear.CALLS[0]
+    out = layer.cpu_linear(x, layer.weight, layer.bias)
+    assert linear.CALLS[0] == calls + 1
+    assert torch.equal(out, bik.linear(x, layer.weight, layer.bias))
+    assert torch.equal(layer.cpu_linear(x[2:3], layer.weight, layer.bias), out[2:3])

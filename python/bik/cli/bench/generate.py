@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 import bik
-from bik.cli.common import print_table
+from bik.cli.common import print_table, progress
 
 __all__ = ["plot", "render", "run"]
 
@@ -100,14 +100,17 @@ def run(device, dtype, args) -> list[dict]:
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(3, model.config.vocab_size, (2 if quick else 8, 16), generator=gen)
     records = []
-    for name, (front, compiled) in _configs(quick).items():
-        first, times = _Run(model, front, compiled)(ids, new_tokens)
-        records.append({"op": "generate", "config": name, "first_s": first,
-                        "median_s": statistics.median(times), "min_s": min(times),
-                        "max_s": max(times), "noisy": max(times) > NOISY * min(times),
-                        "prompts": ids.shape[0], "new_tokens": new_tokens,
-                        "dtype": str(dtype).removeprefix("torch."),
-                        "threads": torch.get_num_threads()})
+    configs = _configs(quick)
+    with progress("bik bench generate", len(configs)) as advance:
+        for name, (front, compiled) in configs.items():
+            first, times = _Run(model, front, compiled)(ids, new_tokens)
+            records.append({"op": "generate", "config": name, "first_s": first,
+                            "median_s": statistics.median(times), "min_s": min(times),
+                            "max_s": max(times), "noisy": max(times) > NOISY * min(times),
+                            "prompts": ids.shape[0], "new_tokens": new_tokens,
+                            "dtype": str(dtype).removeprefix("torch."),
+                            "threads": torch.get_num_threads()})
+            advance()
     base = records[0]["median_s"]
     for r in records:
         r["ratio"] = r["median_s"] / base

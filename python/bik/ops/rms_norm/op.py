@@ -18,9 +18,17 @@ from bik.ops._checks import (
     check_same_device,
     check_tensor,
 )
-from bik.ops._registry import TABLE, define, documented, implementation, resolve_backend
+from bik.ops._direct import direct_ok
+from bik.ops._registry import (
+    TABLE,
+    define,
+    documented,
+    implementation,
+    launcher,
+    resolve_backend,
+)
 
-__all__ = ["rms_norm", "run_rms_norm"]
+__all__ = ["rms_norm", "run_fused_add_rms_norm", "run_rms_norm"]
 
 # Every backend module (triton.py, cuda.py, cpu.py) defines
 #   launch_rms_norm(x [M, H], weight [H], eps, out [M, H], residual=None, h_out=None) -> None
@@ -81,11 +89,17 @@ def _rms_norm_fake(x, weight, eps, backend):
 def _fused_add_rms_norm_impl(x, residual, weight, eps, backend):
     op = "bik.rms_norm"
     _check_norm(op, x, weight, eps, residual)
-    launch_rms_norm = implementation("fused_add_rms_norm", backend, x.device, label=op)
+    return run_fused_add_rms_norm(
+        implementation("fused_add_rms_norm", backend, x.device, label=op), x, residual, weight,
+        eps)
+
+
+def run_fused_add_rms_norm(launch, x, residual, weight, eps: float):
+    """bik::fused_add_rms_norm on validated x, residual [M, H] and weight [H]."""
     x, residual = _unit_stride_rows(x), _unit_stride_rows(residual)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    launch_rms_norm(x, weight.contiguous(), float(eps), out, residual=residual, h_out=h)
+    launch(x, weight.contiguous(), float(eps), out, residual=residual, h_out=h)
     return out, h
 
 
@@ -198,12 +212,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     backend = resolve_backend("rms_norm", backend, x.device, label=op)
     rows = math.prod(x.shape[:-1])  # not reshape(-1, H): H may be 0
     x2 = x.reshape(rows, x.shape[-1])
+    # Where nothing can observe it (ops/_direct.py), skip torch.ops.bik's dispatcher and
+    # autograd wrapper: ~50 us a call, more than the kernel at decode sizes.
+    direct = direct_ok(x, weight, residual)
     if residual is None:
-        return torch.ops.bik.rms_norm(x2, weight, eps, backend).reshape(x.shape)
+        if direct:
+            _check_norm(op, x2, weight, eps)
+            out = run_rms_norm(launcher("rms_norm", backend, x.device), x2, weight, eps)
+        else:
+            out = torch.ops.bik.rms_norm(x2, weight, eps, backend)
+        return out.reshape(x.shape)
     check_tensor(op, "residual", residual)
     if residual.shape != x.shape:
         raise ValueError(f"{op}: residual {list(residual.shape)} must match x {list(x.shape)}")
-    out, h = torch.ops.bik.fused_add_rms_norm(
-        x2, residual.reshape(rows, x.shape[-1]), weight, eps, backend
-    )
+    r2 = residual.reshape(rows, x.shape[-1])
+    if direct:
+        _check_norm(op, x2, weight, eps, r2)
+        out, h = run_fused_add_rms_norm(launcher("fused_add_rms_norm", backend, x.device), x2,
+                                        r2, weight, eps)
+    else:
+        out, h = torch.ops.bik.fused_add_rms_norm(x2, r2, weight, eps, backend)
     return out.reshape(x.shape), h.reshape(x.shape)
