@@ -237,6 +237,30 @@ void matmul_pack_b(std::uintptr_t b, idx_t sbk, idx_t sbn, idx_t K, idx_t N, boo
     isa.pack(fptr(b), sbk, sbn, 0, K, 0, N, d);
 }
 
+// The KV cache write: row t of src (tokens x hkv x d elements of `elem` bytes; element
+// strides s_tok, s_head, unit along d) goes to slot slots[t] of the cache (page s / block,
+// offset s % block; element strides c_page, c_off, c_head, unit along d), for every t with
+// 0 <= slots[t] < n_slots (negative: padding; past the cache: skipped, as the GPU kernel does).
+// Copies only; tokens in ascending order.
+void write_kv_rows(std::uintptr_t cache, idx_t c_page, idx_t c_off, idx_t c_head, idx_t block,
+                   idx_t n_slots, std::uintptr_t src, idx_t s_tok, idx_t s_head, idx_t tokens,
+                   idx_t hkv, idx_t d, idx_t elem, std::uintptr_t slots) {
+  if (block <= 0 || tokens < 0 || hkv < 0 || d < 0 || (elem != 2 && elem != 4))
+    throw std::invalid_argument("bik: bad write_kv_rows sizes");
+  const auto* slot = reinterpret_cast<const std::int64_t*>(slots);
+  char* dst = reinterpret_cast<char*>(cache);
+  const char* from = reinterpret_cast<const char*>(src);
+  const size_t row = size_t(d) * size_t(elem);
+  for (idx_t t = 0; t < tokens; ++t) {
+    const std::int64_t s = slot[t];
+    if (s < 0 || s >= n_slots) continue;
+    const idx_t page = s / block, off = s % block;
+    for (idx_t h = 0; h < hkv; ++h)
+      std::memcpy(dst + size_t(page * c_page + off * c_off + h * c_head) * size_t(elem),
+                  from + size_t(t * s_tok + h * s_head) * size_t(elem), row);
+  }
+}
+
 void rms_norm_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t w, std::uintptr_t y, idx_t sym,
                   idx_t M, idx_t H, double eps, int num_threads, const std::string& isa_name) {
   if (M < 0 || H < 0) throw std::invalid_argument("bik: negative rms_norm size");
@@ -424,6 +448,11 @@ PYBIND11_MODULE(_cpu_kernels, m) {
       "matmul_panel_width",
       [](const std::string& want) { return bik_cpu::select_isa(want).nrw; },
       py::arg("isa") = "auto", "Columns per packed B panel (nrw) of the ISA path `want`.");
+  m.def("write_kv_rows", &bik_cpu::write_kv_rows, py::arg("cache"), py::arg("c_page"),
+        py::arg("c_off"), py::arg("c_head"), py::arg("block"), py::arg("n_slots"),
+        py::arg("src"), py::arg("s_tok"), py::arg("s_head"), py::arg("tokens"), py::arg("hkv"),
+        py::arg("d"), py::arg("elem"), py::arg("slots"),
+        "cache[slots[t] / block, slots[t] % block] = src[t] for 0 <= slots[t] < n_slots.");
   m.def("rms_norm_f32", &bik_cpu::rms_norm_f32, py::arg("x"), py::arg("sxm"), py::arg("w"),
         py::arg("y"), py::arg("sym"), py::arg("M"), py::arg("H"), py::arg("eps"),
         py::arg("num_threads"), py::arg("isa") = "auto",

@@ -189,6 +189,33 @@ def test_write_kv_cache():
     assert int((k_cache != 0).any(-1).any(-1).sum()) == 2  # the -1 slot wrote nothing
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("validate", [True, False])
+def test_write_kv_cache_cpu_copy_loop_equals_torch_indexing(monkeypatch, dtype, validate):
+    """The CPU write's C++ row copies (the default) land exactly what torch's masked indexed
+    assignment lands, into a strided view of a larger cache (vLLM's layout: a page holds K's
+    rows then V's), with padding slots (-1) and, unvalidated, slots past the cache skipped."""
+    from bik.ops.attention import cpu
+
+    gen = torch.Generator().manual_seed(4)
+    slots = torch.tensor([9, -1, 0, 23] + ([] if validate else [24, 400]))
+    new_k = torch.randn(len(slots), 3, 8, generator=gen).to(dtype)
+
+    def written(c_copy_loop: bool):
+        if not c_copy_loop:
+            monkeypatch.setattr(cpu, "write_rows_cpu", lambda *a: False)
+        pool = torch.zeros(4, 3, 2 * 6, 8, dtype=dtype)  # [blocks, Hkv, 2 * block, D]
+        k_cache, v_cache = (c.transpose(1, 2) for c in pool.chunk(2, dim=2))
+        bik.write_kv_cache(k_cache, v_cache, new_k, -new_k, slots, validate=validate)
+        monkeypatch.undo()
+        return pool
+
+    fast, slow = written(True), written(False)
+    assert torch.equal(fast, slow)
+    k_rows = fast.chunk(2, dim=2)[0].transpose(1, 2).reshape(-1, 3, 8)
+    assert torch.equal(k_rows[23], new_k[3]) and int(k_rows.abs().sum(-1).sum(-1).gt(0).sum()) == 3
+
+
 @pytest.mark.parametrize("target", targets("cpu"))
 def test_torch_compile_fullgraph_keeps_bits(target):
     torch._dynamo.reset()

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from bik.ops._checks import check_float_dtype, check_same_device, check_tensor, debug_checks
+from bik.ops._direct import direct_ok
 from bik.ops._registry import define, documented, implementation, resolve_backend
 from bik.ops.attention._layout import Layout, Problem
 
@@ -208,7 +209,6 @@ def _cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_tabl
     return layout, _bounds(op, given, cu, lens)
 
 
-@torch.library.impl("bik::attention", ("cpu", "cuda"))
 def _attention_impl(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, scale, causal,
                     backend, max_seqlen_q=None, max_seqlen_k=None):
     op = "bik.attention"
@@ -218,6 +218,9 @@ def _attention_impl(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_tabl
     problem = Problem(q, k_cache, v_cache, layout, cu_seqlens_q, cache_seqlens, *bounds, scale,
                       causal)
     return run_attention(op, problem)[0]
+
+
+torch.library.impl("bik::attention", ("cpu", "cuda"))(_attention_impl)
 
 
 @torch.library.register_fake("bik::attention")
@@ -275,7 +278,6 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, b
             q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32))
 
 
-@torch.library.impl("bik::write_kv_cache", ("cpu", "cuda"))
 def _write_kv_cache_impl(k_cache, v_cache, k, v, slot_mapping, validate=True):
     op = "bik.write_kv_cache"
     _check_kv_write(op, k_cache, v_cache, k, v, slot_mapping)
@@ -298,15 +300,22 @@ def _write_kv_cache_impl(k_cache, v_cache, k, v, slot_mapping, validate=True):
 
         write_rows_triton(_paged_view(k_cache), _paged_view(v_cache), k, v, slot_mapping)
         return
+    from bik.ops.attention.cpu import write_rows_cpu
+
     slots = slot_mapping.long()
-    keep = slots >= 0  # negative slots mark padding tokens, which are not written
-    if not validate:  # unchecked slots past the cache are skipped, as the GPU kernel does
-        keep &= slots < n_slots
+    # Negative slots mark padding tokens and unchecked slots past the cache are skipped (as
+    # the GPU kernel does): both by the C++ copy loop, or here by a mask.
+    if all(write_rows_cpu(_paged_view(c), new, slots) for c, new in ((k_cache, k), (v_cache, v))):
+        return
+    keep = (slots >= 0) & (slots < n_slots)
     rows = slots[keep]
     for cache, new in ((k_cache, k), (v_cache, v)):
         pages = _paged_view(cache)  # a view: the write lands in the caller's cache
         block = pages.shape[1]
         pages[rows // block, rows % block] = new[keep]
+
+
+torch.library.impl("bik::write_kv_cache", ("cpu", "cuda"))(_write_kv_cache_impl)
 
 
 def _paged_view(cache: torch.Tensor) -> torch.Tensor:
@@ -379,9 +388,12 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     op = "bik.attention"
     check_tensor(op, "q", q, 3)
     backend = resolve_backend("attention", backend, q.device)
-    return torch.ops.bik.attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
-                                   _scale(op, scale, q.shape[-1]), bool(causal), backend,
-                                   max_seqlen_q, max_seqlen_k)
+    # No autograd formula: where nothing can observe it (ops/_direct.py) the impl runs without
+    # the dispatcher's round trip, which costs more than a decode step's kernel.
+    run = _attention_impl if direct_ok(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q,
+                                       block_table) else torch.ops.bik.attention
+    return run(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
+               _scale(op, scale, q.shape[-1]), bool(causal), backend, max_seqlen_q, max_seqlen_k)
 
 
 @documented("attention_varlen")
@@ -445,7 +457,10 @@ def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
     sync; with ``validate=False`` nothing is read back (CUDA-graph safe) and a slot past the
     cache is skipped — check the mapping where you build it (or set BIK_DEBUG_CHECKS=1).
     """
-    torch.ops.bik.write_kv_cache(k_cache, v_cache, k, v, slot_mapping, bool(validate))
+    if direct_ok(k_cache, v_cache, k, v, slot_mapping):  # no dispatcher round trip (_direct)
+        _write_kv_cache_impl(k_cache, v_cache, k, v, slot_mapping, bool(validate))
+    else:
+        torch.ops.bik.write_kv_cache(k_cache, v_cache, k, v, slot_mapping, bool(validate))
 
 
 for _fn in (attention, attention_varlen):

@@ -1,0 +1,61 @@
+"""tools/device_check.sh and its summary, on this machine (no GPU needed).
+
+A device run returns at most 8 files, so the script's OUT holds a summary JSON and one tarball;
+the summary must say what passed, failed and skipped from the junit XML alone. Here: a real
+pytest run with one pass, one failure and one skip is summarised, and the script itself, where
+torch sees no CUDA device, writes only its summary and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_summary_counts_failures_and_skips_from_junit(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    suite = tmp_path / "test_three.py"
+    suite.write_text("import pytest\n"
+                     "def test_ok(): pass\n"
+                     "def test_bad(): assert 1 == 2\n"
+                     "def test_skip(): pytest.skip('no cuda-core')\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(suite), "--junitxml", str(raw / "gpu_tests.xml")],
+                         capture_output=True, text=True, check=False)
+    (raw / "gpu_tests.log").write_text(run.stdout)
+    (raw / "env.json").write_text(json.dumps({"gpu": "test"}))
+    (raw / "stages.jsonl").write_text(
+        json.dumps({"stage": "gpu_tests", "rc": run.returncode, "seconds": 1}) + "\n"
+        + json.dumps({"stage": "bench_dvr", "rc": None, "note": "skipped: budget spent"}) + "\n")
+    out = tmp_path / "device_check.json"
+    subprocess.run([sys.executable, str(ROOT / "tools/device_check_summary.py"), str(raw),
+                    str(out)], check=True)
+    got = json.loads(out.read_text())
+    assert got["env"] == {"gpu": "test"}
+    tests = got["stages"][0]
+    assert tests["rc"] == 1
+    assert {k: tests["pytest"][k] for k in ("tests", "failures", "errors", "skipped")} == \
+        {"tests": 3, "failures": 1, "errors": 0, "skipped": 1}
+    assert tests["pytest"]["failed"] == ["test_three::test_bad"]
+    assert "assert 1 == 2" in tests["log_tail"]
+    assert got["stages"][1] == {"stage": "bench_dvr", "rc": None, "note": "skipped: budget spent"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_device_check_without_a_gpu_writes_only_its_summary(tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(ROOT / "tools/device_check.sh"), str(out)],
+                         capture_output=True, text=True, check=False, timeout=120,
+                         env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
+    assert "no CUDA device" in run.stdout
+    assert [p.name for p in out.iterdir()] == ["device_check.json"]
+    assert json.loads((out / "device_check.json").read_text())["env"] == {"gpu": None}
