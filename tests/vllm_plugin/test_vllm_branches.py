@@ -195,20 +195,23 @@ def test_linear_methods_get_bik_gemm_on_cuda(monkeypatch):
         gemm(None, x, w, b)
 
 
-@pytest.mark.parametrize("pack", ["1", "0"])
-def test_cpu_linear_is_bik_linear_packed_or_not(monkeypatch, pack):
+@pytest.mark.parametrize("pack, dtype, packed", [("1", torch.float32, True),
+                                                  ("1", torch.float16, True),
+                                                  ("1", torch.bfloat16, False),
+                                                  ("0", torch.float32, False)])
+def test_cpu_linear_is_bik_linear_packed_or_not(monkeypatch, pack, dtype, packed):
     """layer.cpu_linear after the plugin's weight-load hook gives bik.linear's bits, from a
-    weight packed once (default) or read on every call (BIK_VLLM_PACK_WEIGHTS=0)."""
+    weight packed once (fp32, fp16) or read on every call (bf16, or BIK_VLLM_PACK_WEIGHTS=0)."""
     from vllm.distributed import parallel_state
 
     monkeypatch.setenv("BIK_VLLM_PACK_WEIGHTS", pack)
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(parallel_state, "get_pp_group",
                         lambda: type("Group", (), {"world_size": 1})())
-    layer = torch.nn.Linear(96, 200, dtype=torch.bfloat16)
+    layer = torch.nn.Linear(96, 200, dtype=dtype)
     linear._dispatch(layer, remove_weight=False)
-    assert hasattr(layer.cpu_linear, "packed") == (pack == "1")
-    x = torch.randn(5, 96).to(torch.bfloat16)
+    assert hasattr(layer.cpu_linear, "packed") == packed
+    x = torch.randn(5, 96).to(dtype)
     calls = linear.CALLS[0]
     out = layer.cpu_linear(x, layer.weight, layer.bias)
     assert linear.CALLS[0] == calls + 1
