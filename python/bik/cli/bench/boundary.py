@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 import bik
-from bik.cli.common import print_table
+from bik.cli.common import print_table, progress
 from bik.cli.timing import NOISY, time_ms
 from bik.ops._registry import resolve_backend
 
@@ -58,16 +58,19 @@ def bench_boundary(device, dtype, backend, budget_s: float = 0.3) -> list[dict]:
     }
     fronts = {"bik.enabled()": bik.enabled, "batch_invariant_mode()": bik.batch_invariant_mode}
     records = []
-    with torch.no_grad():
-        for name, fn in calls.items():
+    with torch.no_grad(), progress("bik bench boundary", len(calls) + 1 + 2 * len(fronts)) \
+            as advance:
+        def timed(name, fn):
             records.append({"call": name, **_per_call_us(fn, device, budget_s)})
-        records.append({"call": "x + x (stock)", **_per_call_us(lambda: a + a, device, budget_s)})
+            advance()
+
+        for name, fn in calls.items():
+            timed(name, fn)
+        timed("x + x (stock)", lambda: a + a)
         for front, ctx in fronts.items():
             with ctx():
-                records.append({"call": f"torch.mm under {front}",
-                                **_per_call_us(lambda: torch.mm(a, b), device, budget_s)})
-                records.append({"call": f"x + x under {front}",
-                                **_per_call_us(lambda: a + a, device, budget_s)})
+                timed(f"torch.mm under {front}", lambda: torch.mm(a, b))
+                timed(f"x + x under {front}", lambda: a + a)
     floor = records[0]["p50"]
     for r in records:
         r.update(op="boundary", ratio=r["p50"] / floor, noisy=r["p80"] > NOISY * r["p20"],
