@@ -28,8 +28,9 @@ def test_summary_counts_failures_and_skips_from_junit(tmp_path):
                      "def test_bad(): assert 1 == 2\n"
                      "def test_skip(): pytest.skip('no cuda-core')\n")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(suite), "--junitxml", str(raw / "gpu_tests.xml")],
-                         capture_output=True, text=True, check=False)
+                          "--rootdir", str(tmp_path), str(suite), "--junitxml",
+                          str(raw / "gpu_tests.xml")],
+                         capture_output=True, text=True, check=False, cwd=tmp_path)
     (raw / "gpu_tests.log").write_text(run.stdout)
     (raw / "env.json").write_text(json.dumps({"gpu": "test"}))
     (raw / "stages.jsonl").write_text(
