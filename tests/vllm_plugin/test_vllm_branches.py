@@ -172,6 +172,15 @@ def test_another_attention_backend_is_refused():
             attention.require_bik_backend(backend)
 
 
+def _one_rank(monkeypatch) -> None:
+    """vLLM's parallel groups as a single-rank engine has them (none exist in-process here)."""
+    from vllm.distributed import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_pp_group",
+                        lambda: type("Group", (), {"world_size": 1})())
+
+
 def test_linear_methods_get_bik_gemm_on_cuda(monkeypatch):
     from vllm.distributed import parallel_state
     from vllm.platforms import current_platform
@@ -185,9 +194,7 @@ def test_linear_methods_get_bik_gemm_on_cuda(monkeypatch):
     torch.manual_seed(2)
     x, w, b = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
     monkeypatch.setattr(linear, "_CHECKED", [False])
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
-    monkeypatch.setattr(parallel_state, "get_pp_group",
-                        lambda: type("Group", (), {"world_size": 1})())
+    _one_rank(monkeypatch)
     assert torch.equal(gemm(None, x, w, b), bik.linear(x, w, b))
     monkeypatch.setattr(linear, "_CHECKED", [False])
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
@@ -202,12 +209,8 @@ def test_linear_methods_get_bik_gemm_on_cuda(monkeypatch):
 def test_cpu_linear_is_bik_linear_packed_or_not(monkeypatch, pack, dtype, packed):
     """layer.cpu_linear after the plugin's weight-load hook gives bik.linear's bits, from a
     weight packed once (fp32, fp16) or read on every call (bf16, or BIK_VLLM_PACK_WEIGHTS=0)."""
-    from vllm.distributed import parallel_state
-
     monkeypatch.setenv("BIK_VLLM_PACK_WEIGHTS", pack)
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
-    monkeypatch.setattr(parallel_state, "get_pp_group",
-                        lambda: type("Group", (), {"world_size": 1})())
+    _one_rank(monkeypatch)
     layer = torch.nn.Linear(96, 200, dtype=dtype)
     linear._dispatch(layer, remove_weight=False)
     assert hasattr(layer.cpu_linear, "packed") == packed
