@@ -14,7 +14,6 @@ The functions below carry vLLM's exact signatures (``register_impl`` compares th
 so this module must not use postponed annotations.
 """
 
-import logging
 
 import torch
 from torch import Tensor
@@ -26,7 +25,6 @@ __all__ = ["CALLS", "PROVIDER", "install"]
 PROVIDER = "bik"
 CALLS = [0]  # bik.rms_norm calls from vLLM's IR ops in this process
 _OPS = ("rms_norm", "fused_add_rms_norm")
-_log = logging.getLogger("bik.vllm")
 
 
 def _weight(x: Tensor, weight: Tensor | None) -> Tensor:
