@@ -14,7 +14,6 @@ The functions below carry vLLM's exact signatures (``register_impl`` compares th
 so this module must not use postponed annotations.
 """
 
-
 import torch
 from torch import Tensor
 
