@@ -36,6 +36,7 @@ using at::Tensor;
 enum Op { kMm, kAddmm, kBmm, kOps };
 
 BikMatmulF32Fn g_matmul = nullptr;
+BikMatmulSplitRule g_split_rule{};  // set with g_matmul
 std::mutex g_switch;
 std::unique_ptr<torch::Library> g_library;  // while installed: the aten overrides
 std::array<std::atomic<int64_t>, kOps> g_served{};
@@ -113,6 +114,7 @@ Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
   args.sab = batched ? a32.stride(0) : 0;
   args.sbb = batched ? bk.stride(0) : 0;
   args.scb = M * N;
+  args.split = bik_matmul_split_len(K, &g_split_rule);
   args.num_threads = at::get_num_threads();
   args.b_bf16 = b_bf16;
   TORCH_CHECK(g_matmul != nullptr, "bik: its CPU matmul kernel was not handed over "
@@ -201,9 +203,16 @@ Tensor compiled_bmm(const Tensor& a, const Tensor& b, std::optional<c10::ScalarT
 
 // ---- control -----------------------------------------------------------------------------------
 
-void set_cpu_kernels(int64_t matmul_address, int64_t abi_version) {
+// split_rule: bik.configs.matmul_split's constants (tp_max, group_align, split,
+// one_split_max_k, none), so these kernels pick the splits bik's Python launcher picks.
+void set_cpu_kernels(int64_t matmul_address, int64_t abi_version,
+                     c10::ArrayRef<int64_t> split_rule) {
   TORCH_CHECK(abi_version == BIK_C_ABI_VERSION, "bik: bik._cpu_kernels has C ABI ", abi_version,
               ", its dispatcher kernels expect ", BIK_C_ABI_VERSION, " (rebuild bik)");
+  TORCH_CHECK(split_rule.size() == 5 && split_rule[0] > 0 && split_rule[1] > 0 &&
+                  split_rule[2] > 0,
+              "bik: set_cpu_kernels needs the 5 matmul split constants, got ", split_rule);
+  g_split_rule = {split_rule[0], split_rule[1], split_rule[2], split_rule[3], split_rule[4]};
   g_matmul = reinterpret_cast<BikMatmulF32Fn>(matmul_address);
 }
 
@@ -247,7 +256,8 @@ void reset_served() {
 
 // Control ops, and the compiled mode's products. Nothing is overridden until install().
 TORCH_LIBRARY(bik_aten, m) {
-  m.def("set_cpu_kernels(int matmul_address, int abi_version) -> ()", &set_cpu_kernels);
+  m.def("set_cpu_kernels(int matmul_address, int abi_version, int[] split_rule) -> ()",
+        &set_cpu_kernels);
   m.def("install() -> ()", &install);
   m.def("uninstall() -> ()", &uninstall);
   m.def("served() -> int[]", &served);  // calls served in C++, in the order mm, addmm, bmm

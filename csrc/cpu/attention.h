@@ -43,9 +43,10 @@ namespace bik_cpu {
 namespace attn {
 
 // The ISA's matmul tile (kernels_isa.h matmul_tile; the last argument, a packed B, is null).
+// Its K (D or a split's keys) is always one K split (split argument 0).
 using TileFn = void (*)(const float*, idx_t, idx_t, const float*, idx_t, idx_t, const float*,
-                        float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*,
-                        const float*);
+                        float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
+                        float*, const float*);
 
 struct Problem {
   const float* q;  // q[tok, h, d] at q + tok*sq_tok + h*sq_head + d
@@ -182,7 +183,7 @@ static void run_item(const Problem& p, TileFn tile, idx_t kc, idx_t nc, const It
       const idx_t kv_hi = visible_end(lo, hi, c0 + C);
       const idx_t nk = kv_hi - lo;
       if (nk > 0)  // S[C, nk] = q[C, d] @ k[lo:kv_hi]^T
-        tile(qb + c0 * d, d, 1, ksp, 1, ks, nullptr, S, nk, 0, C, 0, nk, d, kc, nc, tile_ws,
+        tile(qb + c0 * d, d, 1, ksp, 1, ks, nullptr, S, nk, 0, C, 0, nk, d, 0, kc, nc, tile_ws,
              nullptr);
       for (idx_t r = 0; r < C; ++r) {
         float* s = S + r * nk;
@@ -207,7 +208,7 @@ static void run_item(const Problem& p, TileFn tile, idx_t kc, idx_t nc, const It
       if (kv_hi < hi)  // the tail adds pm (+0 or NaN) hi - kv_hi times: once is the same
         for (idx_t r = 0; r < C; ++r) lj[r] = lj[r] + pm[r];
       if (nk > 0)  // acc_j[C, d] = p[C, nk] @ v[lo:kv_hi]
-        tile(S, nk, 1, vsp, ks, 1, nullptr, accj, d, 0, C, 0, d, nk, kc, nc, tile_ws, nullptr);
+        tile(S, nk, 1, vsp, ks, 1, nullptr, accj, d, 0, C, 0, d, nk, 0, kc, nc, tile_ws, nullptr);
       else
         std::fill(accj, accj + C * d, 0.0f);
       if (tail_bad && kv_hi < hi)  // 0 * v[c, dd] is NaN where v is inf or NaN

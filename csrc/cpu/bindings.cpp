@@ -2,8 +2,10 @@
 // No torch headers: the Python side passes data pointers and strides in elements.
 #include <pthread.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -94,13 +96,14 @@ namespace {
 struct Isa {
   const char* name;
   idx_t nrw, mr;
-  size_t (*scratch_per_thread)(idx_t, idx_t);
+  size_t (*scratch_per_thread)(idx_t, idx_t, idx_t);
   void (*tile)(const float*, idx_t, idx_t, const float*, idx_t, idx_t, const float*, float*,
-               idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*, const float*);
+               idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*,
+               const float*);
   // The same with a bf16 B (bit patterns), widened exactly while packing.
   void (*tile_bf16)(const float*, idx_t, idx_t, const std::uint16_t*, idx_t, idx_t,
                     const float*, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
-                    idx_t, float*, const float*);
+                    idx_t, idx_t, float*, const float*);
   // pack_b for an fp32 / bf16 B: b[pc:pc+kc, jc:jc+nc] -> panels dst[p][k][nrw].
   void (*pack)(const float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
   void (*pack_bf16)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
@@ -146,9 +149,11 @@ const float* fptr(std::uintptr_t p) { return reinterpret_cast<const float*>(p); 
 // C entry is called from torch's dispatcher, which holds none).
 void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b,
                 idx_t sbk, idx_t sbn, std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M,
-                idx_t N, idx_t K, int num_threads, idx_t block_k, idx_t block_n, bool b_bf16,
-                idx_t batch, idx_t sab, idx_t sbb, idx_t scb, std::uintptr_t packed = 0) {
+                idx_t N, idx_t K, idx_t split, int num_threads, idx_t block_k, idx_t block_n,
+                bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb,
+                std::uintptr_t packed = 0) {
   if (M == 0 || N == 0 || batch == 0) return;
+  if (split <= 0 || split >= K) split = K;  // one split
   // Blocking (speed only; K blocks store/reload the fp32 acc in order, so bits never change).
   // Few rows: memory bound on B, so read B in long runs: whole weight rows when b = w.t(),
   // wide row segments when b is row-major. Many rows: cache-sized blocks for reuse.
@@ -173,7 +178,10 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
   const idx_t tn = by_entry ? 1 : std::min(t, panels);
   const idx_t tm = by_entry ? 1 : std::max<idx_t>(1, std::min(t / tn, mblocks));
   const int nt = by_entry ? int(t) : int(tn * tm);
-  const size_t per_thread = isa.scratch_per_thread(kcb, ncb);
+  // Several K splits: each later split's partial needs rows x ncb of scratch, so a thread's
+  // rows go to the tile in chunks of at most kSplitRows (the chunks only repeat B's packing).
+  const idx_t part_rows = split < K ? std::min<idx_t>(M, kSplitRows) : 0;
+  const size_t per_thread = isa.scratch_per_thread(kcb, ncb, part_rows);
   float* scratch = scratch_floats(per_thread * size_t(nt));
   const float* bias_p = bias ? fptr(bias) : nullptr;
   const size_t b_size = b_bf16 ? 2 : 4;
@@ -183,12 +191,16 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
     const std::uintptr_t B = b + std::uintptr_t(e * sbb) * b_size;
     float* C = reinterpret_cast<float*>(c) + e * scb;
     const float* P = packed ? fptr(packed) : nullptr;
-    if (b_bf16)
-      isa.tile_bf16(A, sam, sak, reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p,
-                    C, ldc, m0, m1, n0, n1, K, kcb, ncb, mine, P);
-    else
-      isa.tile(A, sam, sak, fptr(B), sbk, sbn, bias_p, C, ldc, m0, m1, n0, n1, K, kcb, ncb,
-               mine, P);
+    const idx_t step = part_rows > 0 ? part_rows : m1 - m0;
+    for (idx_t r0 = m0; r0 < m1; r0 += step) {
+      const idx_t r1 = std::min(m1, r0 + step);
+      if (b_bf16)
+        isa.tile_bf16(A, sam, sak, reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p,
+                      C, ldc, r0, r1, n0, n1, K, split, kcb, ncb, mine, P);
+      else
+        isa.tile(A, sam, sak, fptr(B), sbk, sbn, bias_p, C, ldc, r0, r1, n0, n1, K, split, kcb,
+                 ncb, mine, P);
+    }
   };
   if (by_entry) {
     parallel_run(nt, [&](int id) {
@@ -211,15 +223,17 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
 
 void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t sbk, idx_t sbn,
                 std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M, idx_t N, idx_t K,
-                int num_threads, const std::string& isa_name, idx_t block_k, idx_t block_n,
-                bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb, std::uintptr_t packed) {
+                idx_t split, int num_threads, const std::string& isa_name, idx_t block_k,
+                idx_t block_n, bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb,
+                std::uintptr_t packed) {
   if (M < 0 || N < 0 || K < 0 || batch < 0)
     throw std::invalid_argument("bik: negative matmul size");
+  if (split < 0) throw std::invalid_argument("bik: negative matmul split");
   if (packed && batch != 1) throw std::invalid_argument("bik: a packed B serves one entry");
   const Isa isa = select_isa(isa_name);
   pybind11::gil_scoped_release nogil;
-  matmul_run(isa, a, sam, sak, b, sbk, sbn, bias, c, ldc, M, N, K, num_threads, block_k, block_n,
-             b_bf16, batch, sab, sbb, scb, packed);
+  matmul_run(isa, a, sam, sak, b, sbk, sbn, bias, c, ldc, M, N, K, split, num_threads, block_k,
+             block_n, b_bf16, batch, sab, sbb, scb, packed);
 }
 
 // All of b[K, N] packed once into the matmul's panels for `isa_name` (dst: panels * K * nrw
@@ -343,7 +357,8 @@ void attention_f32(std::uintptr_t q, idx_t sq_tok, idx_t sq_head, std::uintptr_t
   // One K block and one N block per tile call (speed only): K is D or a split's keys.
   const idx_t kc = std::max(d, split);
   const idx_t nc = (std::max(d, split) + isa.nrw - 1) / isa.nrw * isa.nrw;
-  const size_t per_worker = (attn::own_floats(p) + isa.scratch_per_thread(kc, nc) + 15) / 16 * 16;
+  const size_t per_worker =
+      (attn::own_floats(p) + isa.scratch_per_thread(kc, nc, 0) + 15) / 16 * 16;
   const idx_t nt = std::max<idx_t>(1, std::min<idx_t>(
       {idx_t(num_threads), idx_t(items.size()), idx_t(macs / double(kMatmulMinMacsPerThread))}));
   float* ws = scratch_floats(per_worker * size_t(nt));
@@ -407,14 +422,15 @@ void sampling_elementwise(const std::string& fn, std::uintptr_t in, std::uintptr
 
 // c_abi.h's matmul entry: the widest ISA (resolved once), auto blocking, no exceptions.
 extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
-  if (p->M < 0 || p->N < 0 || p->K < 0 || p->batch < 0) return 1;
+  if (p->M < 0 || p->N < 0 || p->K < 0 || p->batch < 0 || p->split < 0) return 1;
   static const bik_cpu::Isa isa = bik_cpu::select_isa("auto");
   try {  // a thread that cannot start (std::system_error) must not cross the C boundary
     bik_cpu::matmul_run(isa, reinterpret_cast<std::uintptr_t>(p->a), p->sam, p->sak,
                         reinterpret_cast<std::uintptr_t>(p->b), p->sbk, p->sbn,
                         reinterpret_cast<std::uintptr_t>(p->bias),
                         reinterpret_cast<std::uintptr_t>(p->c), p->ldc, p->M, p->N, p->K,
-                        p->num_threads, 0, 0, p->b_bf16 != 0, p->batch, p->sab, p->sbb, p->scb);
+                        p->split, p->num_threads, 0, 0, p->b_bf16 != 0, p->batch, p->sab,
+                        p->sbb, p->scb);
   } catch (...) {
     return 2;
   }
@@ -429,18 +445,28 @@ PYBIND11_MODULE(_cpu_kernels, m) {
 #define BIK_CPU_SOURCE_HASH "unknown"
 #endif
   m.attr("SOURCE_HASH") = BIK_CPU_SOURCE_HASH;  // of csrc/cpu, computed by setup.py
-  m.attr("CONTRACT_VERSION") = 4;  // 2: + softmax, log_softmax, mean; 3: + sampler; 4: + attention
+  // 2: + softmax, log_softmax, mean; 3: + sampler; 4: + attention; 5: matmul K splits
+  m.attr("CONTRACT_VERSION") = 5;
   m.def("matmul_f32", &bik_cpu::matmul_f32, py::arg("a"), py::arg("sam"), py::arg("sak"),
         py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),
-        py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("num_threads"),
-        py::arg("isa") = "auto", py::arg("block_k") = 0, py::arg("block_n") = 0,
-        py::arg("b_bf16") = false, py::arg("batch") = 1, py::arg("sab") = 0, py::arg("sbb") = 0,
+        py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("split"),
+        py::arg("num_threads"), py::arg("isa") = "auto", py::arg("block_k") = 0,
+        py::arg("block_n") = 0, py::arg("b_bf16") = false, py::arg("batch") = 1, py::arg("sab") = 0, py::arg("sbb") = 0,
         py::arg("scb") = 0, py::arg("packed") = 0,
         "c[M,N] (row pitch ldc) = a[M,K] @ b[K,N] (+ bias[N]); raw pointers, element strides.\n"
+        "split: the K-split length S of contract.h (0 or >= K: one split).\n"
         "isa/block_k/block_n (0 = auto) change speed only, never bits (tests check this).\n"
         "b_bf16: b holds bf16 bit patterns, widened exactly to fp32 while packing.\n"
         "batch entries e < batch: a + e*sab, b + e*sbb, c + e*scb (elements; b's in its dtype).\n"
         "packed: b as matmul_pack_b wrote it for the same isa (b unread; batch 1), same bits.");
+  m.def(
+      "matmul_split_len",
+      [](std::int64_t K, std::array<std::int64_t, 5> r) {
+        const BikMatmulSplitRule rule{r[0], r[1], r[2], r[3], r[4]};
+        return bik_matmul_split_len(K, &rule);
+      },
+      py::arg("K"), py::arg("rule"),
+      "c_abi.h's split rule (what the dispatcher kernels use) for the constants `rule`.");
   m.def("matmul_pack_b", &bik_cpu::matmul_pack_b, py::arg("b"), py::arg("sbk"), py::arg("sbn"),
         py::arg("K"), py::arg("N"), py::arg("b_bf16"), py::arg("isa"), py::arg("dst"),
         "dst[p][k][nrw] = b[k, p*nrw + j] (0 past N): all of b[K, N] in the matmul's panels.");

@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#define BIK_C_ABI_VERSION 1
+#define BIK_C_ABI_VERSION 2  // 2: + split
 
 #ifdef __cplusplus
 extern "C" {
@@ -15,7 +15,8 @@ extern "C" {
 // c[e][M, N] (row pitch ldc) = a[e][M, K] @ b[e][K, N] (+ bias[N]) for e < batch, element
 // strides; entry e starts at a + e*sab, b + e*sbb, c + e*scb. a, c, bias: fp32; b: fp32, or
 // bf16 bit patterns when b_bf16 (widened exactly while packing). The fixed order of
-// contract.h; bits do not depend on num_threads.
+// contract.h with K-split length `split` (0 or >= K: one split); bits do not depend on
+// num_threads.
 typedef struct {
   const void* a;
   int64_t sam, sak;
@@ -25,8 +26,23 @@ typedef struct {
   float* c;
   int64_t ldc, M, N, K;
   int64_t batch, sab, sbb, scb;
+  int64_t split;
   int32_t num_threads, b_bf16;
 } BikMatmulF32Args;
+
+// The K-split rule of bik.configs.matmul_split, for C++ callers that pick a split themselves
+// (the dispatcher kernels). Python hands over the live constants; tests check that this and
+// matmul_split agree for every K up to tens of thousands. none != 0: one split (no split-K).
+typedef struct {
+  int64_t tp_max, group_align, split, one_split_max_k, none;
+} BikMatmulSplitRule;
+
+static inline int64_t bik_matmul_split_len(int64_t K, const BikMatmulSplitRule* r) {
+  const int64_t one = K > 1 ? K : 1;
+  if (r->none) return one;
+  if (K > 0 && K % (r->tp_max * r->group_align) == 0) return K / r->tp_max;
+  return K <= r->one_split_max_k ? one : r->split;
+}
 
 // 0 on success; 1: sizes refused (negative); 2: the kernel failed (a thread could not start).
 // Never throws, takes no GIL.

@@ -6,17 +6,22 @@
 // count or split, on the N/M tails, on K blocking or on the SIMD width the CPU dispatches to, so
 // the bits are the same whatever the batch. That is batch invariance by construction.
 //
-// matmul (fp32 in, fp32 out), c[m,n] for a[M,K], b[K,N], optional bias[N]:
-//     acc = 0.0f
-//     for k = 0, 1, ..., K-1 (ascending):  acc = acc + a[m,k] * b[k,n]
+// matmul (fp32 in, fp32 out), c[m,n] for a[M,K], b[K,N], optional bias[N], split length S
+// (bik.configs.matmul_split: from K, never M; S >= K is one split):
+//     for each split s = [s*S, min((s+1)*S, K)) in ascending order (at least one):
+//         p = 0.0f;  for k in the split, ascending:  p = p + a[m,k] * b[k,n]
 //         (the multiply is rounded to fp32, then the add is rounded: no FMA, no reassociation)
-//     c[m,n] = acc + bias[n]    if bias is given (so K == 0 gives 0.0f + bias[n])
-//     c[m,n] = acc              otherwise
+//         t = p if s == 0, else t = t + p
+//     c[m,n] = t + bias[n]    if bias is given (so K == 0 gives 0.0f + bias[n])
+//     c[m,n] = t              otherwise
+//   (bik's K-split contract cuts K into G groups, then splits; its table keeps each group one
+//   split when G > 1, so the two-level fold is this flat one.)
 //   How: SIMD lanes run across N (each lane is one column n, so each lane's ops are exactly the
 //   sequence above); a register block of R <= MR rows x NRV vectors of N; B is packed into
 //   zero-padded [kc x NRW] panels so N tails run the same vector code; M tails instantiate the
 //   same template with fewer rows; K blocking stores acc to c (fp32, exact) and reloads it,
-//   which keeps the order. Threads split N panels and/or M rows, never K.
+//   which keeps the order; K blocks never cross a split, and a split after the first is summed
+//   in scratch and then added to c. Threads split N panels and/or M rows, never K.
 //
 // rms_norm (fp32 in, fp32 out), per row x[0..H-1], weight w[H], eps rounded to fp32 first:
 //     s[l] = 0.0f for l = 0..15;  for j ascending: s[j % 16] = s[j % 16] + x[j] * x[j]
@@ -151,6 +156,8 @@ inline float* scratch_floats(size_t count) {
 // Thread-count policy: below these sizes one thread does the work (no spawn), because starting
 // a thread (~20-50 us) would cost more than it saves. Never affects bits.
 constexpr idx_t kMatmulMinMacsPerThread = idx_t(1) << 18;
+// Rows a matmul tile call takes at once when K has several splits (bounds the partial's scratch).
+constexpr idx_t kSplitRows = 256;
 constexpr idx_t kRmsMinElemsPerThread = idx_t(1) << 18;
 
 }  // namespace bik_cpu

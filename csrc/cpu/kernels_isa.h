@@ -220,54 +220,92 @@ static inline void micro_rows(int rows, std::integer_sequence<int, R...>, const 
          ...);
 }
 
-// Scratch floats one thread needs for K block kcb and N block ncb (a multiple of NRW).
-static size_t matmul_scratch_per_thread(idx_t kcb, idx_t ncb) {
-  return ((size_t(kcb) * size_t(ncb) + 15) & ~size_t(15)) + size_t(MC) * size_t(kcb) + 16;
+// Scratch floats one thread needs for K block kcb and N block ncb (a multiple of NRW), plus
+// part_rows x ncb for the partial of a split after the first (0 when K is one split).
+static size_t matmul_scratch_per_thread(idx_t kcb, idx_t ncb, idx_t part_rows) {
+  return ((size_t(kcb) * size_t(ncb) + 15) & ~size_t(15)) + size_t(MC) * size_t(kcb) + 16 +
+         size_t(part_rows) * size_t(ncb);
 }
 
-// One thread's share: rows [m0, m1), columns [n0, n1). K is never split. `packed`, when not
-// null, is all of B packed once by pack_b (dst[p][k][NRW] for k in [0, K), every panel p of N):
-// its panel rows are the ones pack_b would write for each block, read in place, so the micro
-// kernel sees the same values in the same order (same bits) without packing on every call.
+// part[rows x cols] (pitch ldp) folded into c (pitch ldc): c = c + part, each add rounded (the
+// split fold of contract.h); then + bias[col] when bias is given (the epilogue of a split K).
+static void fold_part(float* c, idx_t ldc, const float* part, idx_t ldp, idx_t rows, idx_t cols,
+                      const float* bias) {
+  for (idx_t r = 0; r < rows; ++r) {
+    float* cr = c + r * ldc;
+    if (part) {
+      const float* pr = part + r * ldp;
+      for (idx_t j = 0; j < cols; ++j) cr[j] = cr[j] + pr[j];
+    }
+    if (bias)
+      for (idx_t j = 0; j < cols; ++j) cr[j] = cr[j] + bias[j];
+  }
+}
+
+// One thread's share: rows [m0, m1), columns [n0, n1). Threads never split K; the K splits of
+// contract.h ([s*split, (s+1)*split) clamped to K; split <= 0 or >= K: one split) run one after
+// another: the first into c, each later one from zero into scratch `part`, then folded into c.
+// K blocks never cross a split, and store/reload the fp32 acc in order. `part` holds
+// (m1 - m0) x NC floats when there are several splits (matmul_run bounds m1 - m0).
+// `packed`, when not null, is all of B packed once by pack_b (dst[p][k][NRW] for k in [0, K),
+// every panel p of N): its panel rows are the ones pack_b would write for each block, read in
+// place, so the micro kernel sees the same values in the same order (same bits) without
+// packing on every call.
 template <class TB>
 static void matmul_tile(const float* a, idx_t sam, idx_t sak, const TB* b, idx_t sbk,
                         idx_t sbn, const float* bias, float* c, idx_t ldc, idx_t m0, idx_t m1,
-                        idx_t n0, idx_t n1, idx_t K, idx_t KC, idx_t NC, float* scratch,
-                        const float* packed) {
+                        idx_t n0, idx_t n1, idx_t K, idx_t split, idx_t KC, idx_t NC,
+                        float* scratch, const float* packed) {
   float* bufb = scratch;
   float* bufa = scratch + ((size_t(KC) * size_t(NC) + 15) & ~size_t(15));
+  float* part = bufa + size_t(MC) * size_t(KC) + 16;
+  if (split <= 0 || split >= K) split = K;
+  const bool one_split = split == K;
   for (idx_t jc = n0; jc < n1; jc += NC) {
     const idx_t nc = n1 - jc < NC ? n1 - jc : NC;
-    idx_t pc = 0;
-    do {  // at least once, so K == 0 still writes 0.0f (+ bias)
-      const idx_t kc = K - pc < KC ? K - pc : KC;
-      const bool first = pc == 0;
-      const bool last = pc + kc >= K;
-      // Panel jr / NRW of this block starts at pb + (jr / NRW) * panel_stride.
-      const float* pb = bufb;
-      idx_t panel_stride = kc * NRW;
-      if (packed) {
-        pb = packed + (jc / NRW) * K * NRW + pc * NRW;  // jc is a multiple of NRW
-        panel_stride = K * NRW;
-      } else {
-        pack_b(b, sbk, sbn, pc, kc, jc, nc, bufb);
-      }
-      for (idx_t ic = m0; ic < m1; ic += MC) {
-        const idx_t mc = m1 - ic < MC ? m1 - ic : MC;
-        pack_a(a, sam, sak, ic, mc, pc, kc, bufa);
-        for (idx_t ir = 0; ir < mc; ir += MR) {
-          const int rows = int(mc - ir < MR ? mc - ir : MR);
-          for (idx_t jr = 0; jr < nc; jr += NRW) {
-            const idx_t cols = nc - jr < NRW ? nc - jr : NRW;
-            const float* bb = (last && bias) ? bias + jc + jr : nullptr;
-            float* cc = c + (ic + ir) * ldc + jc + jr;
-            micro_rows(rows, std::make_integer_sequence<int, MR>{}, bufa + ir * kc,
-                       pb + (jr / NRW) * panel_stride, kc, cc, ldc, cols, first, bb);
+    idx_t lo = 0;
+    do {  // each split at least once, so K == 0 still writes 0.0f (+ bias)
+      const idx_t hi = K - lo < split ? K : lo + split;
+      // The first split accumulates in c itself, later ones in part (rows from m0, pitch NC).
+      const bool in_c = lo == 0;
+      const idx_t ldd = in_c ? ldc : NC;
+      idx_t pc = lo;
+      do {
+        const idx_t kc = hi - pc < KC ? hi - pc : KC;
+        const bool first = pc == lo;
+        const bool last = pc + kc >= hi;
+        // Panel jr / NRW of this block starts at pb + (jr / NRW) * panel_stride.
+        const float* pb = bufb;
+        idx_t panel_stride = kc * NRW;
+        if (packed) {
+          pb = packed + (jc / NRW) * K * NRW + pc * NRW;  // jc is a multiple of NRW
+          panel_stride = K * NRW;
+        } else {
+          pack_b(b, sbk, sbn, pc, kc, jc, nc, bufb);
+        }
+        for (idx_t ic = m0; ic < m1; ic += MC) {
+          const idx_t mc = m1 - ic < MC ? m1 - ic : MC;
+          pack_a(a, sam, sak, ic, mc, pc, kc, bufa);
+          for (idx_t ir = 0; ir < mc; ir += MR) {
+            const int rows = int(mc - ir < MR ? mc - ir : MR);
+            for (idx_t jr = 0; jr < nc; jr += NRW) {
+              const idx_t cols = nc - jr < NRW ? nc - jr : NRW;
+              // One split: the bias rides in the last K block's registers (same rounding).
+              const float* bb = (one_split && last && bias) ? bias + jc + jr : nullptr;
+              float* cc = in_c ? c + (ic + ir) * ldc + jc + jr
+                               : part + (ic + ir - m0) * NC + jr;
+              micro_rows(rows, std::make_integer_sequence<int, MR>{}, bufa + ir * kc,
+                         pb + (jr / NRW) * panel_stride, kc, cc, ldd, cols, first, bb);
+            }
           }
         }
-      }
-      pc += kc;
-    } while (pc < K);
+        pc += kc;
+      } while (pc < hi);
+      const float* tail_bias = (!one_split && hi >= K && bias) ? bias + jc : nullptr;
+      if (!in_c || tail_bias)
+        fold_part(c + m0 * ldc + jc, ldc, in_c ? nullptr : part, NC, m1 - m0, nc, tail_bias);
+      lo = hi;
+    } while (lo < K);
   }
 }
 

@@ -15,13 +15,35 @@ import torch
 
 from bik._dtypes import info
 
-__all__ = ["CUDA_ATTENTION_HEAD_DIMS", "CUDA_DEFINES", "SAMPLER_GREEDY_BELOW",
-           "TRITON_ATTENTION_HEAD_DIMS",
-           "AttentionConfig", "CudaAttentionConfig", "CudaMatmulConfig", "MatmulConfig",
-           "RMSNormConfig", "ReductionConfig", "SamplingConfig", "arch_family", "attention_config",
-           "cuda_attention_config", "cuda_matmul_config", "cuda_options",
-           "cuda_sm90a_matmul_enabled", "matmul_config", "reduction_config", "rms_norm_config",
-           "sampling_config"]
+__all__ = [
+    "CUDA_ATTENTION_HEAD_DIMS",
+    "CUDA_DEFINES",
+    "MATMUL_SPLIT_ENV",
+    "MATMUL_TP_MAX",
+    "SAMPLER_GREEDY_BELOW",
+    "TRITON_ATTENTION_HEAD_DIMS",
+    "AttentionConfig",
+    "CudaAttentionConfig",
+    "CudaMatmulConfig",
+    "MatmulConfig",
+    "MatmulSplit",
+    "RMSNormConfig",
+    "ReductionConfig",
+    "SamplingConfig",
+    "arch_family",
+    "attention_config",
+    "cuda_attention_config",
+    "cuda_matmul_config",
+    "cuda_options",
+    "cuda_sm90a_matmul_enabled",
+    "matmul_config",
+    "matmul_split",
+    "matmul_split_mode",
+    "matmul_split_rule",
+    "reduction_config",
+    "rms_norm_config",
+    "sampling_config",
+]
 
 
 @dataclass(frozen=True)
@@ -110,6 +132,73 @@ def matmul_config(dtype: torch.dtype, n: int, k: int, arch: str) -> MatmulConfig
     )
 
 
+# ---- The K-split contract of every matmul backend (docs/design.md, "The matmul K-split") ----
+# For output element (m, n) of a [M, K] @ b [K, N] (+ bias [N]):
+#   K is cut into G equal groups; each group into splits of S elements from the group's start,
+#   the last one ragged. Split partial p = 0; p = p + a*b over the split's k ascending (the
+#   in-split order is the backend's: each op rounded on the CPU and CUDA-SIMT fp32, the tile's
+#   dot instruction for 16-bit inputs on a GPU). Inside a group: t = p_0; t = t + p_j ascending.
+#   Then T = t_0; T = T + t_g ascending; then + bias (fp32); one rounding to the output dtype.
+# G and S come from (dtype, K, N of the whole layer) through these constants, never from M,
+# never from a shard's N, never from the arch: so one rank of a row-parallel layer (whole
+# groups) and CPU vs CUDA fp32 (every K) can give the same bits.
+MATMUL_TP_MAX = 8  # G when K allows it: the most ranks a row-parallel layer can be cut over
+MATMUL_GROUP_ALIGN = 64  # a group's length is a multiple of this (every table's BLOCK_K divides it)
+MATMUL_SPLIT = 1024  # S of an ungrouped K longer than MATMUL_ONE_SPLIT_MAX_K
+MATMUL_ONE_SPLIT_MAX_K = 2048  # an ungrouped K up to this long is one split
+# "none": the pure data-parallel contract (G = 1, one split of all of K: no split-K at all).
+MATMUL_SPLIT_ENV = "BIK_MATMUL_SPLIT"
+_MATMUL_SPLIT_MODES = ("fixed", "none")
+
+
+@dataclass(frozen=True)
+class MatmulSplit:
+    groups: int  # G: equal groups of K, the unit a row-parallel layer is sharded by
+    split: int  # S: split length from each group's start (>= the group: one split per group)
+
+    def group_len(self, k: int) -> int:
+        return k // self.groups
+
+    def n_splits(self, k: int) -> int:
+        """Splits in all of K (at least one, so K == 0 still writes 0 (+ bias))."""
+        return max(1, self.groups * -(-self.group_len(k) // self.split))
+
+
+def matmul_split_mode() -> str:
+    """``fixed`` (the K-split contract, default) or ``none`` (``BIK_MATMUL_SPLIT=none``)."""
+    mode = os.environ.get(MATMUL_SPLIT_ENV, "") or "fixed"
+    if mode not in _MATMUL_SPLIT_MODES:
+        raise ValueError(f"bik: {MATMUL_SPLIT_ENV}={mode!r}; expected one of "
+                         f"{', '.join(_MATMUL_SPLIT_MODES)}")
+    return mode
+
+
+def matmul_split_rule() -> tuple[int, int, int, int, int]:
+    """matmul_split's constants for C++ callers (csrc/cpu/c_abi.h BikMatmulSplitRule order)."""
+    return (MATMUL_TP_MAX, MATMUL_GROUP_ALIGN, MATMUL_SPLIT, MATMUL_ONE_SPLIT_MAX_K,
+            int(matmul_split_mode() == "none"))
+
+
+def matmul_split(dtype: torch.dtype, n: int, k: int) -> MatmulSplit:
+    """G and S for the whole problem (dtype, N of the whole layer, K). M is deliberately absent,
+    and so is the arch.
+
+    G = MATMUL_TP_MAX when K is a multiple of MATMUL_TP_MAX * MATMUL_GROUP_ALIGN, else 1 (such
+    a layer cannot be row-sharded). With G > 1 each group is one split (S = K / G), so the
+    two-level fold is a flat ascending fold over the splits, which every kernel implements;
+    with G = 1, K up to MATMUL_ONE_SPLIT_MAX_K is one split and longer K splits by MATMUL_SPLIT.
+    """
+    del dtype, n  # part of the key: a future table may use them (the whole layer's N, never a
+    # shard's), never M
+    if k < 0:
+        raise ValueError(f"bik: matmul K must be >= 0, got {k}")
+    if matmul_split_mode() == "none":
+        return MatmulSplit(1, max(k, 1))
+    if k > 0 and k % (MATMUL_TP_MAX * MATMUL_GROUP_ALIGN) == 0:
+        return MatmulSplit(MATMUL_TP_MAX, k // MATMUL_TP_MAX)
+    return MatmulSplit(1, max(k, 1) if k <= MATMUL_ONE_SPLIT_MAX_K else MATMUL_SPLIT)
+
+
 def rms_norm_config(dtype: torch.dtype, hidden: int, arch: str) -> RMSNormConfig:
     """The one reduction tiling for this (dtype, hidden, arch). M is deliberately absent."""
     del dtype  # every dtype is reduced in fp32 with the same tiling
@@ -132,6 +221,9 @@ def config_table() -> dict:
     return {
         "matmul": {arch: {dt: vars(c) for dt, c in row.items()}
                    for arch, row in _MATMUL_BASE.items()},
+        "matmul_split": {"mode": matmul_split_mode(), "tp_max": MATMUL_TP_MAX,
+                         "group_align": MATMUL_GROUP_ALIGN, "split": MATMUL_SPLIT,
+                         "one_split_max_k": MATMUL_ONE_SPLIT_MAX_K},
         "rms_norm_max_block": dict(_RMS_NORM_MAX_BLOCK),
         "reduction_max_block": dict(_REDUCTION_MAX_BLOCK),
         "attention": {arch: {dt: vars(c) for dt, c in row.items()}
@@ -217,7 +309,7 @@ class CudaMatmulConfig:
     block_n: int
     block_k: int
     threads: int
-    split_k: int  # K elements per split (a multiple of block_k): ceil(K / split_k) splits
+    split_k: int  # K elements per split (matmul_split): ceil(K / split_k) splits
     source: str = "matmul"  # csrc/cuda/<source>.cu holds ``kernel``
 
 
@@ -261,10 +353,6 @@ _CUDA_MATMUL_TILE = {  # (kernel, block_m, block_n, block_k, threads) per dtype
     "fp16": _mm_tile("bik_matmul_f16", "TC"),
     "fp32": _mm_tile("bik_matmul_f32", "F32"),
 }
-# K-split: problems with K above SPLIT_MIN_K are cut into splits of SPLIT_K; smaller ones are
-# one split. Both numbers are constants per arch family, so the splits follow K alone.
-_CUDA_SPLIT_K = {"sm90": 1024, "sm80": 1024}
-_CUDA_SPLIT_MIN_K = {"sm90": 2048, "sm80": 2048}
 _CUDA_ATTENTION_SPLIT = {"sm90": 256, "sm80": 256}
 # The opt-in sm_90a path (csrc/cuda/matmul_sm90.cu: wgmma, one warpgroup per 64 x 128 tile),
 # for 16-bit inputs on compute capability 9.0 only, and only with BIK_CUDA_SM90A=1. Untested
@@ -287,20 +375,16 @@ TRITON_ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def cuda_matmul_config(dtype: torch.dtype, n: int, k: int, arch: str) -> CudaMatmulConfig:
-    """The CUDA kernel and K-split for this (dtype, N, K, arch). M is deliberately absent."""
-    del n  # one tile per dtype; N is part of the key for future per-shape tiles
-    family = arch_family(arch)
+    """The CUDA kernel and K-split for this (dtype, N, K, arch). M is deliberately absent; the
+    split is :func:`matmul_split`'s, the same on every arch and backend."""
+    arch_family(arch)  # refuses an unknown arch
     key = info(dtype).short
     source = "matmul"
     kernel, bm, bn, bk, threads = _CUDA_MATMUL_TILE[key]
     if arch == "sm90" and key in _CUDA_MATMUL_TILE_SM90A and cuda_sm90a_matmul_enabled():
         source = "matmul_sm90"
         kernel, bm, bn, bk, threads = _CUDA_MATMUL_TILE_SM90A[key]
-    if k > _CUDA_SPLIT_MIN_K[family]:
-        split = _CUDA_SPLIT_K[family]
-    else:
-        split = max(bk, -(-k // bk) * bk)  # one split covering all of K
-    return CudaMatmulConfig(kernel, bm, bn, bk, threads, split, source)
+    return CudaMatmulConfig(kernel, bm, bn, bk, threads, matmul_split(dtype, n, k).split, source)
 
 
 def cuda_attention_config(dtype: torch.dtype, head_dim: int, gqa: int,
@@ -318,7 +402,6 @@ def cuda_config_table() -> dict:
     """Plain-data view of the CUDA tables (part of :func:`config_table`)."""
     return {"matmul_tile": {dt: list(t) for dt, t in _CUDA_MATMUL_TILE.items()},
             "defines": CUDA_DEFINES,
-            "split_k": dict(_CUDA_SPLIT_K), "split_min_k": dict(_CUDA_SPLIT_MIN_K),
             "attention_split": dict(_CUDA_ATTENTION_SPLIT),
             "attention_head_dims": list(CUDA_ATTENTION_HEAD_DIMS),
             "sm90a_matmul": {"enabled": cuda_sm90a_matmul_enabled(),

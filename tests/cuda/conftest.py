@@ -52,7 +52,11 @@ def host(host_lib, monkeypatch):
     monkeypatch.setattr(cuda_jit, "get_kernel", lambda name, kernel, device, options=(): kernel)
     for mod in (cuda_matmul, cuda_attention):
         monkeypatch.setattr(mod, "device_arch", lambda device: "sm90")
-    monkeypatch.setattr(configs, "_CUDA_SPLIT_K", {"sm90": 64, "sm80": 64})
-    monkeypatch.setattr(configs, "_CUDA_SPLIT_MIN_K", {"sm90": 64, "sm80": 64})
+    # Small K-split constants (every backend's: the CPU one follows them too), so test-sized K
+    # meets groups (K a multiple of 4 x 16) and splits of 64.
+    monkeypatch.setattr(configs, "MATMUL_TP_MAX", 4)
+    monkeypatch.setattr(configs, "MATMUL_GROUP_ALIGN", 16)
+    monkeypatch.setattr(configs, "MATMUL_SPLIT", 64)
+    monkeypatch.setattr(configs, "MATMUL_ONE_SPLIT_MAX_K", 64)
     monkeypatch.setattr(configs, "_CUDA_ATTENTION_SPLIT", {"sm90": 32, "sm80": 32})
     return launches

@@ -27,6 +27,7 @@ import torch
 from bik import configs
 from bik.ops.attention import cuda as cuda_attention
 from bik.ops.matmul import cuda as cuda_matmul
+from bik.ops.matmul.reference import matmul_contract_reference
 from bik.testing.attention import make_request, pack_paged
 from bik.testing.harness import rows_alone_vs_batched, same_bits
 from bik.testing.suites import bmm_suite, matmul_suite
@@ -52,38 +53,25 @@ def test_bmm_suite_on_the_real_kernel(host):
                                ms=(1, 2, 5, 17), n=20, k=100, batch=3))
 
 
-def _contract(a, b, bias, split):
-    total = None
-    for lo in range(0, max(a.shape[1], 1), split):
-        acc = torch.zeros(a.shape[0], b.shape[1])
-        for kk in range(lo, min(lo + split, a.shape[1])):
-            acc = acc + a[:, kk:kk + 1] * b[kk:kk + 1, :]
-        total = acc if total is None else total + acc
-    return total if bias is None else total + bias
-
-
-@pytest.mark.parametrize("k", [0, 1, 64, 65, 300])
-def test_matmul_is_the_literal_split_contract(host, monkeypatch, k):
+@pytest.mark.parametrize("k", [0, 1, 64, 65, 128, 300, 320])
+def test_matmul_is_the_literal_contract_and_the_cpu_backend(host, monkeypatch, k):
+    """The SIMT fp32 kernel at every K (one split; G = 4 groups at K = 64, 128, 320; splits of
+    64 at 65, 300) in both launch modes: the literal contract and the CPU backend, bit for
+    bit, for strided operands too."""
     gen = torch.Generator().manual_seed(k)
     a, w = torch.randn(21, k, generator=gen), torch.randn(37, k, generator=gen)
     bias = torch.randn(37, generator=gen)
-    split = configs.cuda_matmul_config(torch.float32, 37, k, "sm90").split_k
-    expected = _contract(a, w.t(), bias, split)
+    plan = configs.matmul_split(torch.float32, 37, k)
+    assert configs.cuda_matmul_config(torch.float32, 37, k, "sm90").split_k == plan.split
+    expected = matmul_contract_reference(a, w.t(), bias, plan)
+    assert same_bits(bik.matmul(a, w.t(), bias, backend="cpu"), expected)
     for spread in (True, False):
         force(monkeypatch, cuda_matmul, "use_spread", spread)
         assert same_bits(bik.matmul(a, w.t(), bias, backend="cuda"), expected)
         assert same_bits(bik.matmul(a, w.t().contiguous(), None, backend="cuda"),
-                         _contract(a, w.t(), None, split))
-
-
-def test_matmul_one_split_equals_the_cpu_backend(host, monkeypatch):
-    monkeypatch.setattr(configs, "_CUDA_SPLIT_MIN_K", {"sm90": 2048, "sm80": 2048})
-    gen = torch.Generator().manual_seed(3)
-    a, b = torch.randn(30, 500, generator=gen), torch.randn(500, 70, generator=gen)
-    bias = torch.randn(70, generator=gen)
-    assert same_bits(bik.matmul(a, b, bias, backend="cuda"), bik.matmul(a, b, bias, backend="cpu"))
-    assert same_bits(bik.matmul(a[:, ::3], b[::3], backend="cuda"),
-                     bik.matmul(a[:, ::3], b[::3], backend="cpu"))
+                         matmul_contract_reference(a, w.t(), None, plan))
+        assert same_bits(bik.matmul(a[:, ::3], w.t()[::3], backend="cuda"),
+                         bik.matmul(a[:, ::3], w.t()[::3], backend="cpu"))
 
 
 def test_matmul_split_by_m_is_caught(host, monkeypatch):

@@ -5,11 +5,11 @@ csrc/cuda/matmul_plan.cuh and attention_plan.cuh are compiled on the host with g
 programs (grid walk, split and block loops, skips, per-element operation order, warp butterfly
 trees) from the headers' functions. These tests show, without a GPU:
 
-* matmul: the K splits depend on K alone; every output element meets the same (split, k)
-  sequence — all of K exactly once, ascending — at every M and in both launch modes; the
-  replayed fp32 kernel gives every row the bits it gets alone (M = 1 ... 130) in both modes,
-  equals the CPU backend bit for bit when K is one split, and equals a literal implementation
-  of the split contract otherwise.
+* matmul: the K splits are bik.configs.matmul_split's (K alone, every arch), i.e. the groups
+  and splits of the literal contract (bik/ops/matmul/reference.py); every output element meets
+  the same (split, k) sequence — all of K exactly once, ascending — at every M and in both
+  launch modes; the replayed fp32 kernel gives every row the bits it gets alone (M = 1 ... 130)
+  in both modes, and equals the literal contract and the CPU backend bit for bit at every K.
 * attention: the row limits, tile key ranges and splits follow absolute positions; the
   replayed kernel gives a token the same bits in one prefill, chunked prefill and decode, in
   fold and split mode, under every row packing, and is accurate against fp64.
@@ -27,6 +27,7 @@ import bik
 import pytest
 import torch
 from bik import configs
+from bik.ops.matmul.reference import matmul_contract_reference, split_ranges
 from bik.testing.harness import rows_alone_vs_batched, same_bits
 from cuda_host_build import build_shim
 
@@ -74,15 +75,22 @@ def test_config_takes_no_m_and_splits_follow_k_only(shim):
                 cfgs = {configs.cuda_matmul_config(dtype, n, k, arch) for n in (1, 77, 4096)}
                 assert len(cfgs) == 1  # N does not change the splits either (today)
                 cfg = cfgs.pop()
-                assert cfg.split_k % cfg.block_k == 0 and cfg.split_k > 0
+                plan = configs.matmul_split(dtype, 77, k)
+                assert cfg.split_k == plan.split > 0
                 n_splits = shim.mm_num_splits(k, cfg.split_k)
-                assert n_splits == max(1, math.ceil(k / cfg.split_k))
-                lo, hi, covered = I64(), I64(), []
+                assert n_splits == plan.n_splits(k) == max(1, math.ceil(k / cfg.split_k))
+                lo, hi, covered, ranges = I64(), I64(), [], []
                 for s in range(n_splits):
                     shim.mm_split_range(k, cfg.split_k, s, ctypes.byref(lo), ctypes.byref(hi))
                     assert lo.value == min(s * cfg.split_k, k) and lo.value <= hi.value
+                    assert lo.value % cfg.block_k == 0  # splits start on a K block (16 B loads)
                     covered += range(lo.value, hi.value)
+                    ranges.append((lo.value, hi.value))
                 assert covered == list(range(k))  # all of K exactly once, ascending
+                # The contract's groups, each one split or ungrouped: the flat fold is its fold.
+                groups = split_ranges(k, plan)
+                assert plan.groups == 1 or all(len(g) == 1 for g in groups)
+                assert ranges == [r for g in groups for r in g], (k, plan)
 
 
 def test_mma_fragment_coordinates_follow_the_ptx_table(shim):
@@ -171,15 +179,20 @@ def test_replayed_fp32_kernel_rows_are_batch_invariant(shim):
     assert same_bits(_emulate(shim, pool, b, bias, split, 0), _contract(pool, b, bias, split))
 
 
-@pytest.mark.parametrize("k", [0, 1, 33, 300])
-def test_replayed_fp32_kernel_with_one_split_equals_the_cpu_backend(shim, k):
+@pytest.mark.parametrize("k", [0, 1, 33, 300, 512, 2049, 3000, 4096])
+def test_replayed_fp32_kernel_is_the_contract_and_the_cpu_backend(shim, k):
+    """At every K (one split, G = 8 groups, splits of 1024) the replayed SIMT fp32 kernel is the
+    literal two-level contract and the CPU backend, bit for bit, in both launch modes."""
     gen = torch.Generator().manual_seed(k)
     a, b = torch.randn(37, k, generator=gen), torch.randn(k, 45, generator=gen)
     bias = torch.randn(45, generator=gen)
     cfg = configs.cuda_matmul_config(torch.float32, 45, k, "sm90")
-    assert shim.mm_num_splits(k, cfg.split_k) == 1
-    got = _emulate(shim, a, b, bias, cfg.split_k, 0, (cfg.block_m, cfg.block_n, cfg.block_k))
-    assert same_bits(got, bik.matmul(a, b, bias, backend="cpu"))
+    want = matmul_contract_reference(a, b, bias, configs.matmul_split(torch.float32, 45, k))
+    for spread in (0, 1):
+        got = _emulate(shim, a, b, bias, cfg.split_k, spread,
+                       (cfg.block_m, cfg.block_n, cfg.block_k))
+        assert same_bits(got, want), (k, spread)
+    assert same_bits(bik.matmul(a, b, bias, backend="cpu"), want)
 
 
 def test_split_k_changes_bits_so_the_test_can_fail(shim):

@@ -18,8 +18,9 @@ import sys
 
 import pytest
 import torch
+from bik.configs import MatmulSplit, matmul_split
 from bik.ops.matmul.cpu import matmul_f32
-from bik.ops.matmul.reference import matmul_cpu_reference
+from bik.ops.matmul.reference import matmul_contract_reference
 from bik.runtime import cpu_ext
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason=cpu_ext.unavailable_reason())
@@ -32,6 +33,13 @@ BATCHES = (2, 3, 4, 7, 8, 16, 31, 64, 127, 128, 255, 256)
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def matmul_cpu_reference(a, b, bias, split: int | None = None) -> torch.Tensor:
+    """The contract's bits for this problem's plan (or one split of ``split``)."""
+    k, n = b.shape
+    plan = matmul_split(torch.float32, n, k) if split is None else MatmulSplit(1, split)
+    return matmul_contract_reference(a, b, bias, plan)
 
 
 def mm(a, b, bias=None, **kw) -> torch.Tensor:
@@ -68,6 +76,36 @@ def test_matmul_blocking_and_odd_k_match_contract():
         for isa in ISAS:
             assert torch.equal(mm(a, b, bias, isa=isa, block_k=bk, block_n=bn), want), (bk, bn)
             assert torch.equal(mm(a, b.t().contiguous().t(), bias, isa=isa, block_k=bk), want)
+
+
+@pytest.mark.parametrize("K", [512, 1536, 2049, 3000, 4096])
+def test_matmul_k_splits_match_contract(K):
+    """K long enough to split (G = 8 groups, or splits of 1024 from 0): the kernel folds the
+    split partials exactly as the literal contract, whatever the K/N blocking (K blocks never
+    cross a split), ISA, thread count, and with rows past the per-call row chunk (256)."""
+    g = _gen(K)
+    plan = matmul_split(torch.float32, 70, K)
+    assert plan.n_splits(K) > 1
+    a, w = torch.randn(300, K, generator=g), torch.randn(70, K, generator=g)
+    bias = torch.randn(70, generator=g)
+    want = matmul_cpu_reference(a, w.t(), bias)
+    assert not torch.equal(want, matmul_cpu_reference(a, w.t(), bias, split=K))  # can fail
+    for isa in ISAS:
+        for bk, bn, threads in ((0, 0, 2), (100, 32, 1), (1000, 4096, 3)):
+            got = mm(a, w.t(), bias, isa=isa, block_k=bk, block_n=bn, num_threads=threads)
+            assert torch.equal(got, want), (isa, bk, bn, threads)
+    assert torch.equal(mm(a[:1], w.t().contiguous(), None),
+                       matmul_cpu_reference(a[:1], w.t(), None))
+
+
+@pytest.mark.parametrize("split", [1, 7, 64, 333])
+def test_matmul_explicit_split_matches_contract(split):
+    g = _gen(split)
+    a, b, bias = torch.randn(9, 700, generator=g), torch.randn(700, 45, generator=g), \
+        torch.randn(45, generator=g)
+    for isa in ISAS:
+        assert torch.equal(mm(a, b, bias, split=split, isa=isa, block_k=50),
+                           matmul_cpu_reference(a, b, bias, split=split))
 
 
 def test_matmul_empty_and_k0():
@@ -135,8 +173,8 @@ def test_batched_call_is_a_call_per_entry(bf16):
             for threads in (1, 2, 3):
                 got = torch.full((n_batch, M, N), float("nan"))
                 ext.matmul_f32(a.data_ptr(), a.stride(1), a.stride(2), b.data_ptr(),
-                               b.stride(1), b.stride(2), 0, got.data_ptr(), N, M, N, K, threads,
-                               "auto", 0, 0, bf16, n_batch, a.stride(0), b.stride(0), M * N)
+                               b.stride(1), b.stride(2), 0, got.data_ptr(), N, M, N, K, 0,
+                               threads, "auto", 0, 0, bf16, n_batch, a.stride(0), b.stride(0), M * N)
                 assert torch.equal(got, want), (n_batch, M, N, K, b.stride(), threads)
 
 
@@ -161,7 +199,7 @@ a, w = torch.randn(256, 576), torch.randn(1536, 576)
 def mm():
     out, b = torch.empty(256, 1536), w.t()
     ext.matmul_f32(a.data_ptr(), 576, 1, b.data_ptr(), b.stride(0), b.stride(1), 0,
-                   out.data_ptr(), 1536, 256, 1536, 576, 2)
+                   out.data_ptr(), 1536, 256, 1536, 576, 0, 2)
     return out.numpy().tobytes()
 want = mm()  # the parent's OpenMP pool now exists
 pid = os.fork()
@@ -270,8 +308,8 @@ def test_bf16_b_gives_the_bits_of_b_upcast_first(isa, k, n):
             want = mm(a, b.float(), bias, isa=isa, block_k=16)
             got = torch.full((m, n), float("nan"))
             ext.matmul_f32(a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0),
-                           b.stride(1), bias.data_ptr(), got.data_ptr(), n, m, n, k, 2, isa,
-                           16, 0, True)
+                           b.stride(1), bias.data_ptr(), got.data_ptr(), n, m, n, k, 0, 2,
+                           isa, 16, 0, True)
             assert torch.equal(got, want), (name, m)
 
 

@@ -4,8 +4,8 @@ The same invariance suites as the Triton backend (every row alone vs batched ove
 a probe at every position, B contiguous and as weight.t()), accuracy against fp64, and for the
 CUDA kernels the K-split contract: the same bits for every M whether the splits are spread over
 programs (decode-sized M) or computed one after another in a program (large M); fp32 equals a
-literal implementation of the split contract (bik/ops/matmul/reference.py), and the CPU backend
-when K is one split.
+literal implementation of the K-split contract (bik/ops/matmul/reference.py) and the CPU
+backend at every K.
 Budget: about a minute on an H200 (NVRTC compiles included, cached on disk afterwards).
 """
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 import bik
 import pytest
 import torch
-from bik.ops.matmul.reference import matmul_split_k_reference
+from bik.configs import matmul_split
+from bik.ops.matmul.reference import matmul_contract_reference
 from bik.testing.harness import same_bits
 from bik.testing.suites import bmm_suite, matmul_suite
 from checks import ACCURACY_RATIO, DTYPES, assert_invariant
@@ -110,9 +111,8 @@ def test_cuda_k_split_same_bits_in_both_modes_and_every_m(dtype, k, monkeypatch)
     assert same_bits(results[True], results[False]) and same_bits(results[None], results[True])
 
 
-@pytest.mark.parametrize("k", [1, 333, 2048, 3001])
+@pytest.mark.parametrize("k", [1, 333, 2048, 3001, 4096])
 def test_cuda_fp32_is_the_literal_contract(k):
-    from bik.configs import cuda_matmul_config
     from bik.runtime import cuda_jit
 
     if not cuda_jit.available():
@@ -121,11 +121,9 @@ def test_cuda_fp32_is_the_literal_contract(k):
     a, b = torch.randn(77, k, generator=gen), torch.randn(k, 130, generator=gen)
     bias = torch.randn(130, generator=gen)
     got = bik.matmul(a.cuda(), b.cuda(), bias.cuda(), backend="cuda").cpu()
-    split = cuda_matmul_config(torch.float32, 130, k, bik._arch.device_arch(
-        torch.device("cuda"))).split_k
-    assert same_bits(got, matmul_split_k_reference(a, b, bias, split))
-    if k <= split:  # one split: the CPU backend's sequence exactly
-        assert same_bits(got, bik.matmul(a, b, bias, backend="cpu"))
+    assert same_bits(got, matmul_contract_reference(a, b, bias,
+                                                    matmul_split(torch.float32, 130, k)))
+    assert same_bits(got, bik.matmul(a, b, bias, backend="cpu"))  # every K, not only one split
 
 
 def test_cuda_edge_shapes_and_dtypes():

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from bik import configs
 from bik.runtime import aten_ext, cpu_ext
 
 __all__ = ["ready"]
@@ -41,7 +42,8 @@ def _load() -> bool:
             if not aten_ext.load():
                 raise RuntimeError(aten_ext.unavailable_reason())
             entries = cpu_ext.require().c_entry_points()  # absent from an older build
-            torch.ops.bik_aten.set_cpu_kernels(entries["matmul_f32"], entries["abi_version"])
+            torch.ops.bik_aten.set_cpu_kernels(entries["matmul_f32"], entries["abi_version"],
+                                               list(configs.matmul_split_rule()))
             _register_fakes()
         except Exception as exc:  # noqa: BLE001 - any failure keeps the Python kernels
             warnings.warn(f"bik: its C++ dispatcher kernels for mm / addmm / bmm are "

@@ -17,6 +17,7 @@ from rich.table import Table
 import bik
 from bik.cli.common import print_table, progress
 from bik.cli.timing import NOISY, time_ms
+from bik.configs import matmul_split
 from bik.ops._registry import resolve_backend
 
 __all__ = ["bench_boundary", "plot", "render", "run"]
@@ -36,7 +37,8 @@ def _kernel_call(a, b, out):
     ext = cpu_ext.require()
     args = (a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1), 0,
             out.data_ptr(), out.shape[1], a.shape[0], b.shape[1], a.shape[1],
-            torch.get_num_threads(), "auto", 0, 0)
+            matmul_split(a.dtype, b.shape[1], a.shape[1]).split, torch.get_num_threads(),
+            "auto", 0, 0)
 
     def call(keep=(a, b, out)):  # the raw pointers are only valid while the tensors live
         return ext.matmul_f32(*args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from bik.configs import matmul_split
 from bik.ops._checks import require, require_cpu
 from bik.runtime import cpu_ext
 
@@ -16,6 +17,7 @@ def matmul_f32(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     *,
+    split: int | None = None,
     num_threads: int | None = None,
     isa: str = "auto",
     block_k: int = 0,
@@ -26,8 +28,10 @@ def matmul_f32(
     a, b: fp32 CPU tensors with any strides (transposed, sliced, expanded); ``b`` may be a
     ``weight.t()`` view and is read without a copy. bias: fp32 [N] contiguous or None.
     out: fp32 [M, N] contiguous, preallocated, not overlapping the inputs. Each out[m, n] is
-    the contract's sequence (acc = acc + a[m,k]*b[k,n], k ascending, no FMA, then + bias[n]),
-    so its bits do not depend on M, on m, on num_threads (default torch.get_num_threads()),
+    the contract's sequence (per K split of ``split`` elements, default
+    :func:`bik.configs.matmul_split`'s: acc = 0, acc = acc + a[m,k]*b[k,n] for k ascending,
+    no FMA; the splits folded in ascending order; then + bias[n]), so its bits do not
+    depend on M, on m, on num_threads (default torch.get_num_threads()),
     on ``isa`` (SIMD path) or on ``block_k``/``block_n`` (cache blocking, 0 = auto): those
     three knobs change speed only and exist for tests and tuning.
     """
@@ -44,31 +48,37 @@ def matmul_f32(
     if bias is not None:
         require(bias.shape == (N,) and bias.dtype == torch.float32 and bias.is_contiguous(), fn,
                 f"bias must be a contiguous fp32 [{N}]")
+    if split is None:
+        split = matmul_split(torch.float32, N, K).split
+    require(split > 0, fn, f"split must be > 0, got {split}")
     if M == 0 or N == 0:
         return
     ext.matmul_f32(
         a.data_ptr(), a.stride(0), a.stride(1),
         b.data_ptr(), b.stride(0), b.stride(1),
         0 if bias is None else bias.data_ptr(),
-        out.data_ptr(), N, M, N, K,
+        out.data_ptr(), N, M, N, K, split,
         torch.get_num_threads() if num_threads is None else num_threads,
         isa, block_k, block_n,
     )  # fmt: skip
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor, *, split: int | None = None) -> None:
     """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]), validated by the op. Upcasting
     bf16/fp16 to fp32 is exact, so the fixed fp32 order of :func:`matmul_f32` is the whole
     contract; the result is rounded once to out's dtype. A bf16 b (a weight, usually) is read
     as bf16 and widened inside the kernel's packing: the same bits as upcasting it first,
-    without writing an fp32 copy of the weight on every call."""
+    without writing an fp32 copy of the weight on every call. ``split``: the K-split length,
+    default :func:`bik.configs.matmul_split` of this problem (a shard passes its layer's)."""
+    if split is None:
+        split = matmul_split(a.dtype, b.shape[2], a.shape[2]).split
     bias32 = None if bias is None else bias.float().contiguous()
     if b.dtype not in _PACKED_B or a.dtype != b.dtype:
         b = b.float()  # fp16 or mixed operands: B upcast first (exact)
     out32 = out if out.dtype == torch.float32 and out.is_contiguous() else \
         torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    _launch_f32(a.float(), b, bias32, out32)  # a: the rows, small next to a weight
+    _launch_f32(a.float(), b, bias32, out32, split)  # a: the rows, small next to a weight
     if out32 is not out:
         out.copy_(out32)
 
@@ -76,7 +86,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 _PACKED_B = {torch.float32: False, torch.bfloat16: True}  # b dtype -> the kernel's b_bf16
 
 
-def _launch_f32(a, b, bias32, out) -> None:
+def _launch_f32(a, b, bias32, out, split: int) -> None:
     """fp32 a and out, fp32 or bf16 b, every batch entry in one kernel call: the kernel takes
     pointers and element strides per entry (attention's bmm is dozens of tiny products; a
     call, or a view, per entry cost more than the product)."""
@@ -87,5 +97,5 @@ def _launch_f32(a, b, bias32, out) -> None:
     (sa0, sa1, sa2), (sb0, sb1, sb2) = a.stride(), b.stride()
     pbias = 0 if bias32 is None else bias32.data_ptr()
     cpu_ext.require().matmul_f32(
-        a.data_ptr(), sa1, sa2, b.data_ptr(), sb1, sb2, pbias, out.data_ptr(), n, m, n, k,
+        a.data_ptr(), sa1, sa2, b.data_ptr(), sb1, sb2, pbias, out.data_ptr(), n, m, n, k, split,
         torch.get_num_threads(), "auto", 0, 0, _PACKED_B[b.dtype], n_batch, sa0, sb0, m * n)

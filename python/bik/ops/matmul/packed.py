@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from bik.configs import matmul_split
 from bik.ops._checks import check_float_dtype, check_tensor
 from bik.ops._registry import resolve_backend
 from bik.runtime import cpu_ext
@@ -81,5 +82,6 @@ class PackedWeight:
             cpu_ext.require().matmul_f32(
                 a.data_ptr(), a.stride(0), a.stride(1), 0, 0, 0,
                 0 if b32 is None else b32.data_ptr(), out.data_ptr(), n, rows, n, k,
-                torch.get_num_threads(), self._isa, packed=self._panels.data_ptr())
+                matmul_split(self.dtype, n, k).split, torch.get_num_threads(), self._isa,
+                packed=self._panels.data_ptr())
         return out.to(x.dtype).reshape(*x.shape[:-1], n)

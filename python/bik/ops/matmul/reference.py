@@ -1,45 +1,54 @@
-"""The matmul contracts written literally in torch (the spec; imported by tests only).
+"""bik's matmul K-split contract written literally in torch (the spec; imported by tests only).
 
-:func:`matmul_cpu_reference` is the CPU backend's contract (csrc/cpu/contract.h): for each
-output c[m, n], ``acc = 0; acc = acc + a[m, k] * b[k, n]`` for k ascending, every multiply and
-every add rounded to fp32 (no FMA, no reassociation), then ``+ bias[n]`` if a bias is given (so
-K == 0 gives ``0.0f + bias[n]``). bik/ops/matmul/cpu.py must give its bits exactly.
+For each output c[m, n] of a [M, K] @ b [K, N] (+ bias [N]) with plan (G, S) from
+:func:`bik.configs.matmul_split` (docs/design.md, "The matmul K-split"):
 
-:func:`matmul_split_k_reference` is the CUDA backend's fp32 contract (csrc/cuda/matmul.cu): K
-is cut into splits of ``split`` (from bik.configs.cuda_matmul_config); each split runs the
-sequence above from a fresh acc = 0, the splits' partial sums are folded in ascending order,
-then the bias is added. With K <= split it is the CPU contract.
+* K is cut into G equal groups of K / G; each group into splits of S elements from the
+  group's start, the last one ragged;
+* split j of group g: ``p = 0; p = p + a[m, k] * b[k, n]`` for its k ascending, every multiply
+  and every add rounded to fp32 (no FMA, no reassociation);
+* inside a group: ``t = p_0; t = t + p_j`` for j ascending;
+* across groups: ``T = t_0; T = T + t_g`` for g ascending; then ``T + bias[n]`` (so K == 0
+  gives ``0.0f + bias[n]``).
 
-Both are built from fp32 elementwise torch ops, which are correctly rounded and never fused, so
-they give the contract's bits on any device; they are slow (one torch op per K step).
+This is the CPU backend's fp32 sequence (csrc/cpu/contract.h) and the CUDA backend's SIMT fp32
+one (csrc/cuda/matmul.cu), bit for bit; 16-bit GPU kernels keep the same splits and folds with
+their dot instruction inside a split. Built from fp32 elementwise torch ops, which are
+correctly rounded and never fused, so it gives the contract's bits on any device; it is slow
+(one torch op per K step).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["matmul_cpu_reference", "matmul_split_k_reference"]
+from bik.configs import MatmulSplit
+
+__all__ = ["matmul_contract_reference", "split_ranges"]
 
 
-def matmul_cpu_reference(a: torch.Tensor, b: torch.Tensor,
-                         bias: torch.Tensor | None) -> torch.Tensor:
-    """a [M, K] @ b [K, N] (+ bias [N]), fp32, by the CPU contract: k ascending, each op
-    rounded."""
-    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
-    for k in range(a.shape[1]):
-        acc = acc + a[:, k : k + 1] * b[k : k + 1, :]
-    return acc if bias is None else acc + bias
+def split_ranges(k: int, plan: MatmulSplit) -> list[list[tuple[int, int]]]:
+    """[group][split] -> (lo, hi) of the K range it sums; every group holds at least one split
+    (so K == 0 is one empty split)."""
+    if plan.groups < 1 or plan.split < 1 or k % plan.groups:
+        raise ValueError(f"bik: K = {k} does not cut into {plan.groups} groups of splits of "
+                         f"{plan.split}")
+    glen = k // plan.groups
+    return [[(g * glen + lo, g * glen + min(lo + plan.split, glen))
+             for lo in range(0, max(glen, 1), plan.split)] for g in range(plan.groups)]
 
 
-def matmul_split_k_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor,
-                             split: int) -> torch.Tensor:
-    """a [M, K] @ b [K, N] + bias [N], fp32, by the CUDA contract: per split of ``split`` K
-    steps, acc = 0 then acc = acc + a[:, k] * b[k] for k ascending; the splits folded in
-    order; + bias."""
+def matmul_contract_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                              plan: MatmulSplit) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N]) in fp32 by the K-split contract with ``plan``."""
+    a, b = a.float(), b.float()
     total = None
-    for lo in range(0, max(a.shape[1], 1), split):
-        acc = torch.zeros(a.shape[0], b.shape[1], device=a.device)
-        for kk in range(lo, min(lo + split, a.shape[1])):
-            acc = acc + a[:, kk:kk + 1] * b[kk:kk + 1, :]
-        total = acc if total is None else total + acc
-    return total + bias
+    for group in split_ranges(a.shape[1], plan):
+        group_total = None
+        for lo, hi in group:
+            p = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+            for kk in range(lo, hi):
+                p = p + a[:, kk:kk + 1] * b[kk:kk + 1, :]
+            group_total = p if group_total is None else group_total + p
+        total = group_total if total is None else total + group_total
+    return total if bias is None else total + bias.float()
