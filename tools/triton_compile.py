@@ -47,6 +47,8 @@ class CompileRecord(NamedTuple):
     local: int  # bytes of local memory per thread (cuobjdump)
     spill_stores: int
     spill_loads: int
+    mma: tuple[str, ...] = ()  # the distinct tensor-core instructions in the PTX
+
 
     @property
     def fits(self) -> bool:
@@ -133,4 +135,11 @@ def compile_kernel(kernel, args: dict, constexprs: dict, *, arch: int, num_warps
     config = {k: v for k, v in constexprs.items()} | {"num_warps": num_warps,
                                                       "num_stages": num_stages}
     return CompileRecord(kernel.__name__, arch, config, compiled.metadata.shared,
-                         SHARED_LIMIT[arch], regs, stack, local, spill_st, spill_ld)
+                         SHARED_LIMIT[arch], regs, stack, local, spill_st, spill_ld,
+                         mma_instructions(compiled.asm["ptx"]))
+
+
+def mma_instructions(ptx: str) -> tuple[str, ...]:
+    """The distinct MMA opcodes (wgmma on sm_90, mma.sync before) with their shapes and types:
+    what decides how a tile's products are summed inside one K step."""
+    return tuple(sorted(set(re.findall(r"\b(wgmma\.mma_async[\w.]*|mma\.sync[\w.]*)", ptx))))

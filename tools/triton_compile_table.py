@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from bik.configs import matmul_config, rms_norm_config
+from bik.configs import matmul_config, matmul_split, rms_norm_config
 from triton_compile import CompileRecord, Ptr, compile_kernel
 
 __all__ = ["ARCHS", "ATTENTION_HEADS", "MATMUL_SHAPES", "REDUCTION_LENGTHS", "RMS_NORM_HIDDENS",
@@ -17,9 +17,10 @@ __all__ = ["ARCHS", "ATTENTION_HEADS", "MATMUL_SHAPES", "REDUCTION_LENGTHS", "RM
 
 ARCHS = (90, 80)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Llama-3-8B projections and the LM head, plus narrow/short shapes that get smaller tiles.
+# Llama-3-8B projections and the LM head, plus narrow/short shapes that get smaller tiles, and
+# a K that splits by 1024 unaligned (ungrouped: no 16-element load alignment).
 MATMUL_SHAPES = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
-                 (48, 33), (64, 16))
+                 (48, 33), (64, 16), (256, 3001))
 RMS_NORM_HIDDENS = (111, 4096, 8192)
 # softmax / log_softmax / mean row lengths: odd and short, one chunk, a Llama-3 vocabulary.
 REDUCTION_LENGTHS = (111, 4096, 128256)
@@ -28,26 +29,40 @@ ATTENTION_HEADS = ((128, 32, 8), (128, 8, 1), (64, 16, 16))
 
 
 def _matmul_cases(arch: int) -> Iterator[tuple]:
-    from bik.ops.matmul.triton import input_precision, matmul_kernel
+    """Each (dtype, N, K) in both launch modes (FOLD; SPREAD when K has several splits), and the
+    SPREAD fold kernel: tests/test_triton_compile.py checks every mode emits one MMA."""
+    from bik.ops.matmul.triton import FOLD_BLOCK, input_precision, matmul_fold_kernel, matmul_kernel
 
     seen = set()
     for dtype in DTYPES:
         for n, k in MATMUL_SHAPES:
             cfg = matmul_config(dtype, n, k, f"sm{arch}")
+            plan = matmul_split(dtype, n, k)
+            multi = plan.n_splits(k) > 1
             for has_bias in (False, True):
-                # B as a transposed nn.Linear weight (stride_bk = 1): the common layout.
-                key = (dtype, cfg, has_bias, k % 16 == 0, n % 16 == 0)
-                if key in seen:
-                    continue
-                seen.add(key)
-                args = {"a_ptr": Ptr(dtype), "b_ptr": Ptr(dtype), "bias_ptr": Ptr(torch.float32),
-                            "c_ptr": Ptr(dtype), "M": 4096, "N": n, "K": k, "stride_ab": 0, "stride_am": k,
-                            "stride_ak": 1, "stride_bb": 0, "stride_bk": 1, "stride_bn": k, "stride_cb": 0,
-                            "stride_cm": n, "stride_cn": 1}
-                consts = {"HAS_BIAS": has_bias, "INPUT_PRECISION": input_precision(dtype),
-                              "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                              "GROUP_M": cfg.group_m}
-                yield matmul_kernel, args, consts, cfg.num_warps, cfg.num_stages
+                for spread in (False, True) if multi else (False,):
+                    # B as a transposed nn.Linear weight (stride_bk = 1): the common layout.
+                    key = (dtype, cfg, has_bias, k % 16 == 0, n % 16 == 0, spread, multi)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    args = {"a_ptr": Ptr(dtype), "b_ptr": Ptr(dtype),
+                            "bias_ptr": Ptr(torch.float32), "c_ptr": Ptr(dtype),
+                            "ws_ptr": Ptr(torch.float32), "M": 4096, "N": n, "K": k,
+                            "SPLIT": plan.split, "stride_ab": 0, "stride_am": k,
+                            "stride_ak": 1, "stride_bb": 0, "stride_bk": 1, "stride_bn": k,
+                            "stride_cb": 0, "stride_cm": n, "stride_cn": 1}
+                    consts = {"HAS_BIAS": has_bias, "INPUT_PRECISION": input_precision(dtype),
+                              "SPREAD": spread, "MULTI_SPLIT": multi,
+                              "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                              "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
+                    yield matmul_kernel, args, consts, cfg.num_warps, cfg.num_stages
+        for has_bias in (False, True):
+            args = {"ws_ptr": Ptr(torch.float32), "bias_ptr": Ptr(torch.float32),
+                    "c_ptr": Ptr(dtype), "M": 4096, "N": 4096, "N_SPLITS": 8, "stride_cb": 0,
+                    "stride_cm": 4096, "stride_cn": 1}
+            consts = {"HAS_BIAS": has_bias, "BLOCK_M": FOLD_BLOCK[0], "BLOCK_N": FOLD_BLOCK[1]}
+            yield matmul_fold_kernel, args, consts, 4, 1
 
 
 def _rms_norm_cases(arch: int) -> Iterator[tuple]:

@@ -114,11 +114,11 @@ Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
   args.sab = batched ? a32.stride(0) : 0;
   args.sbb = batched ? bk.stride(0) : 0;
   args.scb = M * N;
-  args.split = bik_matmul_split_len(K, &g_split_rule);
   args.num_threads = at::get_num_threads();
   args.b_bf16 = b_bf16;
   TORCH_CHECK(g_matmul != nullptr, "bik: its CPU matmul kernel was not handed over "
               "(torch.ops.bik_aten.set_cpu_kernels; bik.mode._native does it)");
+  args.split = bik_matmul_split_len(K, &g_split_rule);  // set with g_matmul (nonzero)
   const int rc = g_matmul(&args);
   TORCH_CHECK(rc == 0, "bik.enable(): bik's CPU matmul kernel failed (code ", rc, ")");
   return f32 ? out : out.to(dtype);

@@ -89,10 +89,13 @@ def test_matmul_load_flags():
 
 def test_matmul_plans():
     plan = cuda_matmul.plan_matmul(torch.bfloat16, 1, 1, 4096, 4096, "sm90")
-    assert plan.n_splits == 4 and plan.spread and plan.grid == (32, 4, 1)
-    assert plan.workspace == (1, 4, 1, 4096)
+    # K = 4096 = 8 groups of 512 (bik.configs.matmul_split), each one split.
+    assert plan.n_splits == 8 and plan.spread and plan.grid == (32, 8, 1)
+    assert plan.workspace == (1, 8, 1, 4096)
     big = cuda_matmul.plan_matmul(torch.bfloat16, 1, 4096, 4096, 4096, "sm90")
-    assert big.n_splits == 4 and not big.spread and big.grid == (64 * 32, 1, 1)
+    assert big.n_splits == 8 and not big.spread and big.grid == (64 * 32, 1, 1)
+    ungrouped = cuda_matmul.plan_matmul(torch.bfloat16, 1, 1, 4096, 3000, "sm90")
+    assert ungrouped.n_splits == 3 and ungrouped.config.split_k == 1024
     assert big.config == plan.config  # M never reaches the configuration
     one = cuda_matmul.plan_matmul(torch.float32, 1, 1, 4096, 1000, "sm80")
     assert one.n_splits == 1 and not one.spread

@@ -1,6 +1,14 @@
-"""`bik bench matmul`: bik.linear vs F.linear over an M sweep (2*M*N*K flops, TFLOP/s)."""
+"""`bik bench matmul`: bik.linear vs F.linear over an M sweep (2*M*N*K flops, TFLOP/s).
+
+Each backend runs twice: with bik's K-split contract (``split: fixed``, the default) and with
+the pure data-parallel one (``split: none``, BIK_MATMUL_SPLIT=none: one split over all of K),
+so the table shows what each costs or gains per shape and M.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -8,6 +16,7 @@ from rich.progress import track
 
 import bik
 from bik._dtypes import dtype_name
+from bik.configs import MATMUL_SPLIT_ENV
 from bik.cli.bench.sweep import backends_for, default_ms, plot_sweep, render_sweep, sweep
 
 __all__ = ["bench_matmul", "plot", "render", "run"]
@@ -31,12 +40,34 @@ def bench_matmul(device, dtype, backend, ms, shapes) -> list[dict]:
     return records
 
 
+SPLIT_MODES = ("fixed", "none")
+
+
+@contextlib.contextmanager
+def split_mode(mode: str):
+    """BIK_MATMUL_SPLIT for the block (matmul_split reads it at every call)."""
+    before = os.environ.get(MATMUL_SPLIT_ENV)
+    os.environ[MATMUL_SPLIT_ENV] = mode
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(MATMUL_SPLIT_ENV, None)
+        else:
+            os.environ[MATMUL_SPLIT_ENV] = before
+
+
 def run(device, dtype, args) -> list[dict]:
     on_gpu = device.type == "cuda"
     shapes = ((256, 128), (96, 33)) if args.quick else (LLAMA_MATMUL if on_gpu else CPU_MATMUL)
     ms = default_ms(args, device)
-    return [r | {"backend": be} for be in backends_for("matmul", args.backend, device)
-            for r in bench_matmul(device, dtype, be, ms, shapes)]
+    records = []
+    for be in backends_for("matmul", args.backend, device):
+        for mode in SPLIT_MODES:
+            with split_mode(mode):
+                records += [r | {"backend": be, "split": mode}
+                            for r in bench_matmul(device, dtype, be, ms, shapes)]
+    return records
 
 
 render = render_sweep

@@ -76,7 +76,8 @@ def render_sweep(records: list[dict], console: Console) -> None:
         table.add_column(col, justify="right")
     for r in records:
         rate = f"{r['bik_tflops']:.2f}" if is_mm else f"{r['bik_gbps']:.1f}"
-        table.add_row(*([r["backend"]] if with_backend else []),
+        backend = r.get("backend", "") + (f" split={r['split']}" if "split" in r else "")
+        table.add_row(*([backend] if with_backend else []),
                       f"{r['N']}x{r['K']}" if is_mm else str(r["H"]), str(r["M"]),
                       f"{r['bik_ms']['p50']:.3f}", f"{r['torch_ms']['p50']:.3f}", rate,
                       f"{r['speedup']:.2f}", "yes" if r["bik_rows_identical"] else "[red]NO",
@@ -88,7 +89,8 @@ def render_sweep(records: list[dict], console: Console) -> None:
 def plot_sweep(records: list[dict], plt, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     if records[0]["op"] == "matmul":
-        key = lambda r: f"{r.get('backend', 'bik')} {r['N']}x{r['K']}"
+        key = lambda r: (f"{r.get('backend', 'bik')} {r.get('split', '')} "
+                         f"{r['N']}x{r['K']}")
     else:
         key = lambda r: f"{r.get('backend', 'bik')} H={r['H']}"
     for label in dict.fromkeys(key(r) for r in records):

@@ -13,6 +13,7 @@ ones of csrc/cuda/matmul_sm90.cu (same contract, same plan, same reduce; not yet
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -20,11 +21,10 @@ import torch
 from bik._arch import device_arch
 from bik._dtypes import info
 from bik.configs import CudaMatmulConfig, cuda_matmul_config, cuda_options
+from bik.ops.matmul.schedule import use_spread
 
 __all__ = ["MatmulLaunch", "launch_matmul", "load_flags", "plan_matmul", "use_spread"]
 
-# SPREAD while the output tiles alone would not fill one wave of an H200's 132 SMs.
-SPREAD_MAX_TILES = 132
 _REDUCE_THREADS = 256
 _INT32_MAX = 2**31 - 1
 
@@ -44,19 +44,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def use_spread(tiles: int, n_splits: int) -> bool:
-    """Spread the K splits over programs when the output tiles alone leave the GPU idle.
-    Either choice gives the same bits; this decides speed and workspace only."""
-    return n_splits > 1 and tiles < SPREAD_MAX_TILES
-
-
 def plan_matmul(dtype: torch.dtype, batch: int, m: int, n: int, k: int, arch: str, *,
-                spread: bool | None = None) -> MatmulLaunch:
-    """The launch for out[batch, M, N] = a[batch, M, K] @ b[batch, K, N] on ``arch``."""
+                spread: bool | None = None, split: int | None = None) -> MatmulLaunch:
+    """The launch for out[batch, M, N] = a[batch, M, K] @ b[batch, K, N] on ``arch``.
+    ``split``: the K-split length, default the config's (a shard passes its layer's)."""
     for name, size in (("M", m), ("N", n), ("K", k)):
         if size > _INT32_MAX:
             raise ValueError(f"bik: backend='cuda' matmul needs {name} < 2**31, got {size}")
     cfg = cuda_matmul_config(dtype, n, k, arch)
+    if split is not None:
+        if split < 1:
+            raise ValueError(f"bik: backend='cuda' matmul split must be >= 1, got {split}")
+        cfg = dataclasses.replace(cfg, split_k=split)
     n_splits = max(1, _cdiv(k, cfg.split_k))
     tiles = batch * _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
     spread = use_spread(tiles, n_splits) if spread is None else bool(spread) and n_splits > 1
@@ -94,7 +93,8 @@ def load_flags(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor, *, spread: bool | None = None) -> None:
+                  out: torch.Tensor, *, split: int | None = None,
+                  spread: bool | None = None) -> None:
     """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]) on torch's current stream.
 
     Shapes and dtypes are validated by the caller (bik.ops.matmul); any strides are accepted
@@ -107,7 +107,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     n = b.shape[2]
     if nb == 0 or m == 0 or n == 0:
         return
-    plan = plan_matmul(a.dtype, nb, m, n, k, device_arch(a.device), spread=spread)
+    plan = plan_matmul(a.dtype, nb, m, n, k, device_arch(a.device), spread=spread, split=split)
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()  # exact upcast
     source = plan.config.source
     kernel = cuda_jit.get_kernel(source, plan.config.kernel, a.device,

@@ -1,12 +1,17 @@
-"""Triton matmul with no split-K: the batch-invariant reduction order.
+"""Triton matmul on bik's fixed K-split contract: the batch-invariant reduction order.
 
-Each program owns one BLOCK_M x BLOCK_N output tile of one batch entry and walks K from 0
-to K in steps of BLOCK_K, accumulating ``acc = dot(a_tile, b_tile, acc)`` in fp32. The
-order in which an output element's products are summed is therefore fixed by (BLOCK_K,
-the dot instruction, K) — all taken from ``bik.configs.matmul_config`` which does not see
-M — and is the same whether the tile holds 1 valid row or BLOCK_M. Rows beyond M are
-masked to zero on load and never stored, so no index wraps around (the failure mode of
-kernels that take ``offs % M``).
+Each output tile of one batch entry is computed split by split (bik.configs.matmul_split: a
+split length S from K alone, never M): split s sums ``acc = dot(a_tile, b_tile, acc)`` over
+[s*S, min((s+1)*S, K)) in steps of BLOCK_K from a zero fp32 accumulator (``_split_dot``), and
+the partials are folded in ascending s (``t = p_0; t = t + p_s``), then + bias, then one
+rounding. Inside a split the order is fixed by (BLOCK_K, the dot instruction) — from
+``bik.configs.matmul_config``, which does not see M — and is the same whether the tile holds 1
+valid row or BLOCK_M. Rows beyond M are masked to zero on load and never stored, so no index
+wraps around (the failure mode of kernels that take ``offs % M``).
+
+Two launch modes, one inner loop (bik/ops/matmul/schedule.py): FOLD (grid axis 1 = 1; the
+program runs its splits in order) and SPREAD (grid axis 1 = the split; fp32 partials to a
+workspace, ``matmul_fold_kernel`` folds them in order). Same bits by construction.
 """
 
 from __future__ import annotations
@@ -16,22 +21,45 @@ import triton
 import triton.language as tl
 
 from bik._arch import device_arch
-from bik.configs import matmul_config
+from bik.configs import matmul_config, matmul_split
+from bik.ops.matmul.schedule import use_spread
 
-__all__ = ["launch_matmul", "matmul_kernel"]
+__all__ = ["launch_matmul", "matmul_fold_kernel", "matmul_kernel"]
+
+
+@triton.jit
+def _split_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, lo, hi, stride_ak, stride_bk,
+               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """One split's partial: acc = 0, then acc = dot(a, b, acc) over [lo, hi) in BLOCK_K steps.
+    Every launch mode calls this, so every mode meets the same instructions in the same order."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    lo64 = tl.cast(lo, tl.int64)  # lo * stride may pass 2**31 elements (a [K, N] row-major B)
+    a_ptrs += lo64 * stride_ak
+    b_ptrs += lo64 * stride_bk
+    for k0 in range(lo, hi, BLOCK_K):
+        mask_k = (offs_k + k0) < hi
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
 
 
 # M is never specialised (Triton would compile M == 1 and M % 16 == 0 separately): one compiled
 # kernel serves every M, so no batch size can select different code.
 @triton.jit(do_not_specialize=["M"])
 def matmul_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr,
-    M, N, K,
+    a_ptr, b_ptr, bias_ptr, c_ptr, ws_ptr,
+    M, N, K, SPLIT,
     stride_ab, stride_am, stride_ak,
     stride_bb, stride_bk, stride_bn,
     stride_cb, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SPREAD: tl.constexpr,  # grid axis 1 = split, partials to ws (else all splits here)
+    MULTI_SPLIT: tl.constexpr,  # K > SPLIT (FOLD then loops over the splits)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -55,23 +83,62 @@ def matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    mask_c = mask_m[:, None] & mask_n[None, :]
     a_ptrs = a_ptr + batch * stride_ab + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + batch * stride_bb + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = (offs_k + k0) < K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    # SPREAD: this program's split. FOLD: axis 1 has one program, so s = 0, the first split
+    # (a runtime 0, so every caller of _split_dot hands it the same kind of bounds).
+    s = tl.program_id(1)
+    lo = s * SPLIT
+    part = _split_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, lo, tl.minimum(lo + SPLIT, K),
+                      stride_ak, stride_bk, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if SPREAD:
+        # Workspace fp32 [batch, n_splits, M, N], contiguous.
+        row = (batch * tl.num_programs(1) + s) * M + offs_m
+        tl.store(ws_ptr + row[:, None] * N + offs_n[None, :], part, mask=mask_c)
+    else:
+        total = part  # t = p_0 itself (no 0 + p_0, which would turn -0.0 into +0.0)
+        if MULTI_SPLIT:
+            for lo_s in range(SPLIT, K, SPLIT):  # t = t + p_s, s ascending
+                total = total + _split_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, lo_s,
+                                           tl.minimum(lo_s + SPLIT, K), stride_ak, stride_bk,
+                                           INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            total = total + bias[None, :]
+        c_ptrs = (c_ptr + batch * stride_cb + offs_m[:, None] * stride_cm
+                  + offs_n[None, :] * stride_cn)
+        tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask_c)
 
+
+@triton.jit(do_not_specialize=["M"])
+def matmul_fold_kernel(
+    ws_ptr, bias_ptr, c_ptr,
+    M, N, N_SPLITS,
+    stride_cb, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """SPREAD's second kernel: t = p_0; t = t + p_s for s ascending; + bias; one rounding
+    (FOLD's epilogue, element by element). Grid: (batch * M tiles * N tiles,)."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(M, BLOCK_M) * num_pid_n
+    batch = (tl.program_id(0) // tiles).to(tl.int64)
+    pid = tl.program_id(0) % tiles
+    offs_m = (pid // num_pid_n).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid % num_pid_n).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    ws = ws_ptr + (batch * N_SPLITS * M + offs_m)[:, None] * N + offs_n[None, :]
+    total = tl.load(ws, mask=mask, other=0.0)
+    for _ in range(1, N_SPLITS):
+        ws += M * N
+        total = total + tl.load(ws, mask=mask, other=0.0)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
+        total = total + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + batch * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -79,26 +146,48 @@ def input_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+FOLD_BLOCK = (32, 128)  # fold kernel tile (elementwise: speed only)
+
+
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor, *, split: int | None = None,
+                  spread: bool | None = None) -> None:
     """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]), all validated by the caller.
 
     Any strides are accepted (batch stride 0 broadcasts b); ``out`` is written, not read.
+    ``split``: the K-split length, default :func:`bik.configs.matmul_split` of this problem (a
+    shard passes its layer's). ``spread`` None = by work size (the bits do not depend on it).
     """
     nb, m, k = a.shape
     n = b.shape[2]
     if nb == 0 or m == 0 or n == 0:
         return
     cfg = matmul_config(a.dtype, n, k, device_arch(a.device))
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * nb,)
-    matmul_kernel[grid](
-        a, b, bias.contiguous() if bias is not None else out, out,
-        m, n, k,
+    split = matmul_split(a.dtype, n, k).split if split is None else split
+    n_splits = max(1, triton.cdiv(k, split))
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * nb
+    spread = use_spread(tiles, n_splits) if spread is None else bool(spread) and n_splits > 1
+    if n_splits > 65535:
+        raise ValueError(f"bik: backend='triton' matmul: K = {k} gives {n_splits} splits "
+                         f"(max 65535)")
+    ws = torch.empty((nb, n_splits, m, n) if spread else (1,), dtype=torch.float32,
+                     device=a.device)
+    bias_arg = bias.contiguous() if bias is not None else out
+    matmul_kernel[(tiles, n_splits if spread else 1)](
+        a, b, bias_arg, out, ws,
+        m, n, k, split,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         HAS_BIAS=bias is not None,
         INPUT_PRECISION=input_precision(a.dtype),
+        SPREAD=spread, MULTI_SPLIT=n_splits > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if spread:
+        bm, bn = FOLD_BLOCK
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn) * nb,)
+        matmul_fold_kernel[grid](ws, bias_arg, out, m, n, n_splits,
+                                 out.stride(0), out.stride(1), out.stride(2),
+                                 HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn)
