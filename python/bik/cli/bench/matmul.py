@@ -16,8 +16,8 @@ from rich.progress import track
 
 import bik
 from bik._dtypes import dtype_name
-from bik.configs import MATMUL_SPLIT_ENV
 from bik.cli.bench.sweep import backends_for, default_ms, plot_sweep, render_sweep, sweep
+from bik.configs import MATMUL_SPLIT_ENV
 
 __all__ = ["bench_matmul", "plot", "render", "run"]
 
