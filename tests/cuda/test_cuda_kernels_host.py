@@ -78,8 +78,8 @@ def test_matmul_split_by_m_is_caught(host, monkeypatch):
     """Negative control: the same kernel with its split length picked by M fails the suite."""
     original = cuda_matmul.plan_matmul
 
-    def plan_by_m(dtype, batch, m, n, k, arch, *, spread=None):
-        plan = original(dtype, batch, m, n, k, arch, spread=spread)
+    def plan_by_m(dtype, batch, m, n, k, arch, **kw):
+        plan = original(dtype, batch, m, n, k, arch, **kw)
         if m > 1:
             plan = plan._replace(config=dataclasses.replace(plan.config, split_k=128))
         return plan

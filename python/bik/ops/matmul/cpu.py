@@ -64,15 +64,18 @@ def matmul_f32(
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor, *, split: int | None = None) -> None:
+                  out: torch.Tensor, *, layer: tuple[int, int] | None = None,
+                  split: int | None = None) -> None:
     """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]), validated by the op. Upcasting
     bf16/fp16 to fp32 is exact, so the fixed fp32 order of :func:`matmul_f32` is the whole
     contract; the result is rounded once to out's dtype. A bf16 b (a weight, usually) is read
     as bf16 and widened inside the kernel's packing: the same bits as upcasting it first,
-    without writing an fp32 copy of the weight on every call. ``split``: the K-split length,
-    default :func:`bik.configs.matmul_split` of this problem (a shard passes its layer's)."""
+    without writing an fp32 copy of the weight on every call. ``layer``: the (N, K) of the
+    whole layer the tables are looked up with (default this call's; a shard of a sharded
+    layer passes the layer's). ``split``: an explicit K-split length (tests)."""
     if split is None:
-        split = matmul_split(a.dtype, b.shape[2], a.shape[2]).split
+        n, k = layer or (b.shape[2], a.shape[2])
+        split = matmul_split(a.dtype, n, k).split
     bias32 = None if bias is None else bias.float().contiguous()
     if b.dtype not in _PACKED_B or a.dtype != b.dtype:
         b = b.float()  # fp16 or mixed operands: B upcast first (exact)

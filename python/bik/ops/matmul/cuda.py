@@ -45,13 +45,15 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def plan_matmul(dtype: torch.dtype, batch: int, m: int, n: int, k: int, arch: str, *,
-                spread: bool | None = None, split: int | None = None) -> MatmulLaunch:
+                spread: bool | None = None, layer: tuple[int, int] | None = None,
+                split: int | None = None) -> MatmulLaunch:
     """The launch for out[batch, M, N] = a[batch, M, K] @ b[batch, K, N] on ``arch``.
-    ``split``: the K-split length, default the config's (a shard passes its layer's)."""
+    ``layer``: the (N, K) the config is looked up with (default this call's; a shard of a
+    sharded layer passes the layer's). ``split``: an explicit K-split length (tests)."""
     for name, size in (("M", m), ("N", n), ("K", k)):
         if size > _INT32_MAX:
             raise ValueError(f"bik: backend='cuda' matmul needs {name} < 2**31, got {size}")
-    cfg = cuda_matmul_config(dtype, n, k, arch)
+    cfg = cuda_matmul_config(dtype, *(layer or (n, k)), arch)
     if split is not None:
         if split < 1:
             raise ValueError(f"bik: backend='cuda' matmul split must be >= 1, got {split}")
@@ -93,8 +95,8 @@ def load_flags(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor, *, split: int | None = None,
-                  spread: bool | None = None) -> None:
+                  out: torch.Tensor, *, layer: tuple[int, int] | None = None,
+                  split: int | None = None, spread: bool | None = None) -> None:
     """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]) on torch's current stream.
 
     Shapes and dtypes are validated by the caller (bik.ops.matmul); any strides are accepted
@@ -107,7 +109,8 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     n = b.shape[2]
     if nb == 0 or m == 0 or n == 0:
         return
-    plan = plan_matmul(a.dtype, nb, m, n, k, device_arch(a.device), spread=spread, split=split)
+    plan = plan_matmul(a.dtype, nb, m, n, k, device_arch(a.device), spread=spread, layer=layer,
+                       split=split)
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()  # exact upcast
     source = plan.config.source
     kernel = cuda_jit.get_kernel(source, plan.config.kernel, a.device,

@@ -150,20 +150,22 @@ FOLD_BLOCK = (32, 128)  # fold kernel tile (elementwise: speed only)
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor, *, split: int | None = None,
-                  spread: bool | None = None) -> None:
+                  out: torch.Tensor, *, layer: tuple[int, int] | None = None,
+                  split: int | None = None, spread: bool | None = None) -> None:
     """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]), all validated by the caller.
 
     Any strides are accepted (batch stride 0 broadcasts b); ``out`` is written, not read.
-    ``split``: the K-split length, default :func:`bik.configs.matmul_split` of this problem (a
-    shard passes its layer's). ``spread`` None = by work size (the bits do not depend on it).
+    ``layer``: the (N, K) of the whole layer the tables (tile and K-split) are looked up with,
+    default this call's (a shard of a sharded layer passes the layer's). ``split``: an explicit
+    K-split length (tests). ``spread`` None = by work size (the bits do not depend on it).
     """
     nb, m, k = a.shape
     n = b.shape[2]
     if nb == 0 or m == 0 or n == 0:
         return
-    cfg = matmul_config(a.dtype, n, k, device_arch(a.device))
-    split = matmul_split(a.dtype, n, k).split if split is None else split
+    key_n, key_k = layer or (n, k)
+    cfg = matmul_config(a.dtype, key_n, key_k, device_arch(a.device))
+    split = matmul_split(a.dtype, key_n, key_k).split if split is None else split
     n_splits = max(1, triton.cdiv(k, split))
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * nb
     spread = use_spread(tiles, n_splits) if spread is None else bool(spread) and n_splits > 1
