@@ -1,0 +1,13 @@
+"""bik on torch.distributed process groups: tensor-parallel layers whose bits do not depend on
+the TP degree (docs/design.md, "Tensor parallelism"; docs/api.md, "bik.distributed").
+
+Every function here is a collective over ``group`` (default: the world): all ranks call it with
+matching arguments. Before any compute the ranks exchange a description of their inputs and
+their ``bik.fingerprint()``; a mismatch raises ValueError on every rank. Set a timeout on the
+process group (``init_process_group(..., timeout=...)``) so a rank that never arrives cannot
+hang the others.
+"""
+
+from bik.distributed.linear import column_parallel_linear, row_parallel_linear
+
+__all__ = ["column_parallel_linear", "row_parallel_linear"]

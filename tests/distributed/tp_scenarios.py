@@ -1,0 +1,138 @@
+"""Scenarios run on every rank of a gloo world by tp_world.run_world (one process per rank).
+
+Data comes from one seeded generator, so every rank builds the same full tensors and takes its
+own shard; the single-device result (bik.linear on the full tensors) is computed on every rank
+and compared with torch.equal.
+"""
+
+from __future__ import annotations
+
+import re
+
+import bik
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from bik.distributed import column_parallel_linear, row_parallel_linear
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# (leading dims of x, N, K): K = 8 groups of 64, 192 and 512 (none a multiple of the CPU
+# kernel's K block), odd N, 1-row and 3-D inputs.
+ROW_SHAPES = (((7,), 48, 512), ((1,), 77, 1536), ((2, 3), 40, 4096))
+
+
+def _full(dtype, lead, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    return x, w, b
+
+
+def _k_shard(t, rank, world):
+    k = t.shape[-1] // world
+    return t[..., rank * k:(rank + 1) * k]
+
+
+def row_parallel_equals_one_device(rank, world):
+    """Every dtype, shape, with and without bias; the kernel tables are the whole layer's."""
+    from bik.ops.matmul import cpu as cpu_matmul
+
+    seen = []
+    original = cpu_matmul.matmul_split
+
+    def recording(dtype, n, k):
+        seen.append((n, k))
+        return original(dtype, n, k)
+
+    cpu_matmul.matmul_split = recording
+    try:
+        for dtype in DTYPES:
+            for i, (lead, n, k) in enumerate(ROW_SHAPES):
+                x, w, b = _full(dtype, lead, n, k, seed=i)
+                for bias in (None, b):
+                    seen.clear()
+                    got = row_parallel_linear(_k_shard(x, rank, world), _k_shard(w, rank, world),
+                                              bias)
+                    assert seen and set(seen) == {(n, k)}, (seen, n, k)  # never the shard's K
+                    want = bik.linear(x, w, bias)
+                    assert got.dtype == want.dtype and got.shape == want.shape
+                    assert torch.equal(got, want), (rank, world, dtype, lead, n, k, bias is None)
+    finally:
+        cpu_matmul.matmul_split = original
+
+
+def column_parallel_equals_one_device(rank, world):
+    from bik.ops.matmul import cpu as cpu_matmul
+
+    seen = []
+    original = cpu_matmul.matmul_split
+
+    def recording(dtype, n, k):
+        seen.append((n, k))
+        return original(dtype, n, k)
+
+    cpu_matmul.matmul_split = recording
+    try:
+        for dtype in DTYPES:
+            for i, (lead, k) in enumerate((((5,), 3000), ((2, 2), 576), ((1,), 4096))):
+                n = 96
+                x, w, b = _full(dtype, lead, n, k, seed=10 + i)
+                rows = slice(rank * n // world, (rank + 1) * n // world)
+                want = bik.linear(x, w, b)
+                seen.clear()
+                mine = column_parallel_linear(x, w[rows], b[rows])
+                assert set(seen) == {(n, k)}, seen  # the layer's N, not the shard's
+                assert torch.equal(mine, want[..., rows]), (rank, dtype, lead, k)
+                whole = column_parallel_linear(x, w[rows], b[rows], gather_output=True)
+                assert torch.equal(whole, want), (rank, dtype, lead, k)
+    finally:
+        cpu_matmul.matmul_split = original
+
+
+def _raises_everywhere(pattern, fn):
+    try:
+        fn()
+    except ValueError as exc:
+        assert re.search(pattern, str(exc)), str(exc)
+    else:
+        raise AssertionError(f"no ValueError matching {pattern!r}")
+
+
+def invalid_sharding_raises_on_every_rank(rank, world):
+    """Each case raises on every rank after the metadata all_gather (so no rank is left in a
+    collective), and the group stays usable: a valid call afterwards still works."""
+    x, w, b = _full(torch.float32, (3,), 16, 576, seed=20)  # K = 576: one group
+    _raises_everywhere(r"K = 576 cannot be cut over \d ranks",
+                       lambda: row_parallel_linear(_k_shard(x, rank, world),
+                                                   _k_shard(w, rank, world)))
+    x, w, b = _full(torch.float32, (3,), 16, 4096, seed=21)
+    xs, ws = _k_shard(x, rank, world), _k_shard(w, rank, world)
+    bad_k = xs[..., :-64] if rank == world - 1 else xs  # one rank's shard is short
+    _raises_everywhere(r"ranks disagree on x: rank 0: \(\(3, \d+\)",
+                       lambda: row_parallel_linear(bad_k, ws if rank != world - 1
+                                                   else ws[:, :-64]))
+    bad_dtype = xs.bfloat16() if rank == 0 else xs
+    _raises_everywhere(r"ranks disagree on x", lambda: row_parallel_linear(bad_dtype, ws))
+    _raises_everywhere(r"ranks disagree on bias",
+                       lambda: row_parallel_linear(xs, ws, b if rank == 0 else None))
+    _raises_everywhere(r"x \[3, \d+\] and weight \[16, 1\] disagree",
+                       lambda: row_parallel_linear(xs, ws[:, :1]))
+    _raises_everywhere(r"forward only",
+                       lambda: row_parallel_linear(xs.requires_grad_(), ws))
+    assert torch.equal(row_parallel_linear(xs.detach(), ws), bik.linear(x, w))
+
+
+def stock_row_parallel_differs_from_one_device(rank, world):
+    """Negative control, measured: F.linear on each shard + all_reduce(SUM) (the usual row
+    parallel layer) does not give F.linear's single-device bits, while bik's does."""
+    differs = 0
+    for i, (lead, n, k) in enumerate(ROW_SHAPES):
+        x, w, b = _full(torch.float32, lead, n, k, seed=30 + i)
+        part = F.linear(_k_shard(x, rank, world), _k_shard(w, rank, world))
+        dist.all_reduce(part)
+        stock = part + b
+        differs += not torch.equal(stock, F.linear(x, w, b))
+        assert torch.equal(row_parallel_linear(_k_shard(x, rank, world),
+                                               _k_shard(w, rank, world), b), bik.linear(x, w, b))
+    assert differs > 0, "stock row parallel matched one device on every shape here"
