@@ -1,6 +1,6 @@
 """The house rules of docs/design.md ("House rules"), checked on the package's source (ast).
 
-* Imports point down: cli -> dvr, testing, integrations -> models -> bik -> mode -> ops/<op>/op.py -> ops/<op>/<backend>.py
+* Imports point down: cli -> dvr, testing, integrations -> models -> distributed -> bik -> mode -> ops/<op>/op.py -> ops/<op>/<backend>.py
   -> configs, runtime -> _arch, _dtypes. Lazy imports inside functions count.
 * runtime/ knows no op: it imports nothing of bik but _arch and _dtypes.
 * An op's slice never imports another op's modules (it calls the public torch.ops.bik op).
@@ -28,6 +28,7 @@ LAYERS = [
     ("bik.ops.*.op", "bik.ops.*.backward", "bik.ops.*", "bik.ops", "bik.fingerprint"),
     ("bik.mode",),
     ("bik",),
+    ("bik.distributed",),
     ("bik.models",),
     ("bik.dvr", "bik.testing", "bik.integrations"),
     ("bik.cli", "bik.__main__"),

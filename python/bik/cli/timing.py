@@ -24,6 +24,12 @@ def _quantiles(samples: list[float]) -> dict:
     return {"p20": cuts[1], "p50": statistics.median(samples), "p80": cuts[7]}
 
 
+def quantiles_ms(samples_ms: list[float]) -> dict:
+    """p20/p50/p80 of samples already taken (a bench that must run a fixed number of calls,
+    e.g. a collective every rank times in lockstep)."""
+    return _quantiles(samples_ms)
+
+
 def time_ms(fn: Callable[[], object], device: torch.device, *, budget_s: float = 0.25,
             max_reps: int = 50, calls_per_sample: int = 1) -> dict:
     """p20/p50/p80 of one call's time in milliseconds.

@@ -29,7 +29,7 @@ _ROW = "bik.distributed.row_parallel_linear"
 _COL = "bik.distributed.column_parallel_linear"
 
 
-def _agree(op, group, x, weight, bias, out_dtype, backend, **extra) -> tuple[list[dict], str]:
+def _agree(op, group, x, weight, bias, out_dtype, backend, **extra) -> str:
     """Every rank's description, checked on every rank; the backend every rank will use."""
     try:
         backend = resolve_backend("matmul", backend, x.device, label=op)
@@ -37,7 +37,7 @@ def _agree(op, group, x, weight, bias, out_dtype, backend, **extra) -> tuple[lis
         backend = f"unavailable: {exc}"
     grads = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))
-    everyone = gather_and_check(
+    gather_and_check(
         op, group, x.device, same=("x", "weight", "bias", "out_dtype", "backend", "grad",
                                    *extra),
         x=describe(x), weight=describe(weight), bias=describe(bias),
@@ -47,7 +47,7 @@ def _agree(op, group, x, weight, bias, out_dtype, backend, **extra) -> tuple[lis
     if grads:
         raise ValueError(f"{op}: forward only (no autograd); call it under torch.no_grad() or "
                          f"with tensors that do not require grad")
-    return everyone, backend
+    return backend
 
 
 def _check_shapes(op, x, weight, bias, n_bias: int) -> None:
@@ -94,8 +94,7 @@ def row_parallel_linear(x_shard: torch.Tensor, weight_shard: torch.Tensor,
     """
     size, _ = group_size_rank(group)
     out_dtype = out_dtype or x_shard.dtype
-    everyone, backend = _agree(_ROW, group, x_shard, weight_shard, bias, out_dtype, backend)
-    del everyone
+    backend = _agree(_ROW, group, x_shard, weight_shard, bias, out_dtype, backend)
     n, k_shard = weight_shard.shape if weight_shard.dim() == 2 else (0, -1)
     _check_shapes(_ROW, x_shard, weight_shard, bias, n)
     k = k_shard * size
@@ -137,8 +136,8 @@ def column_parallel_linear(x: torch.Tensor, weight_shard: torch.Tensor,
     """
     size, _ = group_size_rank(group)
     out_dtype = out_dtype or x.dtype
-    _agree(_COL, group, x, weight_shard, bias_shard, out_dtype, backend, gather=gather_output)
-    backend = resolve_backend("matmul", backend, x.device, label=_COL)
+    backend = _agree(_COL, group, x, weight_shard, bias_shard, out_dtype, backend,
+                     gather=gather_output)
     n_shard = weight_shard.shape[0] if weight_shard.dim() == 2 else 0
     _check_shapes(_COL, x, weight_shard, bias_shard, n_shard)
     k = x.shape[-1]

@@ -24,6 +24,7 @@ BENCHES = {
     "dvr": "bik.cli.bench.dvr",
     "generate": "bik.cli.bench.generate",
     "vllm": "bik.cli.bench.vllm",
+    "tp": "bik.cli.bench.tp",
 }
 
 
