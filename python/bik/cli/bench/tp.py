@@ -51,10 +51,10 @@ def _worker(rank: int, world: int, init_file: str, out_file: str, dtype_name_: s
             x = torch.randn(m, k, generator=gen).to(dtype)
             xs, ws = x[:, shard].contiguous(), w[:, shard].contiguous()
 
-            def bik_call():
+            def bik_call(xs=xs, ws=ws):
                 return row_parallel_linear(xs, ws)
 
-            def stock_call():
+            def stock_call(xs=xs, ws=ws):
                 part = F.linear(xs, ws)
                 dist.all_reduce(part)
                 return part
