@@ -136,3 +136,62 @@ def stock_row_parallel_differs_from_one_device(rank, world):
         assert torch.equal(row_parallel_linear(_k_shard(x, rank, world),
                                                _k_shard(w, rank, world), b), bik.linear(x, w, b))
     assert differs > 0, "stock row parallel matched one device on every shape here"
+
+
+# ---- the sharded DVR model -------------------------------------------------------------------
+
+def sharded_dvr_model_equals_one_device(rank, world):
+    """Logits of a prefill and decode steps, solo-decoded tokens and logprobs, and the DVR
+    engine's deterministic outputs at TP = world equal the unsharded model's, on every rank."""
+    from bik.dvr import (
+        BikKernels,
+        DVREngine,
+        EngineConfig,
+        FastKernels,
+        KVCache,
+        Request,
+        SamplingParams,
+        build_step,
+        random_model,
+        reference_decode,
+    )
+    from bik.dvr.model import embedded_tp_config
+    from bik.dvr.tp import TensorParallelLlama, supported_degrees
+    from bik.dvr.workload import make_workload, run_workload
+
+    cfg = embedded_tp_config()
+    assert supported_degrees(cfg) == [1, 2, 4]  # 4 KV heads: no replication
+    if world > 1:  # the demo model (2 KV heads of 16: o_proj K = 64) cannot be sharded
+        from bik.dvr import embedded_model
+
+        _raises_everywhere(r"cannot shard this model over \d ranks: .*o_proj .*K = 64 .*"
+                           r"\(supported: \[1\]\)",
+                           lambda: TensorParallelLlama(embedded_model()))
+    full = random_model(cfg, seed=0)
+    tp = TensorParallelLlama(full)
+    assert tp.config.num_key_value_heads == 4 // world
+    bik_k = BikKernels()
+    # One packed step: a 9-token prefill and a 1-token decode of another sequence.
+    logits = {}
+    for name, model in (("full", full), ("tp", tp)):
+        cache = KVCache.allocate(model.config, 8, 8, torch.float32, "cpu")
+        step = build_step([9, 1], [9, 5], [[0, 1], [2]], 8, "cpu")
+        toks = torch.tensor([5, 9, 11, 3, 7, 1, 2, 4, 8, 6])
+        pos = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 4])
+        logits[name] = model.forward(toks, pos, step, cache, bik_k)
+    assert torch.equal(logits["tp"], logits["full"]), (rank, world)
+    req = Request("solo", (3, 17, 29, 4), 8, SamplingParams(0.8, seed=5))
+    solo_full, solo_tp = reference_decode(full, req, bik_k), reference_decode(tp, req, bik_k)
+    assert (solo_tp.tokens, solo_tp.logprobs) == (solo_full.tokens, solo_full.logprobs)
+    arrivals = make_workload(vocab_size=cfg.vocab_size, num_requests=4, seed=1,
+                             det_fraction=0.75, prompt_len=(1, 12), max_new_tokens=(4, 10),
+                             temperature=0.8, arrival_spread=3)
+    outs = {}
+    for name, model in (("full", full), ("tp", tp)):
+        engine = DVREngine(model, EngineConfig(window=3, group=2, block_size=8, num_blocks=64),
+                           fast_kernels=FastKernels(), verify_kernels=bik_k)
+        outs[name] = run_workload(engine, arrivals)
+    for a in arrivals:
+        if a.request.deterministic:
+            got, want = outs["tp"][a.request.request_id], outs["full"][a.request.request_id]
+            assert (got.tokens, got.logprobs) == (want.tokens, want.logprobs), a.request

@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bik.cli.common import end_spawned_rank
 
 __all__ = ["run_world"]
 
@@ -30,6 +31,7 @@ def _entry(rank: int, world: int, init_file: str, module: str, scenario: str) ->
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    end_spawned_rank()
 
 
 def run_world(world: int, scenario: str, tmp_path, *, module: str = "tp_scenarios",

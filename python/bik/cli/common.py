@@ -157,3 +157,16 @@ def print_table(console, table, *, keys: int = 1) -> None:
         for row in range(table.row_count):
             out.add_row(*(cells[i][row] for i in chosen))
         console.print(out)
+
+
+def end_spawned_rank() -> None:
+    """End a torch.multiprocessing rank that finished cleanly, skipping the interpreter's
+    finalization: measured on gloo worlds here, about one run in four had a rank abort there
+    ("terminate called without an active exception") after its work, its final barrier and
+    destroy_process_group had all returned. Work that fails raises before this, as usual."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -9,6 +9,7 @@ its solo reference token for token and logprob for logprob.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from rich.table import Table
 
 from bik.cli.common import (
     DTYPES,
+    end_spawned_rank,
     fraction,
     make_console,
     non_negative_float,
@@ -68,13 +70,20 @@ def add_dvr_arguments(p) -> None:
                    help="requests arrive over the first this-many steps")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--no-verdict", action="store_true", help="skip the solo reference decode")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks: spawns this many gloo processes (CPU); the "
+                        "verdict compares with the unsharded model on one device (default "
+                        "model with --tp > 1: a small one whose heads divide by 2 and 4)")
     p.add_argument("--json", metavar="PATH")
 
 
-def load_model(path: str | None, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    from bik.dvr.model import embedded_model, load_checkpoint
+def load_model(path: str | None, device: torch.device, dtype: torch.dtype, seed: int = 0,
+               tp: int = 1):
+    from bik.dvr.model import embedded_model, embedded_tp_config, load_checkpoint, random_model
 
-    if path is None:
+    if path is None:  # the demo model, or with --tp a small one whose heads divide by 2 and 4
+        if tp > 1:
+            return random_model(embedded_tp_config(), seed=seed, dtype=dtype, device=device)
         return embedded_model(seed=seed, dtype=dtype, device=device)
     if path == "smollm2":
         from bik.models import smollm2
@@ -85,6 +94,12 @@ def load_model(path: str | None, device: torch.device, dtype: torch.dtype, seed:
 
 BUILT_IN_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
                     "Give me three tips for learning Python.", "Why is the sky blue?")
+
+
+def _quiet_console():
+    from rich.console import Console
+
+    return Console(file=open(os.devnull, "w"))
 
 
 def _tokenizer(model: str | None, prompts):
@@ -148,14 +163,70 @@ def _verdict(model, arrivals, outputs, device, dtype, progress) -> dict:
 
 
 def run_dvr(args) -> int:
-    device = pick_device(args.device)
-    dtype = DTYPES[args.dtype]
-    console = make_console()
     if args.model == "smollm2":  # resolved once: the model and its tokenizer
         from bik.models import smollm2
 
         args.model = str(smollm2.prepare())
-    model = load_model(args.model, device, dtype, args.seed)
+    if args.tp > 1:
+        return _spawn_tp(args)
+    return _run_dvr(args)
+
+
+def _spawn_tp(args) -> int:
+    """args.tp processes on one gloo group, each running _run_dvr on its shard; rank 0 reports
+    and its exit status is the command's."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if pick_device(args.device).type != "cpu":
+        raise SystemExit("bik dvr --tp: runs its ranks on the CPU (gloo) in this version")
+    with tempfile.TemporaryDirectory() as tmp:
+        rc_file = os.path.join(tmp, "rc")
+        mp.start_processes(_tp_rank, args=(args, os.path.join(tmp, "pg"), rc_file),
+                           nprocs=args.tp, join=True, start_method="spawn")
+        with open(rc_file) as f:
+            return int(f.read())
+
+
+def _tp_rank(rank: int, args, init_file: str, rc_file: str) -> None:
+    import datetime
+    import sys
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // args.tp))
+    # Rank 0's verdict decodes on one device while the others wait: a long timeout.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=args.tp, timeout=datetime.timedelta(minutes=30))
+    try:
+        try:
+            rc = _run_dvr(args, rank=rank)
+        except ValueError as exc:  # e.g. a model whose heads do not divide: every rank raises
+            if rank == 0:
+                print(f"bik dvr --tp {args.tp}: {exc}", file=sys.stderr)
+            rc = 2
+        dist.barrier()
+        if rank == 0:
+            with open(rc_file, "w") as f:
+                f.write(str(rc))
+    finally:
+        dist.destroy_process_group()
+    end_spawned_rank()
+
+
+def _run_dvr(args, *, rank: int | None = None) -> int:
+    """One run; with ``rank`` (inside _tp_rank) on this rank's shard of the model, and only
+    rank 0 prints, writes JSON and computes the verdict (on the unsharded model)."""
+    device = pick_device(args.device)
+    dtype = DTYPES[args.dtype]
+    console = make_console() if not rank else _quiet_console()
+    full = load_model(args.model, device, dtype, args.seed, tp=args.tp)
+    model = full
+    if rank is not None:
+        from bik.dvr.tp import TensorParallelLlama
+
+        model = TensorParallelLlama(full)
     tokenizer = _tokenizer(args.model, args.prompt)
     texts = (args.prompt or BUILT_IN_PROMPTS) if tokenizer is not None else ()
     cfg = model.config
@@ -181,14 +252,17 @@ def run_dvr(args) -> int:
             progress.advance(task, sum(len(e.tokens) for e in events))
 
         outputs = run_workload(engine, arrivals, on_step)
-        verdict = None if args.no_verdict else _verdict(model, arrivals, outputs, device,
-                                                        dtype, progress)
+        verdict = None if args.no_verdict or rank else _verdict(full, arrivals, outputs,
+                                                                device, dtype, progress)
+    if rank:
+        return 0
     summary = engine.metrics.summary()
     console.print(f"[bold]bik dvr[/]: {len(arrivals)} requests "
                   f"({sum(a.request.deterministic for a in arrivals)} deterministic), "
                   f"K={args.window}, N={args.group}, {args.verifier} verifier, forced mismatch "
                   f"rate {args.mismatch_rate}, {engine.fast.name} fast path, "
-                  f"{engine.verifier.name} verifier, {device} {args.dtype}")
+                  f"{engine.verifier.name} verifier, {device} {args.dtype}"
+                  + (f", TP = {args.tp} (gloo)" if args.tp > 1 else ""))
     table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -201,8 +275,9 @@ def run_dvr(args) -> int:
     if verdict is not None:
         if verdict["deterministic"]:
             console.print(f"[bold green]deterministic[/]: all {verdict['deterministic_requests']}"
-                          f" deterministic outputs equal their solo bik reference, token for "
-                          f"token and logprob for logprob")
+                          f" deterministic outputs equal their solo bik reference"
+                          + (" on one device (unsharded)" if args.tp > 1 else "")
+                          + ", token for token and logprob for logprob")
         else:
             console.print(f"[bold red]NOT deterministic[/]: {verdict['mismatched']} differ from "
                           f"their solo reference")

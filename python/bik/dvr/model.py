@@ -30,6 +30,7 @@ __all__ = [
     "LlamaModel",
     "embedded_config",
     "embedded_model",
+    "embedded_tp_config",
     "llama_1b_config",
     "load_checkpoint",
     "random_model",
@@ -141,6 +142,8 @@ class LlamaModel:
         self._check_inputs(tokens, positions, step, cache)
         cfg = self.config
         t = tokens.shape[0]
+        # The heads this model computes (all of them; a tensor-parallel rank's share in
+        # bik.dvr.tp), and the three kinds of linear layer a sharded model splits differently.
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         cos, sin = self.rope.lookup(positions, max(step.kv_lens, default=0))
         x = self.embed[tokens]
@@ -151,22 +154,33 @@ class LlamaModel:
             else:
                 h, residual = kernels.add_rms_norm(x, residual, layer.input_norm,
                                                    cfg.rms_norm_eps)
-            qkv = kernels.linear(h, layer.qkv)
+            qkv = self.columns(kernels, h, layer.qkv)
             q = apply_rope(qkv[:, : hq * d].reshape(t, hq, d), cos, sin)
             k = apply_rope(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d), cos, sin)
             v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d).contiguous()
             # Checked on the host above (and by build_step): no sync per layer.
             bik.write_kv_cache(k_cache, v_cache, k, v, step.slot_mapping, validate=False)
             attn = kernels.attention(q, k_cache, v_cache, step, self.scale)
-            x = kernels.linear(attn.reshape(t, hq * d), layer.o)
+            x = self.rows(kernels, attn.reshape(t, hq * d), layer.o)
             h, residual = kernels.add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
-            x = kernels.linear(swiglu(kernels.linear(h, layer.gate_up)), layer.down)
+            x = self.rows(kernels, swiglu(self.columns(kernels, h, layer.gate_up)), layer.down)
         h, _ = kernels.add_rms_norm(x, residual, self.final_norm, cfg.rms_norm_eps)
         if logits_rows is not None:
             h = h[logits_rows]
-        return kernels.linear(h, self.lm_head).float()
+        return self.head(kernels, h).float()
 
     __call__ = forward
+
+    # One device: every linear is the kernel set's. bik.dvr.tp.TensorParallelLlama overrides
+    # these three with its column-parallel, row-parallel and gathered-vocabulary layers.
+    def columns(self, kernels: Kernels, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, w)
+
+    def rows(self, kernels: Kernels, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, w)
+
+    def head(self, kernels: Kernels, h: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(h, self.lm_head)
 
 
 def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -226,3 +240,16 @@ def embedded_model(*, seed: int = 0, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu") -> LlamaModel:
     """A tiny Llama (embedded_config()) with seeded random weights; needs no files."""
     return random_model(embedded_config(), seed=seed, dtype=dtype, device=device)
+
+
+def embedded_tp_config() -> LlamaConfig:
+    """A small Llama that tensor parallelism can shard over 1, 2 and 4 ranks (bik.dvr.tp):
+    8 q / 4 KV heads of 64 (o_proj K = 512), intermediate 1024, vocabulary 512 -- the row
+    parallel K's are multiples of 512, as bik's K-split contract needs. The embedded demo model
+    (4 / 2 heads of 16) is too narrow for that."""
+    return LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=1024, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-6,
+        rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, rope_scaling=None,
+    )

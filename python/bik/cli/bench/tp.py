@@ -19,7 +19,7 @@ import torch
 from rich.table import Table
 
 from bik._dtypes import dtype_name
-from bik.cli.common import print_table
+from bik.cli.common import end_spawned_rank, print_table
 from bik.cli.timing import noisy, quantiles_ms
 from bik.configs import MATMUL_TP_MAX
 
@@ -85,6 +85,7 @@ def _worker(rank: int, world: int, init_file: str, out_file: str, dtype_name_: s
         torch.save(records, out_file)
     dist.barrier()
     dist.destroy_process_group()
+    end_spawned_rank()
 
 
 def run(device, dtype, args) -> list[dict]:
