@@ -7,6 +7,7 @@ and compared with torch.equal.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import bik
@@ -34,8 +35,9 @@ def _k_shard(t, rank, world):
     return t[..., rank * k:(rank + 1) * k]
 
 
-def row_parallel_equals_one_device(rank, world):
-    """Every dtype, shape, with and without bias; the kernel tables are the whole layer's."""
+@contextlib.contextmanager
+def split_lookups():
+    """The (N, K) of every K-split lookup the CPU matmul launcher makes inside the block."""
     from bik.ops.matmul import cpu as cpu_matmul
 
     seen = []
@@ -47,6 +49,14 @@ def row_parallel_equals_one_device(rank, world):
 
     cpu_matmul.matmul_split = recording
     try:
+        yield seen
+    finally:
+        cpu_matmul.matmul_split = original
+
+
+def row_parallel_equals_one_device(rank, world):
+    """Every dtype, shape, with and without bias; the kernel tables are the whole layer's."""
+    with split_lookups() as seen:
         for dtype in DTYPES:
             for i, (lead, n, k) in enumerate(ROW_SHAPES):
                 x, w, b = _full(dtype, lead, n, k, seed=i)
@@ -58,22 +68,10 @@ def row_parallel_equals_one_device(rank, world):
                     want = bik.linear(x, w, bias)
                     assert got.dtype == want.dtype and got.shape == want.shape
                     assert torch.equal(got, want), (rank, world, dtype, lead, n, k, bias is None)
-    finally:
-        cpu_matmul.matmul_split = original
 
 
 def column_parallel_equals_one_device(rank, world):
-    from bik.ops.matmul import cpu as cpu_matmul
-
-    seen = []
-    original = cpu_matmul.matmul_split
-
-    def recording(dtype, n, k):
-        seen.append((n, k))
-        return original(dtype, n, k)
-
-    cpu_matmul.matmul_split = recording
-    try:
+    with split_lookups() as seen:
         for dtype in DTYPES:
             for i, (lead, k) in enumerate((((5,), 3000), ((2, 2), 576), ((1,), 4096))):
                 n = 96
@@ -86,8 +84,6 @@ def column_parallel_equals_one_device(rank, world):
                 assert torch.equal(mine, want[..., rows]), (rank, dtype, lead, k)
                 whole = column_parallel_linear(x, w[rows], b[rows], gather_output=True)
                 assert torch.equal(whole, want), (rank, dtype, lead, k)
-    finally:
-        cpu_matmul.matmul_split = original
 
 
 def _raises_everywhere(pattern, fn):
@@ -173,13 +169,16 @@ def sharded_dvr_model_equals_one_device(rank, world):
     bik_k = BikKernels()
     # One packed step: a 9-token prefill and a 1-token decode of another sequence.
     logits = {}
-    for name, model in (("full", full), ("tp", tp)):
-        cache = KVCache.allocate(model.config, 8, 8, torch.float32, "cpu")
-        step = build_step([9, 1], [9, 5], [[0, 1], [2]], 8, "cpu")
-        toks = torch.tensor([5, 9, 11, 3, 7, 1, 2, 4, 8, 6])
-        pos = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 4])
-        logits[name] = model.forward(toks, pos, step, cache, bik_k)
-    assert torch.equal(logits["tp"], logits["full"]), (rank, world)
+    for kernels in (bik_k, FastKernels()):
+        for name, model in (("full", full), ("tp", tp)):
+            cache = KVCache.allocate(model.config, 8, 8, torch.float32, "cpu")
+            step = build_step([9, 1], [9, 5], [[0, 1], [2]], 8, "cpu")
+            toks = torch.tensor([5, 9, 11, 3, 7, 1, 2, 4, 8, 6])
+            pos = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 4])
+            logits[kernels.name, name] = model.forward(toks, pos, step, cache, kernels)
+    assert torch.equal(logits["bik", "tp"], logits["bik", "full"]), (rank, world)
+    if world > 1:  # negative control, measured: the stock sharded layers change the logits
+        assert not torch.equal(logits["fast", "tp"], logits["fast", "full"]), (rank, world)
     req = Request("solo", (3, 17, 29, 4), 8, SamplingParams(0.8, seed=5))
     solo_full, solo_tp = reference_decode(full, req, bik_k), reference_decode(tp, req, bik_k)
     assert (solo_tp.tokens, solo_tp.logprobs) == (solo_full.tokens, solo_full.logprobs)
