@@ -1,76 +1,152 @@
 // RMSNorm (+ fused residual add), bit-identical to bik's CPU path (csrc/cpu/contract.h).
 //
-// One row per 16-lane group, 8 rows per 128-thread block. Lane l owns the contract's partial
-// sum s[l] and adds h[l]^2, h[l + 16]^2, ... in ascending order (16 lanes read 16 consecutive
-// elements per step: coalesced); the width-16 shuffle fold adds the pairs (l, l + 8), (l, l + 4),
-// (l, l + 2), (l, l + 1) as the CPU does. So every row's bits depend only on that row, and equal
-// the CPU backend's for every dtype (the CPU path upcasts to fp32 and rounds back, as here).
-// With a residual, h = round(x + r) is stored by the lane that later normalises it, and read
-// back by that same lane (program order makes its own store visible).
+// The contract's 16 lane sums s[l] (h[l]^2, h[l + 16]^2, ... added in ascending order, then
+// folded (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1)) are spread over the threads of a row
+// group by the load width VEC (elements per load): thread q of the group's 16 / VEC threads owns
+// lanes q·VEC ... q·VEC + VEC - 1 and, at step i, loads elements 16 i + q·VEC ... in one load.
+// So each lane still adds its own elements in ascending order, whatever VEC is:
+//   VEC = 16 bytes / element size (4 fp32, 8 bf16/fp16): 16-byte loads and stores, 4 or 2
+//     threads per row (bik_rms_norm_vec_*; the launcher picks it when every row, the weight and
+//     the hidden size are aligned to a vector);
+//   VEC = 1: 16 threads per row, 2- or 4-byte accesses (bik_rms_norm_*; any alignment).
+// The fold's pairs (l, l + w) with w >= VEC are in different threads: a butterfly of xor
+// shuffles with distance w / VEC. Both partners compute add(s[l], s[l + w]), and fp32 addition
+// is commutative, so every thread of the group ends with the same bits, and thread 0's tree is
+// exactly the contract's. Pairs with w < VEC are in one thread's registers. So every row's bits
+// depend only on that row and equal the CPU backend's for every dtype and both instances.
+// With a residual, h = round(x + r) is stored by the thread that later normalises it and read
+// back by that same thread (program order makes its own store visible).
 #include "rms_norm.cuh"
 
 namespace bik {
 namespace rms {
 
-constexpr int kRowsPerBlock = 8;
+// VEC consecutive elements, moved by one load or store (16 bytes for the vector instance).
+template <class S, int VEC>
+struct alignas(sizeof(S) * VEC) Pack {
+  S v[VEC];
+};
 
-template <class T, class W>
+template <class S, int VEC>
+__device__ __forceinline__ Pack<S, VEC> load_pack(const S* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const Pack<S, VEC>*>(p);
+#else
+  Pack<S, VEC> out;  // the host build (tests): no aliasing through a cast
+  std::memcpy(&out, p, sizeof(out));
+  return out;
+#endif
+}
+
+template <class S, int VEC>
+__device__ __forceinline__ void store_pack(S* p, const Pack<S, VEC>& v) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<Pack<S, VEC>*>(p) = v;
+#else
+  std::memcpy(p, &v, sizeof(v));
+#endif
+}
+
+// The contract's fold of the 16 lane sums, of which this thread holds s[0 .. VEC-1] (lanes
+// q·VEC ...): returns s[0] of the fold in every thread of the row group.
+template <int VEC>
+__device__ __forceinline__ float fold_lanes(float (&s)[VEC]) {
+#pragma unroll
+  for (int w = kLanes / 2; w >= VEC; w >>= 1) {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) s[v] = add_rn(s[v], __shfl_xor_sync(0xFFFFFFFFu, s[v], w / VEC));
+  }
+#pragma unroll
+  for (int w = VEC / 2; w >= 1; w >>= 1) {
+#pragma unroll
+    for (int v = 0; v < w; ++v) s[v] = add_rn(s[v], s[v + w]);
+  }
+  return s[0];
+}
+
+template <class T, class W, int VEC>
 __device__ __forceinline__ void rms_norm_rows(
     const typename T::storage* __restrict__ x, i64 sx, const typename T::storage* __restrict__ r,
     i64 sr, const typename W::storage* __restrict__ w, typename T::storage* out, i64 so,
     typename T::storage* hout, i64 sh, i64 rows, i64 hidden, float eps) {
-  const i64 row = i64(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 4);
-  const int lane = threadIdx.x & (kLanes - 1);
+  typedef typename T::storage S;
+  typedef Pack<S, VEC> P;
+  constexpr int kGroup = kLanes / VEC;  // threads per row
+  const i64 row = i64(blockIdx.x) * (blockDim.x / kGroup) + threadIdx.x / kGroup;
+  const int first = int(threadIdx.x % kGroup) * VEC;  // this thread's first lane
   const bool live = row < rows;
-  float acc = 0.0f;
+  float s[VEC];
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) s[v] = 0.0f;
   if (live) {
-    const typename T::storage* xr = x + row * sx;
+    const S* xr = x + row * sx;
     if (r != nullptr) {
-      const typename T::storage* rr = r + row * sr;
-      typename T::storage* hr = hout + row * sh;
-#pragma unroll 8
-      for (i64 j = lane; j < hidden; j += kLanes) {
-        const typename T::storage h = residual_sum<T>(xr[j], rr[j]);
-        hr[j] = h;
-        acc = square_step(acc, T::load(h));
+      const S* rr = r + row * sr;
+      S* hr = hout + row * sh;
+#pragma unroll 4
+      for (i64 j = first; j < hidden; j += kLanes) {
+        const P xv = load_pack<S, VEC>(xr + j), rv = load_pack<S, VEC>(rr + j);
+        P hv;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          hv.v[v] = residual_sum<T>(xv.v[v], rv.v[v]);
+          s[v] = square_step(s[v], T::load(hv.v[v]));
+        }
+        store_pack<S, VEC>(hr + j, hv);
       }
     } else {
-#pragma unroll 8
-      for (i64 j = lane; j < hidden; j += kLanes) acc = square_step(acc, T::load(xr[j]));
+#pragma unroll 4
+      for (i64 j = first; j < hidden; j += kLanes) {
+        const P xv = load_pack<S, VEC>(xr + j);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) s[v] = square_step(s[v], T::load(xv.v[v]));
+      }
     }
   }
-  // Every lane of the warp takes part in the shuffles (dead rows add zeros among themselves).
-  acc = group_sum_fixed<kLanes>(acc);
-  const float total = __shfl_sync(kFullMask, acc, 0, kLanes);
+  // Every thread of the warp takes part in the shuffles (dead rows fold zeros among themselves).
+  const float total = fold_lanes<VEC>(s);
   if (!live) return;
   const float rstd = rstd_of(total, hidden, eps);
-  const typename T::storage* src = r != nullptr ? hout + row * sh : x + row * sx;
-  typename T::storage* yr = out + row * so;
-#pragma unroll 8
-  for (i64 j = lane; j < hidden; j += kLanes) {
-    yr[j] = T::store(scale(T::load(src[j]), rstd, W::load(w[j])));
+  const S* src = r != nullptr ? hout + row * sh : x + row * sx;
+  S* yr = out + row * so;
+#pragma unroll 4
+  for (i64 j = first; j < hidden; j += kLanes) {
+    const P hv = load_pack<S, VEC>(src + j);
+    const Pack<typename W::storage, VEC> wv = load_pack<typename W::storage, VEC>(w + j);
+    P yv;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      yv.v[v] = T::store(scale(T::load(hv.v[v]), rstd, W::load(wv.v[v])));
+    }
+    store_pack<S, VEC>(yr + j, yv);
   }
 }
 
 }  // namespace rms
 }  // namespace bik
 
-// bik_rms_norm_<x dtype>_<weight dtype>(x, stride_x, residual or null, stride_r, weight, out,
+// bik_rms_norm_<x dtype>_<weight dtype> (VEC = 1) and bik_rms_norm_vec_<x dtype>_<weight dtype>
+// (VEC = 16 bytes / x's element size) (x, stride_x, residual or null, stride_r, weight, out,
 // stride_out, h_out (null without residual), stride_h, rows, hidden, eps). Strides in elements;
-// rows have unit stride along the hidden dim. Grid: ceil(rows / 8) blocks of 128 threads.
-#define BIK_RMS_NORM_KERNEL(XN, XT, WN, WT)                                                     \
+// rows have unit stride along the hidden dim. Block: a multiple of 32 threads, 16 / VEC per row
+// (python/bik/ops/rms_norm/cuda.py). The vector instance needs hidden, the strides and the
+// pointers aligned to VEC elements (the weight to VEC of its own elements).
+#define BIK_RMS_NORM_KERNEL(NAME, VEC, XT, WT)                                                  \
   extern "C" __global__ void __launch_bounds__(128)                                             \
-      bik_rms_norm_##XN##_##WN(const XT::storage* x, bik::i64 sx, const XT::storage* r,         \
-                               bik::i64 sr, const WT::storage* w, XT::storage* out,             \
-                               bik::i64 so, XT::storage* h, bik::i64 sh, bik::i64 rows,        \
-                               bik::i64 hidden, float eps) {                                    \
-    bik::rms::rms_norm_rows<XT, WT>(x, sx, r, sr, w, out, so, h, sh, rows, hidden, eps);       \
+      NAME(const XT::storage* x, bik::i64 sx, const XT::storage* r, bik::i64 sr,                \
+           const WT::storage* w, XT::storage* out, bik::i64 so, XT::storage* h, bik::i64 sh,    \
+           bik::i64 rows, bik::i64 hidden, float eps) {                                         \
+    bik::rms::rms_norm_rows<XT, WT, VEC>(x, sx, r, sr, w, out, so, h, sh, rows, hidden, eps);  \
   }
 
-#define BIK_RMS_NORM_FOR_X(XN, XT)              \
-  BIK_RMS_NORM_KERNEL(XN, XT, f32, bik::F32)    \
-  BIK_RMS_NORM_KERNEL(XN, XT, bf16, bik::BF16)  \
-  BIK_RMS_NORM_KERNEL(XN, XT, f16, bik::F16)
+#define BIK_RMS_NORM_PAIR(XN, XT, WN, WT)                                                  \
+  BIK_RMS_NORM_KERNEL(bik_rms_norm_##XN##_##WN, 1, XT, WT)                                 \
+  BIK_RMS_NORM_KERNEL(bik_rms_norm_vec_##XN##_##WN, int(16 / sizeof(XT::storage)), XT, WT)
+
+#define BIK_RMS_NORM_FOR_X(XN, XT)            \
+  BIK_RMS_NORM_PAIR(XN, XT, f32, bik::F32)    \
+  BIK_RMS_NORM_PAIR(XN, XT, bf16, bik::BF16)  \
+  BIK_RMS_NORM_PAIR(XN, XT, f16, bik::F16)
 
 BIK_RMS_NORM_FOR_X(f32, bik::F32)
 BIK_RMS_NORM_FOR_X(bf16, bik::BF16)

@@ -34,7 +34,8 @@ def host(host_lib, monkeypatch):
 
     def launch(kernel, grid, block, shared_bytes, *args, device=None):
         source = ("matmul_sm90" if kernel.startswith("bik_matmul_sm90")
-                  else "matmul" if kernel.startswith("bik_matmul") else "attention")
+                  else "matmul" if kernel.startswith("bik_matmul")
+                  else "rms_norm" if kernel.startswith("bik_rms_norm") else "attention")
         kinds = kernel_signature(source, kernel)
         assert [arg_kind(a) for a in args] == kinds, kernel
         assert shared_bytes == 0 and 0 < block[0] <= 1024 and block[1:] == (1, 1)

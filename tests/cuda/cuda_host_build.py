@@ -43,7 +43,10 @@ def build_shim(tmp_path_factory, source: str, *, std: str = "c++17",
 def kernel_signature(source: str, kernel: str) -> list[str]:
     """Parameter kinds of ``kernel`` in csrc/cuda/<source>.cu: 'ptr', 'i32', 'i64', 'f32'."""
     text = (SRC / f"{source}.cu").read_text().replace("\\\n", "\n")
-    if kernel.startswith("bik_attention_") and kernel != "bik_attention_merge":
+    if kernel.startswith("bik_rms_norm_"):
+        match = re.search(r"#define BIK_RMS_NORM_KERNEL\(NAME, VEC, XT, WT\).*?NAME\((.*?)\)\s*\{",
+                          text, re.DOTALL)
+    elif kernel.startswith("bik_attention_") and kernel != "bik_attention_merge":
         match = re.search(r"#define BIK_ATTENTION_ENTRY\(NAME, KIND, D\).*?NAME\((.*?)\)\s*\{",
                           text, re.DOTALL)
     else:
@@ -53,7 +56,7 @@ def kernel_signature(source: str, kernel: str) -> list[str]:
     for param in match.group(1).split(","):
         decl = " ".join(param.split())
         kinds.append("ptr" if "*" in decl else {"int": "i32", "i64": "i64", "float": "f32"}[
-            decl.rsplit(" ", 1)[0].replace("const ", "")])
+            decl.rsplit(" ", 1)[0].replace("const ", "").replace("bik::", "")])
     return kinds
 
 

@@ -6,6 +6,7 @@ contraction; registers, shared memory and spills are measured and held to budget
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -111,6 +112,21 @@ def test_exact_kernels_have_no_fma_or_approximations(source):
     for name, ptx in checked.items():
         for bad in ("fma.", ".approx", "ex2.", "lg2.", "rcp.", "div.full"):
             assert bad not in ptx, (name, bad)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_rms_norm_vector_instance_moves_16_bytes(arch):
+    """Every global load and store of the bik_rms_norm_vec_* kernels is a 4-wide vector (16 bytes
+    of x, residual, h and out; the weight's 4 or 8 elements), and the scalar instance has none:
+    the access width is the only difference between the two."""
+    entries = cc.ptx_entries("rms_norm", arch, NVCC)
+    vec = {k: v for k, v in entries.items() if k.startswith("bik_rms_norm_vec_")}
+    assert len(vec) == 9 and len(entries) == 18
+    for name, ptx in entries.items():
+        accesses = re.findall(r"\b(?:ld|st)\.global(?:\.nc)?((?:\.v\d)?)\.\w+", ptx)
+        assert accesses, name
+        assert all(a == (".v4" if name in vec else "") for a in accesses), (name, accesses)
 
 
 @needs_nvcc

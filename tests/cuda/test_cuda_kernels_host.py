@@ -30,7 +30,7 @@ from bik.ops.matmul import cuda as cuda_matmul
 from bik.ops.matmul.reference import matmul_contract_reference
 from bik.testing.attention import make_request, pack_paged
 from bik.testing.harness import rows_alone_vs_batched, same_bits
-from bik.testing.suites import bmm_suite, matmul_suite
+from bik.testing.suites import bmm_suite, matmul_suite, rms_norm_suite
 from checks import assert_invariant
 from cuda_host_build import force
 
@@ -202,3 +202,52 @@ def test_edge_shapes_dtypes_and_opcheck(host):
     opcheck(torch.ops.bik.attention.default,
             (q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cu_q, cache.block_table, 0.125,
              True, "cuda"))
+
+
+# ---- RMSNorm (the 16-byte and the scalar instance) -----------------------------------------
+
+_NORM_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _sequential_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """A different reduction order (one running fp32 sum per row): the negative control."""
+    xf = x.float()
+    s = torch.zeros(x.shape[0])
+    for j in range(x.shape[1]):
+        s = s + xf[:, j] * xf[:, j]
+    return ((xf * (1.0 / torch.sqrt(s / x.shape[1] + eps))[:, None]) * w.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", _NORM_DTYPES)
+def test_rms_norm_suite_on_the_real_kernel(host, dtype):
+    """Rows alone vs batched through both instances: H = 64 and 136 take the 16-byte one (16 or
+    32 rows per block, so 65 rows cross blocks), H = 100 takes it for fp32 only, H = 138 never."""
+    assert_invariant(rms_norm_suite(device="cpu", dtype=dtype, backend="cuda",
+                                    ms=(1, 2, 3, 17, 65), hiddens=(64, 100, 136, 138)))
+    assert {k.startswith("bik_rms_norm_vec_") for k in host} == {True, False}, host
+
+
+@pytest.mark.parametrize("dtype", _NORM_DTYPES)
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_instances_equal_the_cpu_backend(host, dtype, wdtype):
+    """Both instances give the CPU backend's bits, plain and fused, aligned and not, for hidden
+    sizes below, at and past the 16 contract lanes; a different summation order gives other
+    bits on these inputs (so the equality is not vacuous)."""
+    gen = torch.Generator().manual_seed(3)
+    differs = False
+    for hidden in (8, 16, 24, 40, 520):
+        whole = (torch.randn(9, hidden + 8, generator=gen) * 3).to(dtype)
+        res = torch.randn(9, hidden + 8, generator=gen).to(dtype)
+        w = torch.randn(hidden, generator=gen).to(wdtype)
+        for offset in (0, 1):  # 1: rows start off the 16-byte grid (the scalar instance)
+            x, r = whole[:, offset:offset + hidden], res[:, offset:offset + hidden]
+            host.clear()
+            got = bik.rms_norm(x, w, 1e-6, backend="cuda")
+            out, h = bik.rms_norm(x, w, 1e-6, residual=r, backend="cuda")
+            vec = hidden % (16 // x.element_size()) == 0 and offset == 0
+            assert all(k.startswith("bik_rms_norm_vec_") == vec for k in host), (hidden, host)
+            assert same_bits(got, bik.rms_norm(x, w, 1e-6, backend="cpu"))
+            ref_out, ref_h = bik.rms_norm(x, w, 1e-6, residual=r, backend="cpu")
+            assert same_bits(out, ref_out) and same_bits(h, ref_h)
+            differs |= not same_bits(got, _sequential_rms_norm(x, w, 1e-6))
+    assert differs

@@ -66,22 +66,34 @@ def _check(launch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_launcher_matches_kernel_abi(recorder, dtype, wdtype):
-    from bik.ops.rms_norm.cuda import ROWS_PER_BLOCK, launch_rms_norm
+@pytest.mark.parametrize("hidden", [111, 128])
+def test_rms_norm_launcher_matches_kernel_abi(recorder, dtype, wdtype, hidden):
+    """H = 128 takes the 16-byte instance (64 threads: 16 fp32 or 32 16-bit rows per block), H = 111
+    the scalar one (8 rows per 128-thread block); a row view off the vector alignment falls
+    back to the scalar one."""
+    from bik.ops.rms_norm.cuda import launch_rms_norm
 
-    x = torch.randn(19, 111).to(dtype)
-    w = torch.randn(111).to(wdtype)
+    x = torch.randn(19, hidden).to(dtype)
+    w = torch.randn(hidden).to(wdtype)
     out = torch.empty_like(x)
     launch_rms_norm(x, w, 1e-6, out)
     launch_rms_norm(x, w, 1e-6, out, residual=x.clone(), h_out=torch.empty_like(x))
     launch_rms_norm(x[:0], w, 1e-6, out[:0])  # empty: no launch
-    assert len(recorder.launches) == 2
-    for launch in recorder.launches:
+    wide = torch.randn(19, hidden + 1).to(dtype)
+    launch_rms_norm(wide[:, 1:], w, 1e-6, out)  # rows start off the 16-byte grid
+    assert len(recorder.launches) == 3
+    vec = 16 // x.element_size() if hidden == 128 else 1
+    for i, launch in enumerate(recorder.launches):
         _check(launch)
-        assert launch[1][0] == -(-19 // ROWS_PER_BLOCK)
-    plain, fused = (launch[4] for launch in recorder.launches)
+        kernel, grid, block = launch[0][1], launch[1], launch[2]
+        lanes = vec if i < 2 else 1
+        assert kernel.startswith("bik_rms_norm_vec_") == (lanes > 1), kernel
+        rows_per_block = block[0] // (16 // lanes)
+        assert block[0] == (64 if lanes > 1 else 128)
+        assert grid[0] == -(-19 // rows_per_block)
+    plain, fused = (launch[4] for launch in recorder.launches[:2])
     assert plain[2] == 0 and plain[7] == 0 and fused[2] != 0 and fused[7] != 0  # r, h
-    assert plain[9] == 19 and plain[10] == 111 and plain[11] == np.float32(1e-6)
+    assert plain[9] == 19 and plain[10] == hidden and plain[11] == np.float32(1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

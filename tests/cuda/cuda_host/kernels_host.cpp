@@ -2,7 +2,7 @@
 // behind one entry point shaped like cuLaunchKernel: run_kernel(name, grid, block, args) where
 // args[i] points at the i-th parameter's value. tests/test_cuda_kernels_host.py routes
 // bik.runtime.cuda_jit.launch here, so the real launchers and ops run these kernels on CPU
-// tensors. Every matmul and attention kernel runs; the 16-bit matmul's mma.sync is emulated by
+// tensors. Every matmul, attention and RMSNorm kernel runs; the 16-bit matmul's mma.sync is emulated by
 // cuda_on_cpu.h (fp64 sum, not the tensor core's bits) and its cp.async is a synchronous copy;
 // likewise the sm_90a kernels' wgmma (matmul_sm90.cu).
 // Built with g++ -std=c++20 -ffp-contract=off.
@@ -14,6 +14,7 @@
 #include "../../../csrc/cuda/attention.cu"
 #include "../../../csrc/cuda/matmul.cu"
 #include "../../../csrc/cuda/matmul_sm90.cu"
+#include "../../../csrc/cuda/rms_norm.cu"
 
 namespace {
 
@@ -49,6 +50,18 @@ extern "C" int run_kernel(const char* name, unsigned gx, unsigned gy, unsigned g
   BIK_HOST_KERNEL(bik_attention_f16_d64)
   BIK_HOST_KERNEL(bik_attention_f16_d128)
   BIK_HOST_KERNEL(bik_attention_merge)
+#define BIK_HOST_RMS_NORM(XN, WN)           \
+  BIK_HOST_KERNEL(bik_rms_norm_##XN##_##WN) \
+  BIK_HOST_KERNEL(bik_rms_norm_vec_##XN##_##WN)
+#define BIK_HOST_RMS_NORM_FOR_X(XN) \
+  BIK_HOST_RMS_NORM(XN, f32)        \
+  BIK_HOST_RMS_NORM(XN, bf16)       \
+  BIK_HOST_RMS_NORM(XN, f16)
+  BIK_HOST_RMS_NORM_FOR_X(f32)
+  BIK_HOST_RMS_NORM_FOR_X(bf16)
+  BIK_HOST_RMS_NORM_FOR_X(f16)
+#undef BIK_HOST_RMS_NORM_FOR_X
+#undef BIK_HOST_RMS_NORM
 #undef BIK_HOST_KERNEL
   return 1;  // unknown kernel
 }

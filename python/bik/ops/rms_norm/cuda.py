@@ -1,8 +1,11 @@
 """Launcher for the CUDA C++ RMSNorm (csrc/cuda/rms_norm.cu): bit-identical to the CPU backend.
 
-One 16-lane group per row, 8 rows per 128-thread block; the per-row reduction order is the CPU
-contract's (16 lane sums in ascending order, folded 8, 4, 2, 1), fixed by nothing but the
-hidden size, so every row's bits are the same whatever the batch and equal the CPU path's.
+The per-row reduction order is the CPU contract's (16 lane sums in ascending order, folded 8, 4,
+2, 1), fixed by nothing but the hidden size, so every row's bits are the same whatever the batch
+and equal the CPU path's. Two instances of one kernel hold those 16 lanes differently
+(csrc/cuda/rms_norm.cu): the vector one moves 16 bytes per load and store (4 fp32 or 8 16-bit
+lanes per thread) and runs whenever the rows, the weight and the hidden size are aligned to
+that vector; the scalar one (a lane per thread) takes any alignment. Same bits either way.
 """
 
 from __future__ import annotations
@@ -13,10 +16,26 @@ from bik._dtypes import info
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_jit import f32, i64
 
-__all__ = ["ROWS_PER_BLOCK", "launch_rms_norm"]
+__all__ = ["launch_rms_norm", "threads_per_block", "vector_width"]
 
-ROWS_PER_BLOCK = 8
-_THREADS = 128
+_LANES = 16  # the contract's lane count (csrc/cuda/rms_norm.cuh)
+
+
+def threads_per_block(vec: int) -> int:
+    """128 threads (8 rows) for the scalar instance; 64 for the vector one (16 fp32 or 32 16-bit
+    rows), so that a prefill of a few thousand rows still spreads over every SM."""
+    return 128 if vec == 1 else 64
+
+
+def vector_width(x: torch.Tensor, weight: torch.Tensor, tensors) -> int:
+    """Elements per load for x [M, H] and its companions: 16 bytes' worth when every pointer,
+    row stride and H are aligned to it (the weight to as many of its own elements), else 1."""
+    vec = 16 // x.element_size()
+    hidden = x.shape[1]
+    aligned = hidden % vec == 0 and weight.data_ptr() % (vec * weight.element_size()) == 0
+    for t in tensors:
+        aligned = aligned and t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or t.stride(0) % vec == 0)
+    return vec if aligned else 1
 
 
 def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
@@ -37,12 +56,16 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
         raise ValueError("cuda rms_norm: residual and h_out come together")
     if not weight.is_contiguous() or weight.shape != (hidden,):
         raise ValueError("cuda rms_norm: weight must be a contiguous [H] tensor")
-    kernel = cuda_jit.get_kernel("rms_norm",
-                                 f"bik_rms_norm_{info(x.dtype).cuda}_{info(weight.dtype).cuda}",
-                                 x.device)
+    rows_tensors = [t for t in (x, out, residual, h_out) if t is not None]
+    vec = vector_width(x, weight, rows_tensors)
+    name = f"{info(x.dtype).cuda}_{info(weight.dtype).cuda}"
+    kernel = cuda_jit.get_kernel("rms_norm", f"bik_rms_norm_vec_{name}" if vec > 1
+                                 else f"bik_rms_norm_{name}", x.device)
     has_res = residual is not None
-    grid = ((m + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, 1, 1)
-    cuda_jit.launch(kernel, grid, (_THREADS, 1, 1), 0,
+    threads = threads_per_block(vec)
+    rows_per_block = threads // (_LANES // vec)
+    grid = ((m + rows_per_block - 1) // rows_per_block, 1, 1)
+    cuda_jit.launch(kernel, grid, (threads, 1, 1), 0,
                     x, i64(x.stride(0)), residual, i64(residual.stride(0) if has_res else 0),
                     weight, out, i64(out.stride(0)), h_out, i64(h_out.stride(0) if has_res else 0),
                     i64(m), i64(hidden), f32(eps), device=x.device)
