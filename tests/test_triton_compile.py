@@ -10,7 +10,10 @@ pytest.importorskip("triton")
 # and reductions do not spill. The attention kernels keep two fp32 accumulators (the running
 # fold and the current split) and measured at most 24 B of stack on some fp32 / sm_80 configs.
 # A change that spills more must raise these deliberately (and say why in its commit).
-SPILL_BUDGET = {"attention_kernel": 32, "attention_merge_kernel": 0}
+# The sampler's stats kernel spills up to 56 B (sm_90, fp16) for a vocabulary that is not a
+# multiple of 16 (V = 111: unvectorised masked loads around the normaliser's chunk folds); the
+# Llama vocabularies (128256, 262144) do not spill.
+SPILL_BUDGET = {"attention_kernel": 32, "attention_merge_kernel": 0, "sample_stats_kernel": 64}
 
 
 @pytest.fixture(scope="module", params=ARCHS, ids=lambda a: f"sm{a}")

@@ -153,19 +153,28 @@ SAMPLE_VOCABS = (111, 128256, 262144)
 
 
 def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
-    """The sampler's stats and pick kernels for every logits dtype and vocabulary; the pick is
-    compiled exactly as launched (no fp fusion), so its PTX can be checked for approximations."""
-    from bik.configs import sampling_config
-    from bik.ops.sampling.triton import NO_FUSION, gumbel_pick_kernel, sample_stats_kernel
+    """The sampler's stats and pick kernels for every logits dtype and vocabulary, compiled
+    exactly as launched (no fp fusion), so their PTX can be checked for approximations."""
+    from bik.configs import sampler_chunks, sampling_config
+    from bik.ops.sampling.triton import (
+        NO_FUSION,
+        _chunks_per_tile,
+        gumbel_pick_kernel,
+        sample_stats_kernel,
+    )
 
     cfg = sampling_config(f"sm{arch}")
     f32, i32 = Ptr(torch.float32), Ptr(torch.int32)
     for dtype in DTYPES:
         for v in SAMPLE_VOCABS:
-            args = {"x_ptr": Ptr(dtype), "stride_x": v, "V": v, "temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32,
-                        "top_p_ptr": f32, "log_min_p_ptr": f32, "m_ptr": f32, "vlo_ptr": f32, "logs_ptr": f32,
-                        "bad_ptr": i32}
-            yield sample_stats_kernel, args, {"BLOCK": cfg.block}, cfg.num_warps, 1
+            groups, chunk = sampler_chunks(v)
+            args = {"x_ptr": Ptr(dtype), "stride_x": v, "V": v, "GROUP_LEN": v // groups,
+                    "temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32, "top_p_ptr": f32,
+                    "log_min_p_ptr": f32, "m_ptr": f32, "vlo_ptr": f32, "logs_ptr": f32,
+                    "bad_ptr": i32}
+            consts = {"BLOCK": cfg.block, "CHUNK": chunk, "LOG2_CHUNK": chunk.bit_length() - 1,
+                      "NCH": _chunks_per_tile(f"sm{arch}", chunk)}
+            yield sample_stats_kernel, args, consts, cfg.num_warps, 1, NO_FUSION
             args = {"x_ptr": Ptr(dtype), "stride_x": v, "V": v, "key_ptr": Ptr(torch.int64),
                         "temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32, "vlo_ptr": f32, "m_ptr": f32,
                         "part_val_ptr": f32, "part_idx_ptr": i32, "n_splits": -(-v // cfg.split)}

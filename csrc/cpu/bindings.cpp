@@ -366,12 +366,36 @@ void attention_f32(std::uintptr_t q, idx_t sq_tok, idx_t sq_head, std::uintptr_t
   attn::run_items(p, isa.tile, kc, nc, items, int(nt), ws, per_worker);
 }
 
+void check_vocab_chunks(const char* op, idx_t V, idx_t groups, idx_t chunk) {
+  if (groups < 1 || chunk < 1 || (chunk & (chunk - 1)) != 0 || V % groups != 0)
+    throw std::invalid_argument(std::string("bik: ") + op +
+                                " needs groups >= 1 dividing V and a power-of-two chunk, got V=" +
+                                std::to_string(V) + " groups=" + std::to_string(groups) +
+                                " chunk=" + std::to_string(chunk));
+}
+
+// The normaliser's sum (sampling.h vocab_sum) of given fp32 terms [B, V] (contiguous), per row:
+// the contract's order, for tests and cross-backend checks.
+void vocab_sum_f32(std::uintptr_t terms, idx_t B, idx_t V, idx_t groups, idx_t chunk,
+                   std::uintptr_t out) {
+  if (B < 0 || V <= 0) throw std::invalid_argument("bik: vocab_sum needs B >= 0 and V > 0");
+  check_vocab_chunks("vocab_sum", V, groups, chunk);
+  const float* t = fptr(terms);
+  float* o = reinterpret_cast<float*>(out);
+  pybind11::gil_scoped_release nogil;
+  FenvGuard g;
+  for (idx_t r = 0; r < B; ++r)
+    o[r] = sampling::vocab_sum(V, {groups, chunk}, [t, r, V](idx_t j) { return t[r * V + j]; });
+}
+
 // Gumbel-max sampler (sampling.h): rows of fp32 logits, per-row parameters, threads split rows.
-void sample_f32(std::uintptr_t x, idx_t sx, idx_t B, idx_t V, std::uintptr_t seed,
-                std::uintptr_t position, std::uintptr_t temperature, std::uintptr_t top_k,
+void sample_f32(std::uintptr_t x, idx_t sx, idx_t B, idx_t V, idx_t groups, idx_t chunk,
+                std::uintptr_t seed, std::uintptr_t position, std::uintptr_t temperature,
+                std::uintptr_t top_k,
                 std::uintptr_t top_p, std::uintptr_t log_min_p, std::uint32_t stream,
                 std::uintptr_t tokens, std::uintptr_t logprobs, int num_threads) {
   if (B < 0 || V <= 0) throw std::invalid_argument("bik: sample needs B >= 0 and V > 0");
+  check_vocab_chunks("sample", V, groups, chunk);
   if (B == 0) return;
   using I64 = const std::int64_t*;
   using F32 = const float*;
@@ -380,7 +404,7 @@ void sample_f32(std::uintptr_t x, idx_t sx, idx_t B, idx_t V, std::uintptr_t see
   pybind11::gil_scoped_release nogil;
   parallel_run(int(t), [&](int id) {
     const idx_t r0 = B * id / t, r1 = B * (id + 1) / t;
-    sampling::sample_rows(fptr(x), sx, V, reinterpret_cast<I64>(seed),
+    sampling::sample_rows(fptr(x), sx, V, {groups, chunk}, reinterpret_cast<I64>(seed),
                           reinterpret_cast<I64>(position), reinterpret_cast<F32>(temperature),
                           reinterpret_cast<I64>(top_k), reinterpret_cast<F32>(top_p),
                           reinterpret_cast<F32>(log_min_p), stream,
@@ -391,7 +415,7 @@ void sample_f32(std::uintptr_t x, idx_t sx, idx_t B, idx_t V, std::uintptr_t see
 
 // The sampler's building blocks, elementwise over n entries (tests and cross-backend checks):
 // "philox": in = uint32 [n, 6] (counter c0..c3, key k0, k1) -> out = uint32 [n, 4];
-// "log": fp32 -> bik_log; "gumbel": fp32 u -> -bik_log(-bik_log(u)).
+// "log": fp32 -> bik_log; "gumbel": fp32 u -> -bik_log(-bik_log(u)); "exp": fp32 x <= 0 -> bik_exp.
 void sampling_elementwise(const std::string& fn, std::uintptr_t in, std::uintptr_t out, idx_t n) {
   if (n < 0) throw std::invalid_argument("bik: negative size");
   pybind11::gil_scoped_release nogil;
@@ -412,8 +436,10 @@ void sampling_elementwise(const std::string& fn, std::uintptr_t in, std::uintptr
     for (idx_t i = 0; i < n; ++i) yp[i] = sampling::bik_log(xp[i]);
   } else if (fn == "gumbel") {
     for (idx_t i = 0; i < n; ++i) yp[i] = sampling::gumbel_from_unit(xp[i]);
+  } else if (fn == "exp") {
+    for (idx_t i = 0; i < n; ++i) yp[i] = sampling::bik_exp(xp[i]);
   } else {
-    throw std::invalid_argument("bik: sampling_elementwise takes philox, log or gumbel");
+    throw std::invalid_argument("bik: sampling_elementwise takes philox, log, gumbel or exp");
   }
 }
 
@@ -445,8 +471,9 @@ PYBIND11_MODULE(_cpu_kernels, m) {
 #define BIK_CPU_SOURCE_HASH "unknown"
 #endif
   m.attr("SOURCE_HASH") = BIK_CPU_SOURCE_HASH;  // of csrc/cpu, computed by setup.py
-  // 2: + softmax, log_softmax, mean; 3: + sampler; 4: + attention; 5: matmul K splits
-  m.attr("CONTRACT_VERSION") = 5;
+  // 2: + softmax, log_softmax, mean; 3: + sampler; 4: + attention; 5: matmul K splits;
+  // 6: the sampler's normaliser (vocabulary chunks, bik_exp, bik_log)
+  m.attr("CONTRACT_VERSION") = 6;
   m.def("matmul_f32", &bik_cpu::matmul_f32, py::arg("a"), py::arg("sam"), py::arg("sak"),
         py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),
         py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("split"),
@@ -501,12 +528,15 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "lens_k, checked first (ValueError); writes fp32 out [total_q, hq, d] and lse\n"
         "[total_q, hq] (natural log).");
   m.def("sample_f32", &bik_cpu::sample_f32, py::arg("x"), py::arg("sx"), py::arg("B"),
-        py::arg("V"), py::arg("seed"), py::arg("position"), py::arg("temperature"),
+        py::arg("V"), py::arg("groups"), py::arg("chunk"), py::arg("seed"), py::arg("position"), py::arg("temperature"),
         py::arg("top_k"), py::arg("top_p"), py::arg("log_min_p"), py::arg("stream"),
         py::arg("tokens"), py::arg("logprobs"), py::arg("num_threads"),
         "Gumbel-max sampler over rows of x[B,V] (unit stride along V); see sampling.h.");
   m.def("sampling_elementwise", &bik_cpu::sampling_elementwise, py::arg("fn"), py::arg("in"),
-        py::arg("out"), py::arg("n"), "philox / log / gumbel building blocks of the sampler.");
+        py::arg("out"), py::arg("n"), "philox / log / gumbel / exp building blocks of the sampler.");
+  m.def("vocab_sum_f32", &bik_cpu::vocab_sum_f32, py::arg("terms"), py::arg("B"), py::arg("V"),
+        py::arg("groups"), py::arg("chunk"), py::arg("out"),
+        "The sampler normaliser's sum of fp32 terms [B, V] per row (sampling.h vocab_sum).");
   m.def(
       "isa", [](const std::string& want) { return std::string(bik_cpu::select_isa(want).name); },
       py::arg("want") = "auto", "Name of the ISA path `want` resolves to.");

@@ -1,6 +1,6 @@
 // bik's Gumbel-max sampler on the CPU (contract: docs/design.md#sampler; this header is its
-// C++ implementation, mirrored bit for bit by python/bik/ops/sampling/triton.py for the noise,
-// the filters built from exact operations, and the pick).
+// C++ implementation, mirrored bit for bit by the Triton and CUDA kernels: the noise, the
+// filters, the normaliser and the pick, so tokens and logprobs are the same on every backend).
 //
 // Noise for (seed, position, token id, stream):
 //   bits = word 0 of Philox4x32-10(counter = (token_id, pos_lo, pos_hi, stream),
@@ -11,16 +11,26 @@
 // separate multiplies and adds, no FMA: the build has -ffp-contract=off):
 //   x = m * 2^e with m in [sqrt(1/2), sqrt(2)), f = m - 1 (exact), q = Horner(C8..C0, f),
 //   p = q * f + 1, l = f * p,  bik_log = e * LN2_HI + (e * LN2_LO + l)
+// bik_exp(x), x <= 0 (the normaliser's terms exp(z - m)), likewise from exactly rounded ops:
+//   x < -86 (-inf included): 0;  k = floor(x * LOG2E + 0.5);  r = (x - k * C1) - k * C2
+//   p = ((Horner(E5..E0, r) * (r * r)) + r) + 1;  bik_exp = p * 2^k   (k in [-124, 0]: exact)
 // Per row (z = x / T with correctly rounded division, or z = x when T == 0):
 //   invalid row (token -1, logprob NaN): a NaN or +inf in z, or no finite z left by the filters
 //   top-k (0 < k < V): keep the first k tokens in the order (z desc, index asc)
 //   m = max z (top-k, top-p and min-p always keep the max)
-//   top-p (p < 1): e_j = expf(z_j - m) over top-k-kept j, S = lanesum(e); keep z_j >= v_p where
-//     v_p is the largest fp32 v with lanesum(e_j [z_j >= v]) >= p * S (bisection on the order key)
+//   top-p (p < 1): e_j = bik_exp(z_j - m) over top-k-kept j, S = vocab_sum(e); keep z_j >= v_p
+//     where v_p is the largest fp32 v with vocab_sum(e_j [z_j >= v]) >= p * S (bisection on the
+//     order key)
 //   min-p (log_min_p > -inf): keep z_j >= m + log_min_p (log_min_p = bik_log(min_p), host side)
 //   pick: argmax over kept j of (T == 0 ? z_j : z_j + g_j), ties to the lowest index
-//   logprob = (z_c - m) - logf(lanesum(expf(z_j - m) over kept j))
-// lanesum: s[j % 16] += term_j for j ascending, folded 8, 4, 2, 1 (as reductions.h).
+//   logprob = (z_c - m) - bik_log(vocab_sum(bik_exp(z_j - m) over kept j))
+// vocab_sum, the normaliser's order (VocabChunks, bik.configs.sampler_chunks(V)): the vocabulary
+// is cut into G equal groups (G = TP_max when it divides V, else 1), each group into chunks of
+// C tokens (a power of two) from the group's start, the last one ragged: its missing tokens are
+// +0 terms. A chunk's C terms s[t] fold pairwise by halves, w = C/2, C/4, ..., 1:
+// s[t] = s[t] + s[t + w] (t < w), and s[0] is the chunk sum. A group's chunk sums are added in
+// ascending order from +0, then the group totals in ascending order. A rank holding whole
+// groups of the vocabulary computes their totals alone; every GPU kernel runs this order.
 #pragma once
 
 #include <algorithm>
@@ -108,6 +118,24 @@ static inline float bik_log(float x) {
 // Negation is written 0 - x (as Triton lowers unary minus): g(u) = +0 where -log(u) = 1.
 static inline float gumbel_from_unit(float u) { return 0.0f - bik_log(0.0f - bik_log(u)); }
 
+// exp(x) for x <= 0 (and -inf) from exactly rounded operations (Cody-Waite reduction by ln 2,
+// a degree-7 polynomial with Moshier's Cephes expf coefficients, an exact scale by 2^k). Below
+// -86 the result is 0: the sampler adds it to a sum >= 1, where exp(-86) ~ 4e-38 is far under
+// half an ulp, and no subnormal ever appears (a GPU flushing them gives the same bits).
+static inline float bik_exp(float x) {
+  if (!(x >= -86.0f)) return 0.0f;
+  const float k = std::floor(x * 0x1.715476p+0f + 0.5f);
+  const float r = (x - k * 0x1.630000p-1f) - k * -0x1.bd0106p-13f;
+  float q = 0x1.a0d2cep-13f;
+  q = q * r + 0x1.6e879cp-10f;
+  q = q * r + 0x1.111210p-7f;
+  q = q * r + 0x1.555382p-5f;
+  q = q * r + 0x1.555554p-3f;
+  q = q * r + 0x1.000000p-1f;
+  const float p = (q * (r * r) + r) + 1.0f;
+  return p * f32_from_bits(std::uint32_t(std::int32_t(k) + 127) << 23);
+}
+
 // The noise's exact extremes over all 2^23 u (tested): g(2^-24) and g(1 - 2^-24).
 constexpr float kGumbelMin = -0x1.67e0920000000p+1f;
 constexpr float kGumbelMax = 0x1.0a2b240000000p+4f;
@@ -131,15 +159,35 @@ static inline float from_order_key(std::int64_t k) {
   return f32_from_bits(std::uint32_t(b >= 0 ? b : (b ^ 0x7FFFFFFF)));
 }
 
-constexpr int kLanes = 16;
+// The normaliser's order (see the header): G groups of V / G tokens, chunks of `chunk` from each
+// group's start.
+struct VocabChunks {
+  idx_t groups, chunk;
+};
 
 template <class Term>
-static inline float lanesum(idx_t n, const Term& term) {
-  float s[kLanes] = {};
-  for (idx_t j = 0; j < n; ++j) s[j % kLanes] = s[j % kLanes] + term(j);
-  for (int w = 8; w >= 1; w >>= 1)
-    for (int l = 0; l < w; ++l) s[l] = s[l] + s[l + w];
-  return s[0];
+static inline float vocab_sum(idx_t V, const VocabChunks& vc, const Term& term) {
+  const idx_t group_len = V / vc.groups;
+  std::vector<float> s(static_cast<size_t>(vc.chunk));
+  float total = 0.0f;
+  for (idx_t g = 0; g < vc.groups; ++g) {
+    const idx_t g_end = (g + 1) * group_len;
+    float group_total = 0.0f;
+    for (idx_t c0 = g * group_len; c0 < g_end; c0 += vc.chunk) {
+      // The zero padding of a ragged chunk is implicit: s[t] + (+0) is s[t] (terms are >= +0),
+      // so a step only adds the pairs whose second term exists. Same bits, O(n) work.
+      idx_t n = std::min(c0 + vc.chunk, g_end) - c0;
+      for (idx_t t = 0; t < n; ++t) s[t] = term(c0 + t);
+      for (idx_t w = vc.chunk / 2; w >= 1; w >>= 1) {
+        if (n <= w) continue;
+        for (idx_t t = 0; t + w < n; ++t) s[t] = s[t] + s[t + w];
+        n = w;
+      }
+      group_total = group_total + s[0];
+    }
+    total = total + group_total;
+  }
+  return total;
 }
 
 struct RowParams {
@@ -149,7 +197,8 @@ struct RowParams {
 };
 
 // Samples one row x[0..V-1] (unit stride). z, e: scratch of V floats; idx: V int32.
-static void sample_row(const float* x, idx_t V, const RowParams& rp, float* z, float* e,
+static void sample_row(const float* x, idx_t V, const VocabChunks& vc, const RowParams& rp,
+                       float* z, float* e,
                        std::int32_t* idx, std::int64_t* token_out, float* logprob_out) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   *token_out = -1;
@@ -179,15 +228,15 @@ static void sample_row(const float* x, idx_t V, const RowParams& rp, float* z, f
   for (idx_t j = 0; j < V; ++j)
     if (kept_k(j)) m = z[j] > m ? z[j] : m;
   if (m == -INFINITY) return;  // nothing finite left
-  for (idx_t j = 0; j < V; ++j) e[j] = kept_k(j) ? std::exp(z[j] - m) : 0.0f;
+  for (idx_t j = 0; j < V; ++j) e[j] = kept_k(j) ? bik_exp(z[j] - m) : 0.0f;
   float v_lo = -INFINITY;
   if (rp.top_p < 1.0f) {
-    const float target = rp.top_p * lanesum(V, [e](idx_t j) { return e[j]; });
+    const float target = rp.top_p * vocab_sum(V, vc, [e](idx_t j) { return e[j]; });
     std::int64_t lo = order_key(-INFINITY), hi = order_key(m) + 1;
     for (int it = 0; it < 32; ++it) {
       const std::int64_t mid = (lo + hi) >> 1;
       const float v = from_order_key(mid);
-      const float mass = lanesum(V, [e, z, v](idx_t j) { return z[j] >= v ? e[j] : 0.0f; });
+      const float mass = vocab_sum(V, vc, [e, z, v](idx_t j) { return z[j] >= v ? e[j] : 0.0f; });
       if (mass >= target) lo = mid; else hi = mid;
     }
     v_lo = from_order_key(lo);
@@ -213,13 +262,15 @@ static void sample_row(const float* x, idx_t V, const RowParams& rp, float* z, f
     }
   }
   if (best_j < 0) return;
-  const float sum = lanesum(V, [&](idx_t j) { return kept_k(j) && z[j] >= v_lo ? e[j] : 0.0f; });
+  const float sum =
+      vocab_sum(V, vc, [&](idx_t j) { return kept_k(j) && z[j] >= v_lo ? e[j] : 0.0f; });
   *token_out = best_j;
-  *logprob_out = (z[best_j] - m) - std::log(sum);
+  *logprob_out = (z[best_j] - m) - bik_log(sum);  // sum >= 1: the max token's term is 1
 }
 
 // Rows r0..r1-1 of x [B, V] (row stride sx, unit stride along V).
-static void sample_rows(const float* x, idx_t sx, idx_t V, const std::int64_t* seed,
+static void sample_rows(const float* x, idx_t sx, idx_t V, const VocabChunks& vc,
+                        const std::int64_t* seed,
                         const std::int64_t* position, const float* temperature,
                         const std::int64_t* top_k, const float* top_p, const float* log_min_p,
                         std::uint32_t stream, std::int64_t* tokens, float* logprobs, idx_t r0,
@@ -229,7 +280,7 @@ static void sample_rows(const float* x, idx_t sx, idx_t V, const std::int64_t* s
   for (idx_t r = r0; r < r1; ++r) {
     const RowParams rp{seed[r], position[r], top_k[r], temperature[r], top_p[r], log_min_p[r],
                        stream};
-    sample_row(x + r * sx, V, rp, z.data(), e.data(), idx.data(), tokens + r, logprobs + r);
+    sample_row(x + r * sx, V, vc, rp, z.data(), e.data(), idx.data(), tokens + r, logprobs + r);
   }
 }
 

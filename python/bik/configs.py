@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,7 @@ __all__ = [
     "CUDA_DEFINES",
     "MATMUL_SPLIT_ENV",
     "MATMUL_TP_MAX",
+    "SAMPLER_CHUNK",
     "SAMPLER_GREEDY_BELOW",
     "TRITON_ATTENTION_HEAD_DIMS",
     "AttentionConfig",
@@ -30,6 +32,7 @@ __all__ = [
     "RMSNormConfig",
     "ReductionConfig",
     "SamplingConfig",
+    "VocabChunks",
     "arch_family",
     "attention_config",
     "cuda_attention_config",
@@ -42,6 +45,7 @@ __all__ = [
     "matmul_split_rule",
     "reduction_config",
     "rms_norm_config",
+    "sampler_chunks",
     "sampling_config",
 ]
 
@@ -234,6 +238,7 @@ def config_table() -> dict:
                       for arch, row in _ATTENTION_BASE.items()},
         "cpu_attention_split": CPU_ATTENTION_SPLIT,
         "sampling": {arch: vars(c) for arch, c in _SAMPLING.items()},
+        "sampler_chunks": {"tp_max": MATMUL_TP_MAX, "chunk": SAMPLER_CHUNK},
         "sampler_greedy_below": SAMPLER_GREEDY_BELOW,
         "cuda": cuda_config_table(),
     }
@@ -294,6 +299,29 @@ _SAMPLING = {
 # the max). Without it x / T overflows fp32 for tiny T and the row came back invalid (-1).
 # vLLM treats temperatures below the same 1e-5 as greedy. Compared in fp32.
 SAMPLER_GREEDY_BELOW = 1e-5
+
+
+SAMPLER_CHUNK = 1024  # tokens per chunk of the sampler's normaliser (a power of two)
+
+
+class VocabChunks(NamedTuple):
+    groups: int  # G equal groups of V / G tokens
+    chunk: int  # tokens per chunk, from each group's start (the last chunk of a group ragged)
+
+
+def sampler_chunks(vocab: int) -> VocabChunks:
+    """The order of the sampler's normaliser sums (top-p masses, the logprob's normaliser) for a
+    vocabulary of ``vocab`` tokens, on every backend: G = MATMUL_TP_MAX groups when it divides
+    the vocabulary (a vocab-parallel rank then holds whole groups), else 1; chunks of
+    SAMPLER_CHUNK (a power of two) from each group's start, zero-padded, each folded pairwise by
+    halves (s[t] += s[t + w], w = C/2 .. 1); chunk sums ascending within a group; group totals
+    ascending
+    (csrc/cpu/sampling.h, docs/design.md#sampler). Nothing of the batch, the arch or the
+    backend."""
+    if vocab < 1:
+        raise ValueError(f"bik.configs.sampler_chunks: vocab must be >= 1, got {vocab}")
+    groups = MATMUL_TP_MAX if vocab % MATMUL_TP_MAX == 0 else 1
+    return VocabChunks(groups, SAMPLER_CHUNK)
 
 
 def sampling_config(arch: str) -> SamplingConfig:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from bik.configs import sampler_chunks
 from bik.ops._checks import require, require_cpu
 from bik.ops.sampling.noise import STREAM_SAMPLE
 from bik.runtime import cpu_ext
 
-__all__ = ["bik_log", "gumbel_from_unit", "philox4x32_10", "sample_cpu", "sample_rows"]
+__all__ = ["bik_exp", "bik_log", "gumbel_from_unit", "philox4x32_10", "sample_cpu", "sample_rows",
+           "vocab_sum"]
 
 
 def sample_cpu(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
@@ -41,7 +43,9 @@ def sample_cpu(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
                 f"every row parameter must be a contiguous [{b}] tensor of its dtype")
     if b == 0:
         return tokens, logprobs
-    ext.sample_f32(logits.data_ptr(), logits.stride(0), b, v, *(t.data_ptr() for t in args),
+    groups, chunk = sampler_chunks(v)
+    ext.sample_f32(logits.data_ptr(), logits.stride(0), b, v, groups, chunk,
+                   *(t.data_ptr() for t in args),
                    int(stream), tokens.data_ptr(), logprobs.data_ptr(),
                    torch.get_num_threads() if num_threads is None else num_threads)
     return tokens, logprobs
@@ -60,6 +64,28 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     out = torch.empty(counter.shape[0], 4, dtype=torch.int32)
     _elementwise("philox", u32, out, counter.shape[0])
     return out.to(torch.int64) & 0xFFFFFFFF
+
+
+def vocab_sum(terms: torch.Tensor) -> torch.Tensor:
+    """fp32 [B]: the normaliser's sum of fp32 terms [B, V] per row, in the contract's order
+    (``sampler_chunks(V)``; csrc/cpu/sampling.h vocab_sum)."""
+    fn = "bik.ops.sampling.cpu.vocab_sum"
+    require_cpu(fn, terms=terms)
+    require(terms.dim() == 2 and terms.dtype == torch.float32 and terms.shape[1] >= 1, fn,
+            "terms must be fp32 [B, V >= 1]")
+    terms = terms.contiguous()
+    b, v = terms.shape
+    out = torch.empty(b, dtype=torch.float32)
+    cpu_ext.require().vocab_sum_f32(terms.data_ptr(), b, v, *sampler_chunks(v), out.data_ptr())
+    return out
+
+
+def bik_exp(x: torch.Tensor) -> torch.Tensor:
+    """bik_exp of fp32 values <= 0 (sampling.h), elementwise."""
+    require_cpu("bik.ops.sampling.cpu.bik_exp", x=x)
+    require(x.dtype == torch.float32, "bik.ops.sampling.cpu.bik_exp", "x must be fp32")
+    x = x.contiguous()
+    return _elementwise("exp", x, torch.empty_like(x), x.numel())
 
 
 def bik_log(x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,11 @@ no filter and no skipped noise: argmax of x + g, ties to the lowest index.
 
 :func:`filtered_probs` is the distribution a row is drawn from, in fp64: the logits divided by
 the temperature, then top-k, then top-p (tokens tied with the boundary kept), then min-p.
+
+:func:`vocab_sum` is the normaliser's summation order, transcribed from the contract: groups,
+chunks from each group's start (zero-padded), each folded pairwise by halves, chunk sums
+ascending within a group, group totals ascending. :func:`logprob` is a kept token's logprob from it, with
+``bik_exp`` and ``bik_log`` as torch ops.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ import math
 import torch
 
 from bik.ops.sampling.cpu import gumbel_from_unit, philox4x32_10
-from bik.ops.sampling.noise import STREAM_SAMPLE
+from bik.ops.sampling.noise import STREAM_SAMPLE, bik_exp_torch, bik_log_torch
 
-__all__ = ["filtered_probs", "gumbel_max", "noise"]
+__all__ = ["filtered_probs", "gumbel_max", "logprob", "noise", "vocab_sum"]
 
 
 def noise(seed: int, position: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -57,3 +62,35 @@ def filtered_probs(logits: torch.Tensor, t: float, top_k: int, top_p: float,
     p = torch.softmax(z.masked_fill(~keep, -math.inf), 0)
     keep &= p >= min_p * p.max()
     return torch.softmax(z.masked_fill(~keep, -math.inf), 0)
+
+
+def vocab_sum(terms: torch.Tensor, groups: int, chunk: int) -> torch.Tensor:
+    """fp32 [B]: the sum of fp32 terms [B, V] per row in the normaliser's order."""
+    rows, v = terms.shape
+    group_len = v // groups
+    total = torch.zeros(rows, dtype=torch.float32)
+    for g in range(groups):
+        g_end = (g + 1) * group_len
+        group_total = torch.zeros(rows, dtype=torch.float32)
+        for c0 in range(g * group_len, g_end, chunk):
+            s = torch.zeros(rows, chunk, dtype=torch.float32)
+            n = min(c0 + chunk, g_end) - c0
+            s[:, :n] = terms[:, c0:c0 + n]
+            w = chunk // 2
+            while w >= 1:
+                s[:, :w] = s[:, :w] + s[:, w:2 * w]
+                w //= 2
+            group_total = group_total + s[:, 0]
+        total = total + group_total
+    return total
+
+
+def logprob(z: torch.Tensor, kept: torch.Tensor, token: torch.Tensor, groups: int,
+            chunk: int) -> torch.Tensor:
+    """fp32 [B]: (z_c - m) - bik_log(vocab_sum(bik_exp(z - m) over the kept tokens)) for tempered
+    logits z [B, V], the final keep mask [B, V] and the chosen tokens [B]; m is the max of z over
+    the kept tokens (the max is always kept)."""
+    m = torch.where(kept, z, float("-inf")).amax(1, keepdim=True)
+    terms = torch.where(kept, bik_exp_torch(z - m), torch.zeros_like(z))
+    z_c = z.gather(1, token[:, None])
+    return ((z_c - m) - bik_log_torch(vocab_sum(terms, groups, chunk)[:, None]))[:, 0]

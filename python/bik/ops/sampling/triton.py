@@ -1,20 +1,23 @@
-"""Triton Gumbel-max sampler: the noise and the pick bit-identical to the CPU path.
+"""Triton Gumbel-max sampler: tokens and logprobs bit-identical to the CPU path.
 
 Three launches per call, all row-local:
 
-* ``sample_stats_kernel`` (one program per row, chunks of BLOCK lanes in order): the row max m
-  (exact), the invalid flag (NaN or +inf in z), the top-p threshold by bisection on the fp32
-  order key (fixed lane sums of exp(z - m)), the min-p threshold m + log_min_p, and
-  log(sum of exp(z - m) over the kept tokens) for the logprob. Uses exp/log: exact within this
-  backend, not across backends.
+* ``sample_stats_kernel`` (one program per row): the row max m (exact), the invalid flag (NaN or
+  +inf in z), the top-p threshold by bisection on the fp32 order key, the min-p threshold
+  m + log_min_p, and bik_log of the kept mass for the logprob. Every mass is
+  :func:`_vocab_mass`: bik_exp(z - m) summed in the normaliser's written order (chunks of the
+  vocabulary, 32 explicit lanes per chunk folded 16 .. 1 by reshapes, chunk sums and group
+  totals ascending), never a ``tl.sum`` tree of the compiler's choosing. Exactly rounded ops
+  only, compiled with ``enable_fp_fusion=False``: the CPU's bits.
 * ``gumbel_pick_kernel`` (grid rows x vocabulary splits of SPLIT tokens): z = div_rn(x, T), the
   keep mask from exact thresholds, score = z + g with g from Philox4x32-10 and bik_log, and the
   split's winner under (value desc, index asc). No exp, no approximate op, no division other
-  than div_rn, compiled with ``enable_fp_fusion=False``: tests grep its sm_90 PTX.
+  than div_rn, compiled with ``enable_fp_fusion=False``: tests grep both kernels' sm_90 PTX.
 * the partial winners are merged in torch (max value, then lowest index): the order is total,
   so any split and any merge order give the same token.
 
-The noise layout and bik_log are specified in csrc/cpu/sampling.h and docs/design.md.
+The noise layout, bik_log, bik_exp and the normaliser's order are specified in
+csrc/cpu/sampling.h and docs/design.md.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import triton
 import triton.language as tl
 
 from bik._arch import device_arch
-from bik.configs import sampling_config
+from bik.configs import sampler_chunks, sampling_config
 from bik.ops.sampling.split_vocab import sample_split_vocab
 
-__all__ = ["bik_log", "gumbel_pick_kernel", "launch_sample", "noise_parts_kernel",
+__all__ = ["bik_exp", "bik_log", "gumbel_pick_kernel", "launch_sample", "noise_parts_kernel",
            "philox4x32_10", "sample_rows", "sample_stats_kernel", "unit_gumbel"]
 
 INT32_MAX = tl.constexpr(2**31 - 1)
@@ -77,6 +80,23 @@ def bik_log(x):
 
 
 @triton.jit
+def bik_exp(x):
+    """exp of fp32 x <= 0 from exactly rounded ops (see sampling.h): 0 below -86."""
+    live = x >= -86.0
+    xs = tl.where(live, x, 0.0)
+    k = tl.floor(xs * 1.4426950216293335 + 0.5)
+    r = (xs - k * 0.693359375) - k * -0.00021219444170128554
+    q = r * 0.00019875691214110702 + 0.001398199936375022
+    q = q * r + 0.008333452045917511
+    q = q * r + 0.04166579619050026
+    q = q * r + 0.1666666567325592
+    q = q * r + 0.5
+    p = (q * (r * r) + r) + 1.0
+    scale = ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(live, p * scale, 0.0)
+
+
+@triton.jit
 def unit_gumbel(bits):
     """u = (2 * (bits >> 9) + 1) * 2^-24 (exact), then 0 - bik_log(0 - bik_log(u))."""
     u = (((bits >> 9) << 1) | 1).to(tl.float32) * 5.960464477539063e-08
@@ -86,7 +106,7 @@ def unit_gumbel(bits):
 @triton.jit
 def noise_parts_kernel(in_ptr, out_ptr, n, FN: tl.constexpr, BLOCK: tl.constexpr):
     """Test access to the building blocks: FN 0 = philox (in uint32 [n, 6] -> out [n, 4]),
-    1 = bik_log (fp32 -> fp32), 2 = Gumbel of u (fp32 -> fp32)."""
+    1 = bik_log (fp32 -> fp32), 2 = Gumbel of u (fp32 -> fp32), 3 = bik_exp (fp32 -> fp32)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     if FN == 0:
@@ -102,8 +122,10 @@ def noise_parts_kernel(in_ptr, out_ptr, n, FN: tl.constexpr, BLOCK: tl.constexpr
         x = tl.load(in_ptr + offs, mask=mask, other=0.5)
         if FN == 1:
             y = bik_log(x)
-        else:
+        elif FN == 2:
             y = 0.0 - bik_log(0.0 - bik_log(x))
+        else:
+            y = bik_exp(x)
         tl.store(out_ptr + offs, y, mask=mask)
 
 
@@ -133,22 +155,59 @@ def _kept_k(z, offs, vk, ik):
 
 
 @triton.jit
-def _kept_mass(x_row, V, temp, vk, ik, threshold, m_safe, BLOCK: tl.constexpr):
-    """sum of exp(z - m) over the tokens kept by top-k with z >= threshold (fixed chunk order)."""
-    cols = tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for c0 in range(0, V, BLOCK):
-        offs = c0 + cols
-        mask = offs < V
-        z = _tempered(x_row, offs, mask, temp)
-        keep = mask & _kept_k(z, offs, vk, ik) & (z >= threshold)
-        acc += tl.where(keep, tl.exp(z - m_safe), 0.0)
-    return tl.sum(acc, axis=0)
+def _halves(s, NCH: tl.constexpr, W: tl.constexpr):
+    """[NCH, 2W] -> [NCH, W]: s[t] + s[t + W], one step of the chunk's fold, written out (a sum
+    of two values is one rounded add, whatever the order)."""
+    return tl.sum(tl.reshape(s, (NCH, 2, W)), axis=1)
 
 
 @triton.jit
-def sample_stats_kernel(x_ptr, stride_x, V, temp_ptr, vk_ptr, ik_ptr, top_p_ptr, log_min_p_ptr,
-                        m_ptr, vlo_ptr, logs_ptr, bad_ptr, BLOCK: tl.constexpr):
+def _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, threshold, m_safe, CHUNK: tl.constexpr,
+                LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr, RAW: tl.constexpr):
+    """The normaliser's sum (csrc/cpu/sampling.h vocab_sum) of bik_exp(z - m) over the tokens
+    kept by top-k with z >= threshold; RAW: of the fp32 terms at x_row themselves (tests).
+    NCH chunks at a time as an [NCH, CHUNK] tile (the missing tokens of a ragged chunk: +0),
+    each folded pairwise by halves (explicit reshapes, not a tl.sum tree); chunk sums enter the
+    group total one by one in ascending order (a tl.sum of one value among zeros is that value,
+    exactly), group totals likewise."""
+    cols = tl.arange(0, CHUNK)[None, :]
+    slots = tl.arange(0, NCH)
+    total = tl.full((), 0.0, tl.float32)
+    for g0 in range(0, V, GROUP_LEN):
+        g_end = g0 + GROUP_LEN
+        group_total = tl.full((), 0.0, tl.float32)
+        for c0 in range(g0, g_end, CHUNK * NCH):
+            offs = c0 + slots[:, None] * CHUNK + cols
+            mask = offs < g_end
+            if RAW:
+                s = tl.load(x_row + offs, mask=mask, other=0.0)
+            else:
+                z = _tempered(x_row, offs, mask, temp)
+                keep = mask & _kept_k(z, offs, vk, ik) & (z >= threshold)
+                s = tl.where(keep, bik_exp(z - m_safe), 0.0)
+            for k in tl.static_range(LOG2_CHUNK):
+                s = _halves(s, NCH, CHUNK >> (k + 1))
+            sums = tl.reshape(s, (NCH,))
+            for c in tl.static_range(NCH):
+                group_total = group_total + tl.sum(tl.where(slots == c, sums, 0.0), axis=0)
+        total = total + group_total
+    return total
+
+
+@triton.jit
+def vocab_sum_kernel(t_ptr, V, GROUP_LEN, out_ptr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+                     NCH: tl.constexpr):
+    """Test access to the normaliser's order: out[row] = vocab_sum of the fp32 terms [B, V]."""
+    row = tl.program_id(0).to(tl.int64)
+    total = _vocab_mass(t_ptr + row * V, V, GROUP_LEN, 1.0, 0.0, 0, 0.0, 0.0, CHUNK, LOG2_CHUNK,
+                        NCH, True)
+    tl.store(out_ptr + row, total)
+
+
+@triton.jit
+def sample_stats_kernel(x_ptr, stride_x, V, GROUP_LEN, temp_ptr, vk_ptr, ik_ptr, top_p_ptr,
+                        log_min_p_ptr, m_ptr, vlo_ptr, logs_ptr, bad_ptr, BLOCK: tl.constexpr,
+                        CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     temp = tl.load(temp_ptr + row)
@@ -171,32 +230,29 @@ def sample_stats_kernel(x_ptr, stride_x, V, temp_ptr, vk_ptr, ik_ptr, top_p_ptr,
     is_bad = (tl.max(bad, axis=0) > 0) | (m == float("-inf"))
     m_safe = tl.where(is_bad, 0.0, m)
 
-    # top-p: the largest v with lanesum(exp(z - m) [kept, z >= v]) >= top_p * S.
+    # top-p: the largest v with vocab_sum(bik_exp(z - m) [kept, z >= v]) >= top_p * S.
     v_lo = float("-inf")
     if top_p < 1.0:
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for c0 in range(0, V, BLOCK):
-            offs = c0 + cols
-            mask = offs < V
-            z = _tempered(x_row, offs, mask, temp)
-            keep = mask & _kept_k(z, offs, vk, ik)
-            acc += tl.where(keep, tl.exp(z - m_safe), 0.0)
-        target = top_p * tl.sum(acc, axis=0)
+        target = top_p * _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, float("-inf"), m_safe,
+                                     CHUNK, LOG2_CHUNK, NCH, False)
         lo = _key(tl.full((), float("-inf"), tl.float32))
         hi = _key(m_safe) + 1
         for _ in range(32):
             mid = (lo + hi) >> 1
-            ok = _kept_mass(x_row, V, temp, vk, ik, _from_key(mid), m_safe, BLOCK) >= target
+            mass = _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, _from_key(mid), m_safe, CHUNK,
+                               LOG2_CHUNK, NCH, False)
+            ok = mass >= target
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid)
         v_lo = _from_key(lo)
     v_lo = tl.maximum(v_lo, m_safe + log_min_p)
 
-    # The logprob's normaliser over the finally kept tokens.
-    norm = _kept_mass(x_row, V, temp, vk, ik, v_lo, m_safe, BLOCK)
+    # The logprob's normaliser over the finally kept tokens (>= 1: the max token's term is 1).
+    norm = _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, v_lo, m_safe, CHUNK, LOG2_CHUNK, NCH,
+                       False)
     tl.store(m_ptr + row, m_safe)
     tl.store(vlo_ptr + row, v_lo)
-    tl.store(logs_ptr + row, tl.log(tl.where(is_bad, 1.0, norm)))
+    tl.store(logs_ptr + row, bik_log(tl.where(is_bad, 1.0, norm)))
     tl.store(bad_ptr + row, is_bad.to(tl.int32))
 
 
@@ -245,6 +301,12 @@ def gumbel_pick_kernel(x_ptr, stride_x, V, key_ptr, temp_ptr, vk_ptr, ik_ptr, vl
     tl.store(part_idx_ptr + row * n_splits + split, idx)
 
 
+def _chunks_per_tile(arch: str, chunk: int) -> int:
+    """Chunks folded side by side per step of the stats kernel: the config's block of tokens
+    (at least one chunk). The order of the sums does not depend on it."""
+    return max(1, sampling_config(arch).block // chunk)
+
+
 def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
                   vk: torch.Tensor, ik: torch.Tensor, top_p: torch.Tensor,
                   log_min_p: torch.Tensor):
@@ -265,8 +327,12 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
     if b == 0:
         return m, log_s, bad, part_val, part_idx
     stride = logits.stride(0)
-    sample_stats_kernel[(b,)](logits, stride, v, temperature, vk, ik, top_p, log_min_p, m, v_lo,
-                              log_s, bad, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    groups, chunk = sampler_chunks(v)
+    sample_stats_kernel[(b,)](logits, stride, v, v // groups, temperature, vk, ik, top_p,
+                              log_min_p, m, v_lo, log_s, bad, BLOCK=cfg.block, CHUNK=chunk,
+                              LOG2_CHUNK=chunk.bit_length() - 1,
+                              NCH=_chunks_per_tile(device_arch(logits.device), chunk),
+                              num_warps=cfg.num_warps, **NO_FUSION)
     gumbel_pick_kernel[(b, n_splits)](logits, stride, v, key, temperature, vk, ik, v_lo, m,
                                       part_val, part_idx, n_splits, SPLIT=cfg.split,
                                       BLOCK=cfg.block, num_warps=cfg.num_warps, **NO_FUSION)
@@ -274,8 +340,8 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
 
 
 def run_noise_part(fn: str, x: torch.Tensor, n: int) -> torch.Tensor:
-    """Test helper: philox (x uint32-as-int64 [n, 6]), log or gumbel (x fp32 [n])."""
-    code = {"philox": 0, "log": 1, "gumbel": 2}[fn]
+    """Test helper: philox (x uint32-as-int64 [n, 6]), log, gumbel or exp (x fp32 [n])."""
+    code = {"philox": 0, "log": 1, "gumbel": 2, "exp": 3}[fn]
     block = 1024 if code == 0 else 65536  # big blocks: the interpreter pays per program
     if code == 0:
         inp = x.to(torch.int64).to(torch.int32).contiguous()  # low 32 bits, two's complement
@@ -286,6 +352,17 @@ def run_noise_part(fn: str, x: torch.Tensor, n: int) -> torch.Tensor:
     noise_parts_kernel[(triton.cdiv(n, block),)](inp, out, n, FN=code, BLOCK=block, **NO_FUSION)
     if code == 0:
         return out.to(torch.int64) & 0xFFFFFFFF
+    return out
+
+
+def vocab_sum(terms: torch.Tensor) -> torch.Tensor:
+    """Test helper: fp32 [B], the normaliser's sum of fp32 terms [B, V] per row."""
+    b, v = terms.shape
+    groups, chunk = sampler_chunks(v)
+    out = torch.empty(b, dtype=torch.float32, device=terms.device)
+    nch = _chunks_per_tile(device_arch(terms.device), chunk)
+    vocab_sum_kernel[(b,)](terms.contiguous(), v, v // groups, out, CHUNK=chunk,
+                           LOG2_CHUNK=chunk.bit_length() - 1, NCH=nch, **NO_FUSION)
     return out
 
 
