@@ -2,10 +2,11 @@
 // Triton kernels (docs/design.md#sampler), in the Triton backend's three steps:
 //
 // * bik_sample_stats_<t> (one 512-thread block per row): row max m over the top-k-kept tokens
-//   (exact), the invalid flag, top-p's threshold by 32 bisection steps on the fp32 order key
-//   (lane l of 512 sums exp(z - m) of tokens l, l + 512, ... in order, then a fixed block
-//   tree), min-p's threshold m + log_min_p (one rounded add), and log of the kept mass for the
-//   logprob. expf/logf: exact within this backend, close to the others.
+//   (exact), the invalid flag, top-p's threshold by 32 bisection steps on the fp32 order key,
+//   min-p's threshold m + log_min_p (one rounded add), and bik_log of the kept mass for the
+//   logprob. Every mass is the normaliser's sum (vocab_mass: bik_exp(z - m) over vocabulary
+//   chunks of 1024, a chunk per warp in the contract's pairwise fold, chunk sums then group
+//   totals ascending): exactly rounded ops only, so the CPU path's bits.
 // * bik_gumbel_pick_<t> (blocks of rows x vocabulary splits): z = x / T (correctly rounded), the
 //   keep mask from exact thresholds, score z + g with g from sampling.cuh (bit-identical to the
 //   CPU noise), and the split's winner under (value desc, index asc). Only exactly rounded ops:
@@ -42,27 +43,65 @@ __device__ __forceinline__ float z_at(const typename T::storage* xr, i64 j, floa
   return tempered(T::load(xr[j]), temperature);
 }
 
-// Sum over the top-k-kept tokens with z >= threshold of exp(z - m): fixed lanes, fixed tree.
+constexpr int kMaxChunks = 2048;  // normaliser chunks per row (the launcher checks)
+
+// The normaliser's sum over the top-k-kept tokens with z >= threshold of bik_exp(z - m): warp w
+// takes chunks w, w + warps, ... (sampling.cuh: lane l holds tokens l + 32 i); thread g < G
+// adds group g's chunk sums in ascending order; thread 0 adds the G group totals in ascending
+// order. Every thread of the block calls it and gets the total.
 template <class T>
-__device__ float kept_mass(const typename T::storage* xr, i64 V, float temperature, float vk,
-                           i64 ik, float threshold, float m, float* scratch) {
-  float acc = 0.0f;
-  for (i64 j = threadIdx.x; j < V; j += blockDim.x) {
-    const float z = z_at<T>(xr, j, temperature);
-    if (kept_k(z, j, vk, ik) && z >= threshold) acc = add_rn(acc, expf(sub_rn(z, m)));
+__device__ float vocab_mass(const typename T::storage* xr, i64 V, i64 group_len,
+                            float temperature, float vk, i64 ik, float threshold, float m,
+                            float* sums, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const i64 per_group = cdiv(group_len, kSamplerChunk), groups = V / group_len;
+  __syncthreads();  // sums and scratch may still be read by the previous call
+  for (i64 q = warp; q < groups * per_group; q += warps) {
+    const i64 g_end = (q / per_group + 1) * group_len;
+    const i64 c0 = (q / per_group) * group_len + (q % per_group) * kSamplerChunk;
+    // The fold's first step (registers i and i + 16) is taken as the second half arrives, so
+    // only half the chunk is live at once: the same pairs in the same order.
+    float s[kChunkRegs];
+    auto term = [=](int i) {
+      const i64 j = c0 + lane + 32 * i;
+      return j < g_end ? normaliser_term(z_at<T>(xr, j, temperature), j, vk, ik, threshold, m)
+                       : 0.0f;
+    };
+#pragma unroll
+    for (int i = 0; i < kChunkRegs / 2; ++i) s[i] = term(i);
+#pragma unroll
+    for (int i = 0; i < kChunkRegs / 2; ++i) s[i] = add_rn(s[i], term(i + kChunkRegs / 2));
+    float c = fold_registers_after_first_step(s);
+#pragma unroll
+    for (int w = 16; w >= 1; w >>= 1) c = add_rn(c, __shfl_xor_sync(kFullMask, c, w));
+    if (lane == 0) sums[q] = c;
   }
-  return block_sum_fixed(acc, scratch);
+  __syncthreads();
+  if (threadIdx.x < groups) {
+    float t = 0.0f;
+    for (i64 c = 0; c < per_group; ++c) t = add_rn(t, sums[threadIdx.x * per_group + c]);
+    scratch[threadIdx.x] = t;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.0f;
+    for (i64 g = 0; g < groups; ++g) t = add_rn(t, scratch[g]);
+    scratch[31] = t;
+  }
+  __syncthreads();
+  return scratch[31];
 }
 
 template <class T>
-__device__ void sample_stats(const typename T::storage* x, i64 sx, i64 V,
+__device__ void sample_stats(const typename T::storage* x, i64 sx, i64 V, i64 group_len,
                              const float* temperature, const float* vk_in, const i32* ik_in,
                              const float* top_p_in, const float* log_min_p_in, float* m_out,
                              float* vlo_out, float* logs_out, i32* bad_out) {
   __shared__ float scratch[32];
+  __shared__ float sums[kMaxChunks];
   const i64 row = blockIdx.x;
   const typename T::storage* xr = x + row * sx;
-  const float temp = temperature[row], vk = vk_in[row], top_p = top_p_in[row];
+  const float temp = temperature[row], vk = vk_in[row];
   const i64 ik = ik_in[row];
   float mx = -inf_f32();
   bool bad = false;
@@ -72,28 +111,15 @@ __device__ void sample_stats(const typename T::storage* x, i64 sx, i64 V,
   const float m = block_max(mx, scratch);
   const bool is_bad = block_max(bad ? 1.0f : 0.0f, scratch) > 0.0f || m == -inf_f32();
   const float m_safe = is_bad ? 0.0f : m;
-
-  float v_lo = -inf_f32();
-  if (top_p < 1.0f) {
-    const float target =
-        mul_rn(top_p, kept_mass<T>(xr, V, temp, vk, ik, -inf_f32(), m_safe, scratch));
-    i64 lo = order_key(-inf_f32()), hi = order_key(m_safe) + 1;
-    for (int it = 0; it < 32; ++it) {
-      const i64 mid = (lo + hi) >> 1;
-      const bool ok =
-          kept_mass<T>(xr, V, temp, vk, ik, from_order_key(mid), m_safe, scratch) >= target;
-      lo = ok ? mid : lo;
-      hi = ok ? hi : mid;
-    }
-    v_lo = from_order_key(lo);
-  }
-  const float v_m = add_rn(m_safe, log_min_p_in[row]);
-  v_lo = v_m > v_lo ? v_m : v_lo;
-  const float norm = kept_mass<T>(xr, V, temp, vk, ik, v_lo, m_safe, scratch);
+  auto mass = [=](float threshold) {
+    return vocab_mass<T>(xr, V, group_len, temp, vk, ik, threshold, m_safe, sums, scratch);
+  };
+  float v_lo, norm;
+  row_cut(mass, m_safe, top_p_in[row], log_min_p_in[row], v_lo, norm);
   if (threadIdx.x == 0) {
     m_out[row] = m_safe;
     vlo_out[row] = v_lo;
-    logs_out[row] = logf(is_bad ? 1.0f : norm);
+    logs_out[row] = bik_log(is_bad ? 1.0f : norm);  // norm >= 1: the max token's term is 1
     bad_out[row] = is_bad ? 1 : 0;
   }
 }
@@ -163,18 +189,20 @@ __device__ void gumbel_pick(const typename T::storage* x, i64 sx, i64 V, const i
 }  // namespace sampling
 }  // namespace bik
 
-// bik_sample_stats_<t>(x, stride_x, V, temperature, vk, ik, top_p, log_min_p, m_out, v_lo_out,
-//                      log_s_out, bad_out): grid (rows), block 512.
+// bik_sample_stats_<t>(x, stride_x, V, group_len, temperature, vk, ik, top_p, log_min_p, m_out,
+//                      v_lo_out, log_s_out, bad_out): grid (rows), block 512; group_len = V / G
+//                      (bik.configs.sampler_chunks), at most kMaxChunks chunks and 31 groups.
 // bik_gumbel_pick_<t>(x, stride_x, V, key [rows, 5] int64, temperature, vk, ik, v_lo, m,
 //                     part_val [rows, n_splits], part_idx, n_splits, split_size):
 //                     grid (rows, n_splits), block 512.
 #define BIK_SAMPLING_KERNELS(TN, TT)                                                            \
   extern "C" __global__ void __launch_bounds__(512) bik_sample_stats_##TN(                     \
-      const TT::storage* x, bik::i64 sx, bik::i64 V, const float* temperature, const float* vk, \
-      const bik::i32* ik, const float* top_p, const float* log_min_p, float* m_out,            \
-      float* vlo_out, float* logs_out, bik::i32* bad_out) {                                     \
-    bik::sampling::sample_stats<TT>(x, sx, V, temperature, vk, ik, top_p, log_min_p, m_out,    \
-                                    vlo_out, logs_out, bad_out);                               \
+      const TT::storage* x, bik::i64 sx, bik::i64 V, bik::i64 group_len,                        \
+      const float* temperature, const float* vk, const bik::i32* ik, const float* top_p,       \
+      const float* log_min_p, float* m_out, float* vlo_out, float* logs_out,                   \
+      bik::i32* bad_out) {                                                                      \
+    bik::sampling::sample_stats<TT>(x, sx, V, group_len, temperature, vk, ik, top_p,           \
+                                    log_min_p, m_out, vlo_out, logs_out, bad_out);             \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(512) bik_gumbel_pick_##TN(                      \
       const TT::storage* x, bik::i64 sx, bik::i64 V, const bik::i64* key,                       \

@@ -6,6 +6,10 @@
 
 #include "common.cuh"
 
+#if !defined(__CUDACC_RTC__)
+#include <cmath>
+#endif
+
 namespace bik {
 namespace sampling {
 
@@ -71,6 +75,25 @@ BIK_HD float bik_log(float x) {
   return add_rn(mul_rn(ef, 0.693145751953125f), add_rn(mul_rn(ef, 1.428606765330187e-06f), l));
 }
 
+// exp(x) for x <= 0 from exactly rounded operations (see sampling.h): 0 below -86, never a
+// subnormal (so flushing them changes nothing).
+BIK_HD float bik_exp(float x) {
+  if (!(x >= -86.0f)) return 0.0f;
+#if defined(__CUDA_ARCH__)
+  const float k = floorf(add_rn(mul_rn(x, 1.4426950216293335f), 0.5f));
+#else
+  const float k = std::floor(add_rn(mul_rn(x, 1.4426950216293335f), 0.5f));
+#endif
+  const float r = sub_rn(sub_rn(x, mul_rn(k, 0.693359375f)), mul_rn(k, -0.00021219444170128554f));
+  float q = add_rn(mul_rn(r, 0.00019875691214110702f), 0.001398199936375022f);
+  q = add_rn(mul_rn(q, r), 0.008333452045917511f);
+  q = add_rn(mul_rn(q, r), 0.04166579619050026f);
+  q = add_rn(mul_rn(q, r), 0.1666666567325592f);
+  q = add_rn(mul_rn(q, r), 0.5f);
+  const float p = add_rn(add_rn(mul_rn(q, mul_rn(r, r)), r), 1.0f);
+  return mul_rn(p, f32_from_bits(u32(i32(k) + 127) << 23));
+}
+
 // 0 - bik_log(0 - bik_log(u)): negation as a subtraction from +0, as on the other backends.
 BIK_HD float gumbel_from_unit(float u) { return sub_rn(0.0f, bik_log(sub_rn(0.0f, bik_log(u)))); }
 
@@ -104,6 +127,99 @@ BIK_HD bool kept_k(float z, i64 j, float vk, i64 ik) { return z > vk || (z == vk
 // (value desc, index asc): true when candidate (v, j) beats (bv, bj). A total order for
 // non-NaN values, so any split of the vocabulary and any merge order pick the same token.
 BIK_HD bool better(float v, i64 j, float bv, i64 bj) { return v > bv || (v == bv && j < bj); }
+
+// ---- the normaliser (docs/design.md#sampler): vocabulary chunks in the kernel's layout ------
+// A chunk of kSamplerChunk tokens is one warp's: lane l holds tokens l + 32 i in register i, so
+// the contract's pairwise fold by halves is fold_registers (w = 512 ... 32: registers i and
+// i + w / 32 of one lane) and then the lanes (w = 16 ... 1: an xor-shuffle butterfly, equal to
+// lane 0's tree because fp32 addition is commutative).
+constexpr i64 kSamplerChunk = 1024;  // bik.configs.SAMPLER_CHUNK (the launcher checks)
+constexpr int kChunkRegs = int(kSamplerChunk / 32);
+
+// One step of the fold: s[i] = s[i] + s[i + W] for i < W (a constant trip count, unrolled, so
+// the registers stay registers).
+template <int W>
+BIK_HD void fold_step(float (&s)[kChunkRegs]) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < W; ++i) s[i] = add_rn(s[i], s[i + W]);
+}
+
+// The steps after the first (w = 256 ... 32 in tokens): s[0 .. 15] hold s[i] + s[i + 16].
+BIK_HD float fold_registers_after_first_step(float (&s)[kChunkRegs]) {
+  fold_step<8>(s);
+  fold_step<4>(s);
+  fold_step<2>(s);
+  fold_step<1>(s);
+  return s[0];
+}
+
+BIK_HD float fold_registers(float (&s)[kChunkRegs]) {
+  static_assert(kChunkRegs == 32, "fold_registers is written for 32 registers per lane");
+  fold_step<16>(s);
+  return fold_registers_after_first_step(s);
+}
+
+// A token's normaliser term: bik_exp(z - m) when top-k keeps it and z >= threshold, else +0.
+BIK_HD float normaliser_term(float z, i64 j, float vk, i64 ik, float threshold, float m) {
+  return kept_k(z, j, vk, ik) && z >= threshold ? bik_exp(sub_rn(z, m)) : 0.0f;
+}
+
+// The row's cut and normaliser from a mass function (mass(v): the normaliser's sum over the
+// top-k-kept tokens with z >= v): top-p's v_p by 32 bisection steps on the fp32 order key, then
+// min-p's bound, then the kept mass. The kernel passes its block-wide mass, the host emulation
+// (tests) a sequential one in the kernel's layout.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Mass>
+BIK_HD void row_cut(const Mass& mass, float m_safe, float top_p, float log_min_p, float& v_lo,
+                    float& norm) {
+  v_lo = -inf_f32();
+  if (top_p < 1.0f) {
+    const float target = mul_rn(top_p, mass(-inf_f32()));
+    i64 lo = order_key(-inf_f32()), hi = order_key(m_safe) + 1;
+    for (int it = 0; it < 32; ++it) {
+      const i64 mid = (lo + hi) >> 1;
+      const bool ok = mass(from_order_key(mid)) >= target;
+      lo = ok ? mid : lo;
+      hi = ok ? hi : mid;
+    }
+    v_lo = from_order_key(lo);
+  }
+  const float v_m = add_rn(m_safe, log_min_p);
+  v_lo = v_m > v_lo ? v_m : v_lo;
+  norm = mass(v_lo);
+}
+
+#if !defined(__CUDACC_RTC__) && !defined(__CUDA_ARCH__)
+// Host emulation of the kernel's normaliser for tests: each chunk as 32 lanes of kChunkRegs
+// registers, fold_registers per lane, then the lanes' pairs (l, l + w), w = 16 ... 1.
+template <class Term>
+inline float vocab_mass_host(const Term& term, i64 V, i64 group_len) {
+  float total = 0.0f;
+  for (i64 g0 = 0; g0 < V; g0 += group_len) {
+    float group_total = 0.0f;
+    for (i64 c0 = g0; c0 < g0 + group_len; c0 += kSamplerChunk) {
+      float lanes[32];
+      for (int l = 0; l < 32; ++l) {
+        float s[kChunkRegs];
+        for (int i = 0; i < kChunkRegs; ++i) {
+          const i64 j = c0 + l + 32 * i;
+          s[i] = j < g0 + group_len ? term(j) : 0.0f;
+        }
+        lanes[l] = fold_registers(s);
+      }
+      for (int w = 16; w >= 1; w >>= 1)
+        for (int l = 0; l < w; ++l) lanes[l] = add_rn(lanes[l], lanes[l + w]);
+      group_total = add_rn(group_total, lanes[0]);
+    }
+    total = add_rn(total, group_total);
+  }
+  return total;
+}
+#endif
 
 // Pass 1 of the stats kernel for one token: the invalid flag (NaN or +inf in z) and the max over
 // the top-k-kept tokens (exact; NaN never compares greater).

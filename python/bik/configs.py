@@ -279,13 +279,14 @@ def attention_config(dtype: torch.dtype, head_dim: int, gqa: int, arch: str) -> 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    block: int  # lanes per chunk: the stats kernel's fixed lane sums, and the pick's chunk
+    block: int  # tokens per step: the stats kernel's max pass and tile, and the pick's chunk
     split: int  # vocabulary entries per pick program (the pick's merge is order-free)
     num_warps: int
 
 
-# The sampler's token never depends on these (the pick is an argmax under a total order); the
-# within-backend top-p threshold and logprob sums follow `block`, never the batch.
+# No sampler bit depends on these: the pick is an argmax under a total order, and the top-p and
+# logprob sums follow sampler_chunks (the stats kernel folds block // SAMPLER_CHUNK chunks side
+# by side, at least one).
 # Eight warps: four spilled 12 B in the stats kernel for odd vocabularies (ptxas, sm_90/sm_80).
 _SAMPLING = {
     "sm90": SamplingConfig(block=1024, split=16384, num_warps=8),

@@ -1,8 +1,8 @@
 """GPU tests of backend="cuda" (the CUDA C++ kernels of csrc/cuda), skipped without CUDA.
 
 RMSNorm: rows alone vs batched (the bik.testing harness) and bits equal to the CPU backend (the
-kernel follows the CPU contract's order), accuracy vs fp64. Sampler: tokens equal to the CPU
-and Triton backends for fp32 logits with top-p off; batch invariance with every filter;
+kernel follows the CPU contract's order), accuracy vs fp64. Sampler: tokens and logprobs equal
+to the CPU and Triton backends' bits with every filter; batch invariance with every filter;
 verify_draft equal to the CPU's. A launch captured in a CUDA graph replays correctly. The AOT
 fatbin path loads and gives the JIT's bits.
 """
@@ -91,17 +91,18 @@ def _sample(table, backend, rows=None):
 
 
 @pytest.mark.parametrize("near_ties", [False, True])
-@pytest.mark.parametrize("v", [50, 1000, 40000])
-def test_sampler_tokens_equal_cpu_and_triton(v, near_ties):
-    """fp32 logits, top-k and min-p on, top-p off: the same token on all three backends."""
-    t = _table(300 if v < 10000 else 40, v, v, near_ties=near_ties, filters="no_top_p")
+@pytest.mark.parametrize("v", [50, 1000, 40000, 128256])
+@pytest.mark.parametrize("filters", ["no_top_p", "all"])
+def test_sampler_bits_equal_cpu_and_triton(v, near_ties, filters):
+    """fp32 logits, every filter mixed in (top-p too): the same tokens and logprob bits on all
+    three backends (the normaliser is bik_exp in the contract's order, and bik_log)."""
+    t = _table(300 if v < 10000 else 40, v, v, near_ties=near_ties, filters=filters)
     cuda_out = _sample(t, "cuda")
     cpu_out = _sample({k: x.cpu() for k, x in t.items()}, "cpu")
     triton_out = _sample(t, "triton")
-    assert torch.equal(cuda_out.tokens.cpu(), cpu_out.tokens)
-    assert torch.equal(cuda_out.tokens, triton_out.tokens)
-    ok = cpu_out.tokens >= 0
-    assert torch.allclose(cuda_out.logprobs.cpu()[ok], cpu_out.logprobs[ok], atol=1e-4)
+    for out in (cuda_out, triton_out):
+        assert torch.equal(out.tokens.cpu(), cpu_out.tokens)
+        assert torch.equal(out.logprobs.cpu().view(torch.int32), cpu_out.logprobs.view(torch.int32))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

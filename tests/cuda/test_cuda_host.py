@@ -48,8 +48,13 @@ def _build(out: Path, *cuda_flags: str) -> ctypes.CDLL:
                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
     lib.bik_cuda_emulate_sample.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                            *[ctypes.c_void_p] * 5, ctypes.c_int64,
-                                            ctypes.c_int64, ctypes.c_void_p]
+                                            ctypes.c_int64, *[ctypes.c_void_p] * 6,
+                                            ctypes.c_int64, ctypes.c_int64,
+                                            *[ctypes.c_void_p] * 3]
+    lib.bik_cuda_exp.restype = ctypes.c_float
+    lib.bik_cuda_exp.argtypes = [ctypes.c_float]
+    lib.bik_cuda_vocab_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_void_p]
     for name in ("bik_host_f32_to_bf16", "bik_host_f32_to_f16", "bik_host_f16_to_f32"):
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     return lib
@@ -161,9 +166,11 @@ def test_rms_norm_order_is_visible(host, gen):
     assert not torch.equal(other, y)
 
 
-def _emulated_tokens(host, table, split, threads):
-    """The CUDA sampler's tokens computed on the host by the kernels' helpers, with the inputs
-    the ops layer prepares for the kernels (top-k threshold, log min-p, Philox key)."""
+def _emulated_sample(host, table, split, threads):
+    """The CUDA sampler's (tokens, logprobs) computed on the host by the kernels' helpers, with
+    the inputs the ops layer prepares for the kernels (top-k threshold, log min-p, Philox key)
+    and its logprob (z_c - m) - log_s."""
+    from bik import configs
     from bik.ops.sampling import noise, split_vocab
 
     x = table["logits"].float().contiguous()
@@ -176,29 +183,61 @@ def _emulated_tokens(host, table, split, threads):
                        (pos >> 32) & 0xFFFFFFFF, torch.full_like(seed, noise.STREAM_SAMPLE)],
                       dim=1).contiguous()
     log_min_p = noise.log_min_p(table["min_p"]).contiguous()
-    tokens = torch.empty(x.shape[0], dtype=torch.int64)
-    host.bik_cuda_emulate_sample(x.data_ptr(), x.shape[0], x.shape[1], key.data_ptr(),
+    rows, v = x.shape
+    tokens = torch.empty(rows, dtype=torch.int64)
+    m, log_s = torch.empty(rows), torch.empty(rows)
+    groups, _ = configs.sampler_chunks(v)
+    host.bik_cuda_emulate_sample(x.data_ptr(), rows, v, v // groups, key.data_ptr(),
                                  temp.contiguous().data_ptr(), vk.contiguous().data_ptr(),
-                                 ik.contiguous().data_ptr(), log_min_p.data_ptr(), split,
-                                 threads, tokens.data_ptr())
-    return tokens
+                                 ik.contiguous().data_ptr(), table["top_p"].contiguous().data_ptr(),
+                                 log_min_p.data_ptr(), split, threads, tokens.data_ptr(),
+                                 m.data_ptr(), log_s.data_ptr())
+    invalid = tokens < 0
+    x_c = x.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
+    z_c = torch.where(greedy, x_c, x_c / t_safe)
+    logprobs = torch.where(invalid, float("nan"), (z_c - m) - log_s)
+    return tokens, logprobs
 
 
 @pytest.mark.skipif(not cpu_ext.available(), reason="CPU backend not built")
 @pytest.mark.parametrize(("v", "split", "threads"), [(50, 16384, 512), (1000, 64, 16),
-                                                     (3001, 16384, 512), (3001, 100, 32)])
+                                                     (3001, 16384, 512), (3001, 100, 32),
+                                                     (8 * 1300, 16384, 512)])
 @pytest.mark.parametrize("near_ties", [False, True])
-def test_sampler_kernel_logic_gives_cpu_tokens(host, v, split, threads, near_ties):
-    """The pick kernel's loop body and the stats kernel's exact pass, in the kernels' work split
-    (splits x threads, then the (value desc, index asc) merge), give the CPU backend's tokens
-    with top-k, min-p, temperatures and greedy rows (top-p off)."""
+def test_sampler_kernel_logic_gives_cpu_bits(host, v, split, threads, near_ties):
+    """The stats kernel's exact pass and its normaliser in the kernel's layout (a chunk per
+    warp, 32 registers per lane), the pick kernel's loop body, in the kernels' work split
+    (splits x threads, then the (value desc, index asc) merge): the CPU backend's tokens and
+    logprobs bit for bit, with every filter (top-p included), temperatures and greedy rows.
+    V = 8 * 1300: eight groups of ragged chunks."""
     import sampler_inputs
 
-    table = sampler_inputs.requests(300, v, torch.Generator().manual_seed(v + split),
-                                    near_ties=near_ties, filters="no_top_p")
+    table = sampler_inputs.requests(120, v, torch.Generator().manual_seed(v + split),
+                                    near_ties=near_ties)
     table["logits"][7, 3] = float("nan")  # an invalid row
+    assert (table["top_p"] < 1).any()
     want = bik.sample(table["logits"], backend="cpu",
-                      **{k: table[k] for k in sampler_inputs.PARAM_NAMES}).tokens
-    got = _emulated_tokens(host, table, split, threads)
-    assert got[7] == -1
-    assert torch.equal(got, want), (got != want).nonzero().flatten()[:10].tolist()
+                      **{k: table[k] for k in sampler_inputs.PARAM_NAMES})
+    tokens, logprobs = _emulated_sample(host, table, split, threads)
+    assert tokens[7] == -1
+    assert torch.equal(tokens, want.tokens), (tokens != want.tokens).nonzero().flatten()[:10]
+    assert torch.equal(logprobs.view(torch.int32), want.logprobs.view(torch.int32))
+
+
+def test_normaliser_pieces_equal_the_cpu_backend(host):
+    """bik_exp over [-90, 0] and the normaliser's sum in the kernel's layout (one group and
+    eight, whole and ragged chunks): the CPU backend's bits."""
+    from bik import configs
+    from bik.ops.sampling import cpu as cpu_sampling
+
+    x = torch.linspace(-90.0, 0.0, 20001)
+    got = torch.tensor([host.bik_cuda_exp(float(v)) for v in x])
+    assert torch.equal(got.view(torch.int32), cpu_sampling.bik_exp(x).view(torch.int32))
+    gen = torch.Generator().manual_seed(2)
+    for v in (1, 300, 2400, 8 * 1030 + 8):
+        terms = (torch.rand(3, v, generator=gen)
+                 * torch.logspace(-6, 6, v)[torch.randperm(v, generator=gen)]).contiguous()
+        groups, _ = configs.sampler_chunks(v)
+        out = torch.empty(3)
+        host.bik_cuda_vocab_sum(terms.data_ptr(), 3, v, v // groups, out.data_ptr())
+        assert torch.equal(out.view(torch.int32), cpu_sampling.vocab_sum(terms).view(torch.int32))

@@ -34,6 +34,15 @@ float bik_cuda_gumbel(std::uint64_t seed, std::uint64_t pos, std::uint32_t token
 float bik_cuda_bits_to_unit(std::uint32_t bits) { return bik::sampling::bits_to_unit(bits); }
 float bik_cuda_gumbel_from_unit(float u) { return bik::sampling::gumbel_from_unit(u); }
 float bik_cuda_log(float x) { return bik::sampling::bik_log(x); }
+float bik_cuda_exp(float x) { return bik::sampling::bik_exp(x); }
+
+// The normaliser's sum of fp32 terms [B, V] per row, in the stats kernel's layout.
+void bik_cuda_vocab_sum(const float* terms, std::int64_t B, std::int64_t V,
+                        std::int64_t group_len, float* out) {
+  for (std::int64_t r = 0; r < B; ++r)
+    out[r] = bik::sampling::vocab_mass_host([&](std::int64_t j) { return terms[r * V + j]; },
+                                            V, group_len);
+}
 
 std::uint32_t bik_host_philox_word0(std::uint32_t c0, std::uint32_t c1, std::uint32_t c2,
                                     std::uint32_t c3, std::uint32_t k0, std::uint32_t k1) {
@@ -67,16 +76,19 @@ void bik_host_rms_norm(int dtype, const void* x, const void* r, std::int64_t n_r
                              hidden, w, eps, static_cast<u16*>(y), static_cast<u16*>(h));
 }
 
-// The CUDA sampler's token for rows of fp32 logits [B, V] with top-p off, computed on the host
-// with the kernels' own helpers in the kernels' work split: the stats kernel's pass 1
-// (stats_consider per thread, then an exact max), v_lo = m + log_min_p, and the pick kernel's
-// loop body (pick_consider) per split of `split` tokens and per thread of `threads`, the
-// winners combined under (value desc, index asc). vk/ik: the top-k threshold the ops layer
-// computes. key: int64 [B, 5] as the ops layer builds it.
+// The CUDA sampler's token, max and log normaliser for rows of fp32 logits [B, V], computed on
+// the host with the kernels' own helpers in the kernels' work split: the stats kernel's pass 1
+// (stats_consider per thread, then an exact max), its row_cut over the normaliser in the
+// kernel's layout (vocab_mass_host: top-p, min-p, the kept mass), and the pick kernel's loop
+// body (pick_consider) per split of `split` tokens and per thread of `threads`, the winners
+// combined under (value desc, index asc). vk/ik: the top-k threshold the ops layer computes.
+// key: int64 [B, 5] as the ops layer builds it. group_len: V / G (bik.configs.sampler_chunks).
 void bik_cuda_emulate_sample(const float* x, std::int64_t B, std::int64_t V,
-                             const std::int64_t* key, const float* temperature,
-                             const float* vk, const std::int32_t* ik, const float* log_min_p,
-                             std::int64_t split, std::int64_t threads, std::int64_t* tokens) {
+                             std::int64_t group_len, const std::int64_t* key,
+                             const float* temperature, const float* vk, const std::int32_t* ik,
+                             const float* top_p, const float* log_min_p, std::int64_t split,
+                             std::int64_t threads, std::int64_t* tokens, float* m_out,
+                             float* log_s_out) {
   namespace s = bik::sampling;
   for (std::int64_t r = 0; r < B; ++r) {
     const float* xr = x + r * V;
@@ -90,12 +102,23 @@ void bik_cuda_emulate_sample(const float* x, std::int64_t B, std::int64_t V,
     }
     const bool is_bad = bad || m == -bik::inf_f32();
     const float m_safe = is_bad ? 0.0f : m;
-    const float v_m = bik::add_rn(m_safe, log_min_p[r]);
+    auto mass = [&](float threshold) {
+      return s::vocab_mass_host(
+          [&](std::int64_t j) {
+            return s::normaliser_term(s::tempered(xr[j], temperature[r]), j, vk[r], ik[r],
+                                      threshold, m_safe);
+          },
+          V, group_len);
+    };
+    float v_lo, norm;
+    s::row_cut(mass, m_safe, top_p[r], log_min_p[r], v_lo, norm);
+    m_out[r] = m_safe;
+    log_s_out[r] = s::bik_log(is_bad ? 1.0f : norm);
     s::PickRow p;
     p.temperature = temperature[r];
     p.vk = vk[r];
     p.ik = ik[r];
-    p.v_lo = v_m > -bik::inf_f32() ? v_m : -bik::inf_f32();
+    p.v_lo = v_lo;
     p.floor = bik::add_rn(m_safe, s::kGumbelMin);
     const std::int64_t* k = key + r * 5;
     p.seed = std::uint64_t(k[0]) | (std::uint64_t(k[1]) << 32);

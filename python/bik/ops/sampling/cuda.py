@@ -1,10 +1,10 @@
 """Launcher for the CUDA C++ sampler (csrc/cuda/sampling.cu).
 
 Same interface and outputs as :func:`bik.ops.sampling.triton.launch_sample`, so the ops
-layer merges the splits' winners the same way. The pick (noise, filters, argmax) uses only
-exactly rounded operations: for fp32 logits with top-p off its token is the CPU path's and the
-Triton kernel's. The split size and block width never change a token (the pick's order is
-total); the stats kernel's top-p and logprob sums follow its fixed 512 lanes, never the batch.
+layer merges the splits' winners the same way. Both kernels use only exactly rounded
+operations: the pick (noise, filters, argmax) and the stats (top-p masses and the logprob's
+normaliser in the contract's order, bik.configs.sampler_chunks), so tokens and logprobs are
+the CPU path's and the Triton kernels'. The split size and block width never change a bit.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from bik._dtypes import info
+from bik.configs import sampler_chunks
 from bik.ops.sampling.split_vocab import sample_split_vocab
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_jit import i32, i64
@@ -20,6 +21,8 @@ __all__ = ["SPLIT", "THREADS", "launch_sample", "sample_rows"]
 
 THREADS = 512
 SPLIT = 16384  # vocabulary entries per pick block
+COMPILED_CHUNK = 1024  # kSamplerChunk in csrc/cuda/sampling.cuh
+MAX_CHUNKS = 2048  # kMaxChunks in csrc/cuda/sampling.cu: normaliser chunks per row
 
 
 def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
@@ -50,12 +53,20 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
             raise ValueError(f"cuda sample: {name} must be a contiguous {dtype} tensor per row")
     if n_splits > 65535:
         raise ValueError(f"cuda sample: V = {v} needs more than 65535 splits of {SPLIT}")
+    groups, chunk = sampler_chunks(v)
+    if chunk != COMPILED_CHUNK:
+        raise ValueError(f"cuda sample: the kernels are compiled for normaliser chunks of "
+                         f"{COMPILED_CHUNK}; bik.configs.SAMPLER_CHUNK is {chunk}")
+    if groups * -(-(v // groups) // chunk) > MAX_CHUNKS or groups > 31:
+        raise ValueError(f"cuda sample: V = {v} needs more than {MAX_CHUNKS} normaliser chunks "
+                         f"of {chunk}")
     suffix = info(logits.dtype).cuda
     stats = cuda_jit.get_kernel("sampling", f"bik_sample_stats_{suffix}", dev)
     pick = cuda_jit.get_kernel("sampling", f"bik_gumbel_pick_{suffix}", dev)
     stride = i64(logits.stride(0))
-    cuda_jit.launch(stats, (b, 1, 1), (THREADS, 1, 1), 0, logits, stride, i64(v), temperature,
-                    vk, ik, top_p, log_min_p, m, v_lo, log_s, bad, device=dev)
+    cuda_jit.launch(stats, (b, 1, 1), (THREADS, 1, 1), 0, logits, stride, i64(v),
+                    i64(v // groups), temperature, vk, ik, top_p, log_min_p, m, v_lo, log_s, bad,
+                    device=dev)
     cuda_jit.launch(pick, (b, n_splits, 1), (THREADS, 1, 1), 0, logits, stride, i64(v), key,
                     temperature, vk, ik, v_lo, m, part_val, part_idx, i32(n_splits), i32(SPLIT),
                     device=dev)

@@ -4,9 +4,9 @@ Contract (docs/design.md#sampler): a row's token depends only on its logits, its
 parameters, its seed and the absolute position of the token — never on its row, the batch, the
 number of earlier calls or the drafter. Noise: Philox4x32-10 with counter (token id, position lo,
 position hi, stream 0) and key (seed lo, seed hi), word 0 → u = (2·(bits >> 9) + 1)·2⁻²⁴ →
-g = −bik_log(−bik_log(u)); the pick is argmax of z + g under (value desc, index asc). Greedy,
-temperature, top-k and min-p tokens are identical on every backend; top-p and the logprobs are
-exact within a backend.
+g = −bik_log(−bik_log(u)); the pick is argmax of z + g under (value desc, index asc). The
+normaliser (top-p, logprobs) is bik_exp summed in the order of bik.configs.sampler_chunks, and
+bik_log: tokens and logprobs are identical on every backend, with every filter.
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None
         under the tempered, filtered distribution (temperature 1 when greedy). A row whose
         tempered logits hold a NaN or +inf, or that has no finite logit left, gives token -1
         and logprob NaN. A row's token depends only on its own logits, parameters, seed and
-        position; greedy, temperature, top-k and min-p tokens are the same on every backend.
+        position; tokens and logprobs are the same bits on every backend.
     """
     op = "bik.sample"
     check_tensor(op, "logits", logits, 2)
