@@ -32,9 +32,15 @@ from attention_checks import (
     check_layouts_agree,
     check_neighbours,
     check_page_sizes,
+    one_call,
+    whole_prefill,
 )
-from bik.testing.attention import chunking_report, make_request, pack_paged
-from bik.testing.controls import length_adaptive_attention, sdpa_attention
+from bik.testing.attention import Request, chunking_report, make_request, pack_paged
+from bik.testing.controls import (
+    head_adaptive_attention,
+    length_adaptive_attention,
+    sdpa_attention,
+)
 from checks import DTYPES, assert_invariant
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -99,6 +105,40 @@ def test_page_sizes(target, mode, monkeypatch):
     length, heads = (45, (4, 2, 16)) if target.small else (300, (4, 2, 64))
     check_page_sizes(bik_attn(target.backend), torch.float32, length, (16, 1, 64, 7),
                      heads=heads)
+
+
+# A tensor-parallel rank's heads (bik.dvr.tp): (q heads, their KV head(s)) of an 8 q / 2 KV
+# layout. Whole KV heads with all their q heads (TP 2), and at TP 4 and 8 a replica of one KV
+# head with 2 or 1 of its 4 q heads: a GQA ratio of 2 or 1 instead of 4.
+HEAD_SUBSETS = (((0, 1, 2, 3), (0,)), ((2, 3), (0,)), ((4, 5), (1,)), ((7,), (1,)))
+
+
+def check_head_subsets(attn, length: int, d: int, seed: int = 0) -> None:
+    """Every (token, q head) row of a call over a subset of the heads is the full call's bits,
+    in a prefill and in a decode row."""
+    gen = torch.Generator().manual_seed(seed)
+    full = make_request(gen, length, 8, 2, d, torch.float32)
+
+    def run(seq):
+        prefill = whole_prefill(attn, seq, 16, torch.Generator().manual_seed(1))
+        cache = pack_paged([seq], [length], 16, torch.Generator().manual_seed(2))
+        return prefill, one_call(attn, seq, length - 1, length, cache)
+
+    want = run(full)
+    for q_heads, kv_heads in HEAD_SUBSETS:
+        sub = Request(full.q[:, list(q_heads)], full.k[:, list(kv_heads)],
+                      full.v[:, list(kv_heads)])
+        for got, ref in zip(run(sub), want):
+            if not torch.equal(got, ref[:, list(q_heads)]):
+                raise AssertionError(f"rows differ: q heads {q_heads} with KV heads {kv_heads}")
+
+
+@pytest.mark.parametrize("target, mode", TARGET_MODES)
+def test_head_subsets_same_bits(target, mode, monkeypatch):
+    """What a tensor-parallel rank computes (its q heads, KV heads replicated when TP exceeds
+    them) is the unsharded call's bits: no config or split follows a head count."""
+    use_launch_mode(monkeypatch, mode)
+    check_head_subsets(bik_attn(target.backend), *((45, 16) if target.small else (300, 64)))
 
 
 # (length, n_neighbours, max_len, q_lens by kind, heads) per target.small
@@ -237,6 +277,13 @@ def test_length_adaptive_reference_is_rejected():
     """Negative control: a split COUNT chosen by length fails the same chunking check."""
     with pytest.raises(AssertionError, match="rows differ"):
         check_chunking(length_adaptive_attention, torch.float32, 80, (1, 7), heads=(2, 1, 16))
+
+
+def test_head_adaptive_reference_is_rejected():
+    """Negative control: a split count that fills the SMs with (sequences x heads), as split-KV
+    heuristics do, fails the head-subset check (a rank with fewer heads splits finer)."""
+    with pytest.raises(AssertionError, match="rows differ"):
+        check_head_subsets(head_adaptive_attention, 40, 16)
 
 
 def test_stock_cpu_sdpa_fp32_is_rejected():

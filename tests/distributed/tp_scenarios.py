@@ -139,6 +139,33 @@ def stock_row_parallel_differs_from_one_device(rank, world):
 def sharded_dvr_model_equals_one_device(rank, world):
     """Logits of a prefill and decode steps, solo-decoded tokens and logprobs, and the DVR
     engine's deterministic outputs at TP = world equal the unsharded model's, on every rank."""
+    from bik.dvr.model import embedded_tp_config
+    from bik.dvr.tp import TensorParallelLlama, supported_degrees
+
+    cfg = embedded_tp_config()
+    assert supported_degrees(cfg) == [1, 2, 4, 8]  # 4 KV heads: replicated at TP = 8
+    if world > 1:  # the demo model (2 KV heads of 16: o_proj K = 64) cannot be sharded
+        from bik.dvr import embedded_model
+
+        _raises_everywhere(r"cannot shard this model over \d ranks: .*o_proj .*K = 64 .*"
+                           r"\(supported: \[1\]\)",
+                           lambda: TensorParallelLlama(embedded_model()))
+    _sharded_model_equals_one_device(cfg, rank, world)
+
+
+def replicated_kv_heads_equal_one_device(rank, world):
+    """TP above the KV heads: 8 q / 2 KV heads (each KV head on TP / 2 ranks, the per-rank GQA
+    ratio TP / 2 times smaller) and 8 q / 1 KV head: the unsharded model's bits."""
+    import dataclasses
+
+    from bik.dvr.model import embedded_tp_config
+
+    for kv_heads in (2, 1):
+        cfg = dataclasses.replace(embedded_tp_config(), num_key_value_heads=kv_heads)
+        _sharded_model_equals_one_device(cfg, rank, world)
+
+
+def _sharded_model_equals_one_device(cfg, rank, world):
     from bik.dvr import (
         BikKernels,
         DVREngine,
@@ -151,32 +178,31 @@ def sharded_dvr_model_equals_one_device(rank, world):
         random_model,
         reference_decode,
     )
-    from bik.dvr.model import embedded_tp_config
-    from bik.dvr.tp import TensorParallelLlama, supported_degrees
+    from bik.dvr.tp import TensorParallelLlama
     from bik.dvr.workload import make_workload, run_workload
 
-    cfg = embedded_tp_config()
-    assert supported_degrees(cfg) == [1, 2, 4]  # 4 KV heads: no replication
-    if world > 1:  # the demo model (2 KV heads of 16: o_proj K = 64) cannot be sharded
-        from bik.dvr import embedded_model
-
-        _raises_everywhere(r"cannot shard this model over \d ranks: .*o_proj .*K = 64 .*"
-                           r"\(supported: \[1\]\)",
-                           lambda: TensorParallelLlama(embedded_model()))
     full = random_model(cfg, seed=0)
     tp = TensorParallelLlama(full)
-    assert tp.config.num_key_value_heads == 4 // world
+    hkv = cfg.num_key_value_heads
+    assert tp.config.num_key_value_heads == max(hkv // world, 1)
+    vocab_cols = slice(rank * cfg.vocab_size // world, (rank + 1) * cfg.vocab_size // world)
     bik_k = BikKernels()
-    # One packed step: a 9-token prefill and a 1-token decode of another sequence.
-    logits = {}
+    # One packed step: a 9-token prefill and a 1-token decode of another sequence. A rank's
+    # logits are its vocabulary shard.
+    logits, lookups = {}, {}
     for kernels in (bik_k, FastKernels()):
         for name, model in (("full", full), ("tp", tp)):
             cache = KVCache.allocate(model.config, 8, 8, torch.float32, "cpu")
             step = build_step([9, 1], [9, 5], [[0, 1], [2]], 8, "cpu")
             toks = torch.tensor([5, 9, 11, 3, 7, 1, 2, 4, 8, 6])
             pos = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 4])
-            logits[kernels.name, name] = model.forward(toks, pos, step, cache, kernels)
+            with split_lookups() as seen:
+                out = model.forward(toks, pos, step, cache, kernels)
+            logits[kernels.name, name] = out if name == "tp" else out[:, vocab_cols]
+            lookups[kernels.name, name] = set(seen)
     assert torch.equal(logits["bik", "tp"], logits["bik", "full"]), (rank, world)
+    # Every kernel table a rank looks up is the whole layer's (replicated KV rows included).
+    assert lookups["bik", "tp"] == lookups["bik", "full"], lookups
     if world > 1:  # negative control, measured: the stock sharded layers change the logits
         assert not torch.equal(logits["fast", "tp"], logits["fast", "full"]), (rank, world)
     req = Request("solo", (3, 17, 29, 4), 8, SamplingParams(0.8, seed=5))
@@ -194,3 +220,118 @@ def sharded_dvr_model_equals_one_device(rank, world):
         if a.request.deterministic:
             got, want = outs["tp"][a.request.request_id], outs["full"][a.request.request_id]
             assert (got.tokens, got.logprobs) == (want.tokens, want.logprobs), a.request
+
+
+# ---- vocab-parallel sampling -----------------------------------------------------------------
+
+def _v_shard(t, rank, world):
+    v = t.shape[-1] // world
+    return t[..., rank * v:(rank + 1) * v]
+
+
+def _bits_equal(a, b) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _sampling_rows(vocab, seed):
+    """Logits [12, vocab] and per-row parameters covering every path: tempered, greedy, the
+    greedy limit, min-p, top-k, top-p, NaN / +inf / all -inf rows, a row whose finite logits lie
+    on one rank only, and exact ties across the shard boundaries (the lowest id must win)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(12, vocab, generator=g) * 3
+    x[1, vocab // 3] = float("nan")
+    x[2, vocab - 1] = float("inf")
+    x[3] = float("-inf")
+    x[4, : vocab - vocab // 8] = float("-inf")  # finite only in the last group
+    x[5, :] = 0.25  # every token tied: greedy takes id 0, sampling is pure noise
+    top = x[6].max() + 1
+    x[6, vocab // 2 - 1] = x[6, vocab - 2] = x[6, 1] = top  # ties in several shards
+    x[7, vocab // 2] = x[7, vocab // 2 - 1] = top  # tie across the middle boundary
+    temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 0.8, 1.0, 0.0, 0.0, 1e-7, 0.5, 1.3, 0.9])
+    min_p = torch.tensor([0.0] * 9 + [0.2, 0.0, 0.05])
+    top_k = torch.tensor([0] * 10 + [5, 0])
+    top_p = torch.tensor([1.0] * 11 + [0.6])
+    params = {"seed": torch.arange(12) * 7919 + seed, "position": torch.arange(12) * 31 + 2**33,
+              "temperature": temperature, "min_p": min_p, "top_k": top_k, "top_p": top_p}
+    return x, params
+
+
+def vocab_parallel_sample_equals_one_device(rank, world):
+    """Tokens and logprob bits equal bik.sample on the whole rows, every dtype and path; the
+    verify window too. Negative controls, measured: noise keyed by the shard's own index and
+    a normaliser folded per rank first give other tokens / logprob bits."""
+    from bik.distributed import vocab_parallel_sample, vocab_parallel_verify_draft
+    from bik.ops.sampling.noise import bik_exp_torch, group_totals_torch
+
+    for vocab, dtype in ((64, torch.float32), (24_000, torch.float32), (24_000, torch.bfloat16),
+                         (8 * 1536, torch.float16)):
+        x, params = _sampling_rows(vocab, seed=vocab)
+        x = x.to(dtype)
+        want = bik.sample(x, **params)
+        got = vocab_parallel_sample(_v_shard(x, rank, world), **params)
+        assert torch.equal(got.tokens, want.tokens), (rank, vocab, dtype, got.tokens, want.tokens)
+        assert _bits_equal(got.logprobs, want.logprobs), (rank, vocab, dtype)
+    assert want.tokens[3] == -1 and want.tokens[6] == 1 and want.tokens[7] == vocab // 2 - 1
+    # verify_draft: windows of 3 positions, drafts partly right.
+    x, params = _sampling_rows(8 * 512, seed=3)
+    windows = x[:8].reshape(4, 2, -1)
+    rows = {k: v[:4] for k, v in params.items()}
+    solo = bik.verify_draft(torch.zeros(4, 1, dtype=torch.int64), 0, windows, **rows)
+    drafts = solo.tokens[:, :1].clamp(min=0)
+    drafts[0] += 1  # a wrong draft
+    want = bik.verify_draft(drafts, 1, windows, **rows)
+    got = vocab_parallel_verify_draft(drafts, 1, _v_shard(windows, rank, world), **rows)
+    for a, b in zip(got[:2], want[:2]):
+        assert torch.equal(a, b), (rank, got, want)
+    assert _bits_equal(got.logprobs, want.logprobs)
+    if world == 1:
+        return
+    # Negative control 1: noise keyed by the shard's local index (what a sampler unaware of its
+    # shard offset does) draws other tokens.
+    x, params = _sampling_rows(24_000, seed=11)
+    local = bik.sample(_v_shard(x, rank, world), **params)
+    best = torch.stack([local.tokens, torch.full_like(local.tokens, rank)], 1)
+    every = [torch.empty_like(best) for _ in range(world)]
+    dist.all_gather(every, best)
+    want = bik.sample(x, **params)
+    assert any(int(e[0, 0]) + int(e[0, 1]) * (24_000 // world) != int(want.tokens[0])
+               for e in every), "local-id noise matched one device"
+    # Negative control 2: the normaliser folded per rank first (each rank's groups, then the
+    # ranks) instead of group by group gives other logprob bits on some row.
+    z = x.float() / params["temperature"].clamp(min=1e-5)[:, None]
+    m = torch.where(torch.isnan(z), float("-inf"), z).amax(1)
+    terms = torch.where(torch.isfinite(z), bik_exp_torch(z - m[:, None]), 0.0)
+    totals = group_totals_torch(_v_shard(terms, rank, world), 24_000 // 8, 1024)
+    per_rank = torch.zeros(totals.shape[0])
+    for g in range(totals.shape[1]):
+        per_rank = per_rank + totals[:, g]
+    right = group_totals_torch(terms, 24_000 // 8, 1024)
+    one_device = torch.zeros(right.shape[0])
+    for g in range(right.shape[1]):
+        one_device = one_device + right[:, g]
+    dist.all_reduce(per_rank)
+    ok = torch.isfinite(one_device)
+    assert not torch.equal(per_rank[ok], one_device[ok]), "per-rank folding matched one device"
+
+
+def vocab_parallel_sample_refuses_on_every_rank(rank, world):
+    from bik.distributed import vocab_parallel_sample
+
+    x, params = _sampling_rows(8 * 64, seed=5)
+    shard = _v_shard(x, rank, world)
+    _raises_everywhere(r"vocabulary of 100 tokens cannot be split over \d ranks: .* 1 group",
+                       lambda: vocab_parallel_sample(torch.zeros(2, 100 // world), seed=1,
+                                                     position=0))
+    _raises_everywhere(r"ranks disagree on params",
+                       lambda: vocab_parallel_sample(shard, **{**params, "seed": params["seed"]
+                                                               + rank}))
+    _raises_everywhere(r"ranks disagree on logits",
+                       lambda: vocab_parallel_sample(shard[:, :32] if rank else shard, **params))
+    # A parameter error on one rank only is raised on every rank (no rank left waiting).
+    _raises_everywhere(r"ranks disagree on problem: rank 0: None, rank 1: ValueError: .*top_p must be in",
+                       lambda: vocab_parallel_sample(shard, **{**params, "top_p": 1.5 if rank
+                                                               else params["top_p"]}))
+    _raises_everywhere(r"top_p must be in",
+                       lambda: vocab_parallel_sample(shard, **{**params, "top_p": 1.5}))
+    assert torch.equal(vocab_parallel_sample(shard, **params).tokens,
+                       bik.sample(x, **params).tokens)

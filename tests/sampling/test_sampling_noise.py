@@ -133,3 +133,23 @@ def test_seed_and_position_change_the_draw(target):
     draws = {bik.sample(x, seed=s, position=p, backend=target.backend).tokens.item()
              for s in (0, 1, 2**40) for p in (0, 1, 2**33)}
     assert len(draws) == 9
+
+
+def test_torch_noise_is_the_kernels_noise(gen):
+    """noise.gumbel_torch (what a vocab-parallel rank computes for its token ids, on any device)
+    gives Random123's known answers and the CPU kernel's Philox words and noise bits."""
+    from bik.ops.sampling.noise import gumbel_torch, philox4x32_10_torch
+
+    for counter, key, want in PHILOX_KAT:
+        words = philox4x32_10_torch(*(torch.tensor(w) for w in counter + key))
+        assert tuple(int(w) for w in words) == want
+    words = torch.randint(0, 2**32, (20_000, 6), generator=gen)
+    got = torch.stack(philox4x32_10_torch(*words.unbind(1)), 1)
+    assert torch.equal(got, cpu_sampling.philox4x32_10(words[:, :4], words[:, 4:]))
+    position = torch.tensor([0, 7, 2**32 + 5, 2**62])
+    for seed in (0, 99, 2**63 - 1, 2**64 - 3):
+        want = reference.noise(seed, position, 4096)
+        as_int64 = seed - 2**64 if seed >= 2**63 else seed
+        got = gumbel_torch(torch.tensor([[as_int64]]), position[:, None],
+                           torch.arange(4096)[None])
+        assert torch.equal(_bits(got), _bits(want)), seed

@@ -173,3 +173,24 @@ def test_top_p_keeps_the_contract_set(target, gen):
     assert kept.gather(1, out.tokens[:, None]).all()
     ref = reference.logprob(logits, kept, out.tokens, groups, chunk)
     assert torch.equal(_bits(out.logprobs), _bits(ref))
+
+
+@pytest.mark.parametrize("vocab", [64, 100, 8 * 1024, 8 * 3000])
+def test_group_totals_torch_fold_to_the_kernels_sum(vocab, gen):
+    """noise.group_totals_torch (a vocab-parallel rank's groups, any device): its G totals
+    folded ascending from +0 are the CPU kernel's vocab_sum and the literal transcription's,
+    bit for bit; any contiguous run of whole groups gives the same totals alone."""
+    from bik.ops.sampling.noise import group_totals_torch
+
+    groups, chunk = configs.sampler_chunks(vocab)
+    terms = _spread_terms(gen, 5, vocab)
+    totals = group_totals_torch(terms, vocab // groups, chunk)
+    folded = torch.zeros(5)
+    for g in range(groups):
+        folded = folded + totals[:, g]
+    assert torch.equal(_bits(folded), _bits(cpu_sampling.vocab_sum(terms)))
+    assert torch.equal(_bits(folded), _bits(reference.vocab_sum(terms, groups, chunk)))
+    if groups > 1:
+        half = terms[:, vocab // 2:]
+        assert torch.equal(group_totals_torch(half, vocab // groups, chunk),
+                           totals[:, groups // 2:])

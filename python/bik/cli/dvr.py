@@ -73,7 +73,7 @@ def add_dvr_arguments(p) -> None:
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: spawns this many gloo processes (CPU); the "
                         "verdict compares with the unsharded model on one device (default "
-                        "model with --tp > 1: a small one whose heads divide by 2 and 4)")
+                        "model with --tp > 1: a small one that shards over 2, 4 and 8 ranks)")
     p.add_argument("--json", metavar="PATH")
 
 
@@ -81,7 +81,7 @@ def load_model(path: str | None, device: torch.device, dtype: torch.dtype, seed:
                tp: int = 1):
     from bik.dvr.model import embedded_model, embedded_tp_config, load_checkpoint, random_model
 
-    if path is None:  # the demo model, or with --tp a small one whose heads divide by 2 and 4
+    if path is None:  # the demo model, or with --tp a small one that shards over 2, 4 and 8
         if tp > 1:
             return random_model(embedded_tp_config(), seed=seed, dtype=dtype, device=device)
         return embedded_model(seed=seed, dtype=dtype, device=device)

@@ -124,7 +124,8 @@ def column_parallel_linear(x: torch.Tensor, weight_shard: torch.Tensor,
                            bias_shard: torch.Tensor | None = None, *,
                            gather_output: bool = False, group=None,
                            out_dtype: torch.dtype | None = None,
-                           backend: str | None = None) -> torch.Tensor:
+                           backend: str | None = None,
+                           layer_n: int | None = None) -> torch.Tensor:
     """``F.linear`` of a layer whose N is sharded over the ranks of ``group``.
 
     Every rank passes the whole ``x [..., K]`` and its contiguous N shard ``weight_shard =
@@ -133,15 +134,22 @@ def column_parallel_linear(x: torch.Tensor, weight_shard: torch.Tensor,
     rank; either way the bits of ``bik.linear(x, weight, bias)``'s columns, since an element is
     computed whole on one rank with the whole layer's tables. Forward only; mismatched ranks
     raise ValueError on every rank.
+
+    ``layer_n``: the N of the whole layer when a rank's rows are not an equal slice of it (a
+    tensor-parallel model whose ranks replicate KV heads: each holds its q heads' rows and a
+    copy of its KV head's); the tables are looked up with it. Not with ``gather_output``.
     """
     size, _ = group_size_rank(group)
     out_dtype = out_dtype or x.dtype
     backend = _agree(_COL, group, x, weight_shard, bias_shard, out_dtype, backend,
-                     gather=gather_output)
+                     gather=gather_output, layer_n=layer_n)
     n_shard = weight_shard.shape[0] if weight_shard.dim() == 2 else 0
     _check_shapes(_COL, x, weight_shard, bias_shard, n_shard)
+    if layer_n is not None and (gather_output or layer_n < n_shard):
+        raise ValueError(f"{_COL}: layer_n = {layer_n} must be >= this rank's {n_shard} rows "
+                         f"and cannot be combined with gather_output")
     k = x.shape[-1]
-    layer = (n_shard * size, k)
+    layer = (n_shard * size if layer_n is None else layer_n, k)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     out = torch.empty(1, x2.shape[0], n_shard, dtype=out_dtype, device=x.device)

@@ -315,7 +315,8 @@ class DVREngine:
                 rows = torch.tensor([i for i, _ in done], device=logits.device)
                 toks, lps = sample_rows(logits.index_select(0, rows),
                                         [s.req.sampling for _, s in done],
-                                        [len(s.tokens) for _, s in done])
+                                        [len(s.tokens) for _, s in done],
+                                        sample=self.model.sample)
                 for (_, seq), tok, lp in zip(done, toks, lps):
                     seq.tokens.append(tok)
                     self._commit(seq, [tok], [lp])
@@ -329,7 +330,7 @@ class DVREngine:
         t0 = time.perf_counter()
         logits = self._forward(self.fast, [(s, [s.tokens[-1]]) for s in group], last_only=True)
         toks, lps = sample_rows(logits, [s.req.sampling for s in group],
-                                [len(s.tokens) for s in group])
+                                [len(s.tokens) for s in group], sample=self.model.sample)
         for seq, tok, lp in zip(group, toks, lps):
             if seq.req.deterministic and self.config.verify:
                 # An invalid fast-path row (-1) goes on as a placeholder token: verification
@@ -377,7 +378,7 @@ class DVREngine:
         logits, rows = self._verifier_forward(spans)
         windows = [logits[r0:r0 + len(span)] for (r0, (_, span)) in zip(rows, spans)]
         verdicts = verify_windows(windows, proposals, [s.req.sampling for s in group],
-                                  [s.boundary for s in group])
+                                  [s.boundary for s in group], verify=self.model.verify_draft)
         for seq, prop, (accepted, toks, lps) in zip(group, proposals, verdicts):
             fast = seq.unverified
             self.metrics.windows += 1

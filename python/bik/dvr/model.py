@@ -154,7 +154,7 @@ class LlamaModel:
             else:
                 h, residual = kernels.add_rms_norm(x, residual, layer.input_norm,
                                                    cfg.rms_norm_eps)
-            qkv = self.columns(kernels, h, layer.qkv)
+            qkv = self.columns(kernels, h, layer.qkv, "qkv")
             q = apply_rope(qkv[:, : hq * d].reshape(t, hq, d), cos, sin)
             k = apply_rope(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d), cos, sin)
             v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d).contiguous()
@@ -163,7 +163,8 @@ class LlamaModel:
             attn = kernels.attention(q, k_cache, v_cache, step, self.scale)
             x = self.rows(kernels, attn.reshape(t, hq * d), layer.o)
             h, residual = kernels.add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
-            x = self.rows(kernels, swiglu(self.columns(kernels, h, layer.gate_up)), layer.down)
+            up = self.columns(kernels, h, layer.gate_up, "gate_up")
+            x = self.rows(kernels, swiglu(up), layer.down)
         h, _ = kernels.add_rms_norm(x, residual, self.final_norm, cfg.rms_norm_eps)
         if logits_rows is not None:
             h = h[logits_rows]
@@ -172,8 +173,10 @@ class LlamaModel:
     __call__ = forward
 
     # One device: every linear is the kernel set's. bik.dvr.tp.TensorParallelLlama overrides
-    # these three with its column-parallel, row-parallel and gathered-vocabulary layers.
-    def columns(self, kernels: Kernels, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # these three with its column-parallel, row-parallel and vocab-parallel layers.
+    def columns(self, kernels: Kernels, x: torch.Tensor, w: torch.Tensor,
+                name: str) -> torch.Tensor:
+        del name  # "qkv" or "gate_up": a sharded model looks up the whole layer's shape
         return kernels.linear(x, w)
 
     def rows(self, kernels: Kernels, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -181,6 +184,15 @@ class LlamaModel:
 
     def head(self, kernels: Kernels, h: torch.Tensor) -> torch.Tensor:
         return kernels.linear(h, self.lm_head)
+
+    # The sampler of the logits ``forward`` returns (bik.dvr.tp.TensorParallelLlama draws from
+    # its vocabulary shard with bik.distributed's vocab-parallel sampler instead).
+    def sample(self, logits: torch.Tensor, **params) -> bik.SampleOutput:
+        return bik.sample(logits, **params)
+
+    def verify_draft(self, draft_tokens: torch.Tensor, num_drafts, logits: torch.Tensor,
+                     **params) -> bik.VerifyOutput:
+        return bik.verify_draft(draft_tokens, num_drafts, logits, **params)
 
 
 def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32,

@@ -32,7 +32,8 @@ def reference_decode(model, req: Request, kernels, *, block_size: int = 16,
             torch.tensor(span, dtype=torch.int64, device=device),
             torch.arange(span_start, len(tokens), dtype=torch.int64, device=device),
             step, cache, kernels, torch.tensor([len(span) - 1], device=device))
-        (tok,), (lp,) = sample_rows(logits, [req.sampling], [len(tokens)])
+        (tok,), (lp,) = sample_rows(logits, [req.sampling], [len(tokens)],
+                                   sample=model.sample)
         out.tokens.append(tok)
         out.logprobs.append(lp)
         span_start = len(tokens)

@@ -31,20 +31,22 @@ def _param_tensors(params: Sequence[SamplingParams], positions: Sequence[int], d
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
-                positions: Sequence[int]) -> tuple[list[int], list[float]]:
+                positions: Sequence[int], *, sample=bik.sample) -> tuple[list[int], list[float]]:
     """One token per row of ``logits`` [B, V]; row b is the token at absolute position
-    positions[b] of its sequence."""
-    out = bik.sample(logits, **_param_tensors(params, positions, logits.device))
+    positions[b] of its sequence. ``sample``: the model's sampler (bik.sample's signature)."""
+    out = sample(logits, **_param_tensors(params, positions, logits.device))
     return out.tokens.tolist(), out.logprobs.tolist()
 
 
 def verify_windows(windows: Sequence[torch.Tensor], drafts: Sequence[Sequence[int]],
-                   params: Sequence[SamplingParams], positions: Sequence[int]):
+                   params: Sequence[SamplingParams], positions: Sequence[int], *,
+                   verify=bik.verify_draft):
     """Verify each request's proposed tokens against the verifier's logits.
 
     windows[b]: [len(drafts[b]) + 1, V] logits for positions positions[b] ... onwards.
     Returns per request (num_accepted, tokens, logprobs) where tokens are the accepted
     proposals followed by the verifier's own token at the first mismatch (or the bonus token).
+    ``verify``: the model's verifier (bik.verify_draft's signature).
     """
     rows = len(windows)
     k_max = max(len(d) for d in drafts)
@@ -57,8 +59,7 @@ def verify_windows(windows: Sequence[torch.Tensor], drafts: Sequence[Sequence[in
         if d:
             draft_tokens[b, :len(d)] = torch.tensor(list(d), dtype=torch.int64)
     num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device)
-    out = bik.verify_draft(draft_tokens, num_drafts, logits,
-                           **_param_tensors(params, positions, device))
+    out = verify(draft_tokens, num_drafts, logits, **_param_tensors(params, positions, device))
     accepted = out.num_accepted.tolist()
     tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
     return [(a, tokens[b][:a + 1], logprobs[b][:a + 1]) for b, a in enumerate(accepted)]

@@ -1,20 +1,29 @@
 """The DVR Llama sharded over a torch.distributed group (tensor parallelism, Megatron layout).
 
-Per rank: its q heads and KV heads (qkv column parallel, the fused projection cut head-wise),
-attention over those heads only, o_proj row parallel over the same heads; gate/up column
-parallel over its intermediate columns, down_proj row parallel over them; the LM head column
-parallel over the vocabulary with the logits gathered, so every rank sees the whole row;
-embedding and norms replicated. With bik's kernels the column-parallel layers are the full
-product's columns and the row-parallel ones are bik.distributed.row_parallel_linear, so a
-token's logits are the single-device model's bits at every degree the model supports; the fast
-kernels use the stock layers (F.linear on the shard, all_reduce), whose bits follow the degree.
+Per rank: its q heads and the KV heads they read (qkv column parallel, the fused projection cut
+head-wise), attention over those heads only, o_proj row parallel over the same q heads; gate/up
+column parallel over its intermediate columns, down_proj row parallel over them; the LM head
+column parallel over the vocabulary, and the tokens drawn from the rank's vocabulary shard by
+bik.distributed's vocab-parallel sampler (no logits gather); embedding and norms replicated.
+With bik's kernels the column-parallel layers are the full product's columns, the row-parallel
+ones are bik.distributed.row_parallel_linear and the sampler is bik.sample's bits, so a token's
+logits, tokens and logprobs are the single-device model's at every degree the model supports;
+the fast kernels use the stock layers (F.linear on the shard, all_reduce), whose bits follow
+the degree.
 
-Attention needs nothing: a rank holds whole KV heads with all of their q heads, so each head's
-GQA ratio, tile and KV splits are the unsharded model's (bik's attention configs are keyed by
-that ratio, never by the number of heads). Supported degrees: TP dividing the KV heads, the
-intermediate size and the vocabulary, with q-head width (heads x head_dim) and intermediate
-size multiples of 512 and TP dividing bik.configs.MATMUL_TP_MAX (the row-parallel K-split
-rule). SmolLM2-135M (9 q / 3 KV heads of 64: o_proj K = 576) runs at TP = 1 only.
+KV heads: at TP dividing the KV heads a rank holds whole KV heads with all of their q heads.
+At TP above the KV heads (TP a multiple of them) each KV head is replicated on TP / Hkv ranks,
+each holding Hq / TP of its q heads: the per-rank GQA ratio shrinks, and the bits do not move,
+because bik's attention computes every (token, q head) row alone -- its configs are keyed by
+(dtype, head_dim), never by a head count, and the KV splits by absolute positions
+(tests/attention: a head subset's rows are the full call's bits). The replicated qkv rows are
+looked up with the whole layer's N (column_parallel_linear's layer_n).
+
+Supported degrees: TP dividing the q heads, the intermediate size, and dividing or a multiple
+of the KV heads; the vocabulary a multiple of bik.configs.MATMUL_TP_MAX (the sampler's
+normaliser groups); q-head width (heads x head_dim) and intermediate size multiples of 512 and
+TP dividing MATMUL_TP_MAX (the row-parallel K-split rule). SmolLM2-135M (9 q / 3 KV heads of
+64: o_proj K = 576) runs at TP = 1 only.
 """
 
 from __future__ import annotations
@@ -24,8 +33,13 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from bik.configs import MATMUL_TP_MAX, matmul_split
-from bik.distributed import column_parallel_linear, row_parallel_linear
+from bik.configs import MATMUL_TP_MAX, matmul_split, sampler_chunks
+from bik.distributed import (
+    column_parallel_linear,
+    row_parallel_linear,
+    vocab_parallel_sample,
+    vocab_parallel_verify_draft,
+)
 from bik.dvr.kernels import BikKernels, Kernels
 from bik.dvr.model import LayerWeights, LlamaModel
 
@@ -36,14 +50,22 @@ def _problems(config, dtype: torch.dtype, size: int) -> list[str]:
     hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     inter, vocab, hidden = config.intermediate_size, config.vocab_size, config.hidden_size
     out = [f"{name} = {value} does not divide by TP = {size}"
-           for name, value in (("num_key_value_heads", hkv), ("intermediate_size", inter),
-                               ("vocab_size", vocab)) if value % size]
+           for name, value in (("num_attention_heads", hq), ("intermediate_size", inter))
+           if value % size]
+    if hkv % size and size % hkv:
+        out.append(f"num_key_value_heads = {hkv} neither divides by TP = {size} nor divides it "
+                   f"(replicated KV heads)")
     if size > 1:
         for name, k in (("o_proj (q heads x head_dim)", hq * d), ("down_proj", inter)):
             groups = matmul_split(dtype, hidden, k).groups
             if groups == 1 or groups % size:
                 out.append(f"{name} K = {k} has {groups} K group(s): row parallel needs a "
                            f"multiple of 512 and TP dividing {MATMUL_TP_MAX}")
+        groups = sampler_chunks(vocab).groups
+        if groups == 1 or groups % size:
+            out.append(f"vocab_size = {vocab} has {groups} normaliser group(s): the "
+                       f"vocab-parallel sampler needs a multiple of {MATMUL_TP_MAX} and TP "
+                       f"dividing {MATMUL_TP_MAX}")
     return out
 
 
@@ -70,33 +92,41 @@ class TensorParallelLlama(LlamaModel):
                              + "; ".join(bad) + f" (supported: {supported_degrees(cfg)})")
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         inter = cfg.intermediate_size
+        q_heads = hq // size
+        kv_heads = max(hkv // size, 1)  # 1: a replica of the KV head of this rank's q heads
+        kv_first = rank * kv_heads if hkv >= size else rank * q_heads // (hq // hkv)
         self.group, self.size, self.rank = group, size, rank
         self.full_config = cfg
-        self.config = dataclasses.replace(cfg, num_attention_heads=hq // size,
-                                          num_key_value_heads=hkv // size)
+        self.config = dataclasses.replace(cfg, num_attention_heads=q_heads,
+                                          num_key_value_heads=kv_heads)
         self.embed, self.dtype, self.device = full.embed, full.dtype, full.device
         self.rope, self.scale, self.final_norm = full.rope, full.scale, full.final_norm
+        # The whole layers' N: the tables of a rank's columns are looked up with them.
+        self.layer_n = {"qkv": (hq + 2 * hkv) * d, "gate_up": 2 * inter}
 
-        def mine(t: torch.Tensor, width: int, dim: int = 0) -> torch.Tensor:
-            return t.narrow(dim, rank * width, width)
+        def mine(t: torch.Tensor, first: int, width: int, dim: int = 0) -> torch.Tensor:
+            return t.narrow(dim, first * width, width)
 
-        qw, kw, iw = hq // size * d, hkv // size * d, inter // size
+        iw = inter // size
         self.layers = []
         for layer in full.layers:
             q, k, v = layer.qkv.split([hq * d, hkv * d, hkv * d])
             gate, up = layer.gate_up.split([inter, inter])
             self.layers.append(LayerWeights(
                 input_norm=layer.input_norm,
-                qkv=torch.cat([mine(q, qw), mine(k, kw), mine(v, kw)]),
-                o=mine(layer.o, qw, 1).contiguous(),
+                qkv=torch.cat([mine(q, rank, q_heads * d),
+                               k.narrow(0, kv_first * d, kv_heads * d),
+                               v.narrow(0, kv_first * d, kv_heads * d)]),
+                o=mine(layer.o, rank, q_heads * d, 1).contiguous(),
                 post_norm=layer.post_norm,
-                gate_up=torch.cat([mine(gate, iw), mine(up, iw)]),
-                down=mine(layer.down, iw, 1).contiguous()))
-        self.lm_head = mine(full.lm_head, cfg.vocab_size // size).contiguous()
+                gate_up=torch.cat([mine(gate, rank, iw), mine(up, rank, iw)]),
+                down=mine(layer.down, rank, iw, 1).contiguous()))
+        self.lm_head = mine(full.lm_head, rank, cfg.vocab_size // size).contiguous()
 
-    def columns(self, kernels, x, w):
+    def columns(self, kernels, x, w, name):
         if _is_bik(kernels):
-            return column_parallel_linear(x, w, group=self.group, backend=kernels.backend)
+            return column_parallel_linear(x, w, group=self.group, backend=kernels.backend,
+                                          layer_n=self.layer_n[name])
         return kernels.linear(x, w)
 
     def rows(self, kernels, x, w):
@@ -107,10 +137,15 @@ class TensorParallelLlama(LlamaModel):
         return part
 
     def head(self, kernels, h):
+        """This rank's vocabulary shard of the logits [T, V / TP] (columns rank*V/TP onwards)."""
         if _is_bik(kernels):
-            return column_parallel_linear(h, self.lm_head, gather_output=True, group=self.group,
+            return column_parallel_linear(h, self.lm_head, group=self.group,
                                           backend=kernels.backend)
-        local = kernels.linear(h, self.lm_head)
-        parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        return kernels.linear(h, self.lm_head)
+
+    def sample(self, logits, **params):
+        return vocab_parallel_sample(logits, group=self.group, **params)
+
+    def verify_draft(self, draft_tokens, num_drafts, logits, **params):
+        return vocab_parallel_verify_draft(draft_tokens, num_drafts, logits, group=self.group,
+                                           **params)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "head_adaptive_attention",
     "length_adaptive_attention",
     "row_keyed_sample",
     "sdpa_attention",
@@ -75,6 +76,24 @@ def length_adaptive_attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, 
     the same token is computed in a prefill (many keys cached) or in decode (fewer), so its bits
     change with the schedule. Same calling convention as :func:`bik.attention` (paged only).
     """
+    return _split_attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
+                            lambda length: max(1, length // keys_per_split))
+
+
+def head_adaptive_attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
+                            *, work_items: int = 16):
+    """Paged attention whose split COUNT fills ``work_items`` with (sequences x q heads) (NOT
+    invariant): what split-KV heuristics sized to the SM count do, so a tensor-parallel rank
+    that holds fewer heads splits its keys more finely and gets other bits for the same head.
+    Same calling convention as :func:`bik.attention` (paged only)."""
+    rows = (cu_seqlens_q.numel() - 1) * q.shape[1]
+    return _split_attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
+                            lambda length: max(1, min(length, -(-work_items // rows))))
+
+
+def _split_attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, splits_for):
+    """Causal paged attention whose keys are cut into ``splits_for(length)`` equal splits, each
+    reduced in fp32 and merged with the online-softmax rescaling."""
     page = k_cache.shape[1]
     hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
     out = torch.empty_like(q)
@@ -84,7 +103,7 @@ def length_adaptive_attention(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, 
         slot = block_table[b, pos // page].long() * page + pos % page
         k = k_cache.reshape(-1, hkv, d)[slot].float().repeat_interleave(hq // hkv, 1)
         v = v_cache.reshape(-1, hkv, d)[slot].float().repeat_interleave(hq // hkv, 1)
-        splits = max(1, length // keys_per_split)
+        splits = splits_for(length)
         q_len = cu[b + 1] - cu[b]
         for t in range(q_len):
             p = length - q_len + t

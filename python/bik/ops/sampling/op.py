@@ -21,7 +21,8 @@ from bik.ops._checks import check_float_dtype, check_same_device, check_tensor, 
 from bik.ops._registry import define, documented, implementation, resolve_backend
 from bik.ops.sampling.noise import bik_log_torch, log_min_p
 
-__all__ = ["SampleOutput", "VerifyOutput", "bik_log_torch", "sample", "verify_draft"]
+__all__ = ["SampleOutput", "VerifyOutput", "accept_drafts", "bik_log_torch", "check_row_params",
+           "check_verify", "greedy_limit", "row_params", "sample", "verify_draft", "window_rows"]
 
 # Every backend module (triton.py, cuda.py, cpu.py) defines
 #   sample_rows(x [B, V], seed, position, temperature, top_k, top_p, log_min_p, max_top_k)
@@ -63,8 +64,11 @@ def _row_tensor(op: str, name: str, t, rows: int, dtypes: tuple, device) -> None
         raise ValueError(f"{op}: {name} is on {t.device} but logits are on {device}")
 
 
-def _check_params(op: str, rows: int, vocab: int, device, seed, position, temperature, top_k,
+def check_row_params(op: str, rows: int, vocab: int, device, seed, position, temperature, top_k,
                   top_p, min_p, values: bool = True, max_top_k: int | None = None) -> None:
+    """Check the per-row parameters of ``rows`` rows of a ``vocab``-token vocabulary (their
+    dtypes, shapes and devices; with ``values``, their values, in one host sync); ValueError or
+    TypeError naming ``op`` and the parameter."""
     _row_tensor(op, "seed", seed, rows, (torch.int64,), device)
     _row_tensor(op, "position", position, rows, (torch.int64,), device)
     _row_tensor(op, "temperature", temperature, rows, (torch.float32,), device)
@@ -100,7 +104,7 @@ def _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p, 
     check_float_dtype(op, "logits", logits)
     if logits.shape[1] == 0:
         raise ValueError(f"{op}: logits {list(logits.shape)} has an empty vocabulary (V = 0)")
-    _check_params(op, logits.shape[0], logits.shape[1], logits.device, seed, position,
+    check_row_params(op, logits.shape[0], logits.shape[1], logits.device, seed, position,
                   temperature, top_k, top_p, min_p, values, max_top_k)
 
 
@@ -112,11 +116,16 @@ def _checks_values(max_top_k) -> bool:
 
 # ---- the two backends ------------------------------------------------------------------------
 
+def greedy_limit(temperature: torch.Tensor) -> torch.Tensor:
+    """The contract's greedy limit: a temperature below SAMPLER_GREEDY_BELOW becomes 0, for every
+    backend (a device op: nothing read back)."""
+    return torch.where(temperature < SAMPLER_GREEDY_BELOW, 0.0, temperature)
+
+
 def _sample_rows(op, backend, logits, seed, position, temperature, top_k, top_p, min_p,
                  max_top_k):
     sample_rows = implementation(op, backend, logits.device)
-    # The contract's greedy limit, here for every backend (a device op: nothing read back).
-    temperature = torch.where(temperature < SAMPLER_GREEDY_BELOW, 0.0, temperature)
+    temperature = greedy_limit(temperature)
     x = logits
     if x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
@@ -145,11 +154,15 @@ def _sample_fake(logits, seed, position, temperature, top_k, top_p, min_p, backe
             logits.new_empty(rows, dtype=torch.float32))
 
 
-def _check_verify(op, draft_tokens, num_drafts, logits, params, values=True, max_top_k=None):
+def check_verify(op, draft_tokens, num_drafts, logits, params, values=True, max_top_k=None,
+                 vocab: int | None = None):
+    """verify_draft's argument checks (``vocab``: the whole vocabulary when ``logits`` holds a
+    shard of it; default its last dimension)."""
     check_tensor(op, "logits", logits, 3)
     check_float_dtype(op, "logits", logits)
     check_tensor(op, "draft_tokens", draft_tokens, 2)
-    rows, window, vocab = logits.shape
+    rows, window, width = logits.shape
+    vocab = width if vocab is None else vocab
     if vocab == 0:
         raise ValueError(f"{op}: logits {list(logits.shape)} has an empty vocabulary (V = 0)")
     if draft_tokens.dtype not in (torch.int32, torch.int64):
@@ -159,7 +172,7 @@ def _check_verify(op, draft_tokens, num_drafts, logits, params, values=True, max
                          f"draft_tokens {list(draft_tokens.shape)} [B, K]")
     _row_tensor(op, "num_drafts", num_drafts, rows, (torch.int32, torch.int64), logits.device)
     check_same_device(op, logits=logits, draft_tokens=draft_tokens)
-    _check_params(op, rows, vocab, logits.device, *params, values=values, max_top_k=max_top_k)
+    check_row_params(op, rows, vocab, logits.device, *params, values=values, max_top_k=max_top_k)
     if values and rows > 0 and not ((num_drafts >= 0) & (num_drafts <= window - 1)).all():
         raise ValueError(f"{op}: num_drafts must be in [0, K] = [0, {window - 1}]; got "
                          f"{num_drafts.tolist()}")
@@ -170,21 +183,36 @@ def _verify_impl(draft_tokens, num_drafts, logits, seed, position, temperature, 
                  min_p, backend, max_top_k=None):
     op = "bik.verify_draft"
     params = (seed, position, temperature, top_k, top_p, min_p)
-    _check_verify(op, draft_tokens, num_drafts, logits, params, _checks_values(max_top_k),
+    check_verify(op, draft_tokens, num_drafts, logits, params, _checks_values(max_top_k),
                   max_top_k)
     rows, window, vocab = logits.shape
-    k = window - 1
-    # Target tokens at positions p .. p+K, each exactly as bik.sample would draw it alone.
-    rep = [t.repeat_interleave(window) for t in params]
-    rep[1] = rep[1] + torch.arange(window, device=logits.device).repeat(rows)
     tokens, logprobs = _sample_rows("verify_draft", backend,
-                                    logits.reshape(rows * window, vocab), *rep, max_top_k)
-    tokens, logprobs = tokens.reshape(rows, window), logprobs.reshape(rows, window)
-    j = torch.arange(k, device=logits.device)
+                                    logits.reshape(rows * window, vocab),
+                                    *window_rows(params, window), max_top_k)
+    return accept_drafts(draft_tokens, num_drafts, tokens.reshape(rows, window),
+                         logprobs.reshape(rows, window))
+
+
+def window_rows(params, window: int) -> list[torch.Tensor]:
+    """Per-row parameters (seed, position, ...) of B rows repeated for the B x window rows of
+    their verify windows, the positions counting up p .. p + window - 1: each window row is
+    drawn exactly as bik.sample would draw that position alone."""
+    rows = params[0].shape[0]
+    rep = [t.repeat_interleave(window) for t in params]
+    rep[1] = rep[1] + torch.arange(window, device=rep[1].device).repeat(rows)
+    return rep
+
+
+def accept_drafts(draft_tokens, num_drafts, tokens, logprobs):
+    """(num_accepted, tokens, logprobs) of verify_draft from the target's draws tokens /
+    logprobs [B, K+1]: drafts are accepted while they equal the target's tokens (Gumbel
+    coupling), then the target's own token is emitted; -1 / -inf past it."""
+    k = tokens.shape[1] - 1
+    j = torch.arange(k, device=tokens.device)
     match = (draft_tokens.to(torch.int64) == tokens[:, :k]) & (tokens[:, :k] >= 0) \
         & (j[None, :] < num_drafts.to(torch.int64)[:, None])
     num_accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
-    emitted = torch.arange(window, device=logits.device)[None, :] <= num_accepted[:, None]
+    emitted = torch.arange(k + 1, device=tokens.device)[None, :] <= num_accepted[:, None]
     tokens = torch.where(emitted, tokens, torch.full_like(tokens, -1))
     logprobs = torch.where(emitted, logprobs, torch.full_like(logprobs, float("-inf")))
     return num_accepted, tokens, logprobs
@@ -194,7 +222,7 @@ def _verify_impl(draft_tokens, num_drafts, logits, seed, position, temperature, 
 def _verify_fake(draft_tokens, num_drafts, logits, seed, position, temperature, top_k, top_p,
                  min_p, backend, max_top_k=None):
     params = (seed, position, temperature, top_k, top_p, min_p)
-    _check_verify("bik.verify_draft", draft_tokens, num_drafts, logits, params, values=False)
+    check_verify("bik.verify_draft", draft_tokens, num_drafts, logits, params, values=False)
     rows, window = logits.shape[:2]
     return (logits.new_empty(rows, dtype=torch.int64),
             logits.new_empty(rows, window, dtype=torch.int64),
@@ -233,7 +261,9 @@ def _int64(op: str, name: str, value: int) -> int:
     return value
 
 
-def _params(op, rows, device, seed, position, temperature, top_k, top_p, min_p):
+def row_params(op, rows, device, seed, position, temperature, top_k, top_p, min_p):
+    """The six per-row tensors (seed, position, temperature, top_k, top_p, min_p) of ``rows``
+    rows from ints / floats / tensors as :func:`sample` takes them (defaults for None)."""
     if seed is None or position is None:
         raise TypeError(f"{op}: seed and position are required (ints or int64 [B] tensors)")
     return (_per_row(op, "seed", seed, rows, device, torch.int64, None),
@@ -274,7 +304,7 @@ def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None
     op = "bik.sample"
     check_tensor(op, "logits", logits, 2)
     backend = resolve_backend("sample", backend, logits.device)
-    params = _params(op, logits.shape[0], logits.device, seed, position, temperature, top_k,
+    params = row_params(op, logits.shape[0], logits.device, seed, position, temperature, top_k,
                      top_p, min_p)
     return SampleOutput(*torch.ops.bik.sample(logits, *params, backend, max_top_k))
 
@@ -308,6 +338,6 @@ def verify_draft(draft_tokens: torch.Tensor, num_drafts, logits: torch.Tensor, *
     if not isinstance(num_drafts, torch.Tensor):
         num_drafts = _per_row(op, "num_drafts", num_drafts, rows, logits.device, torch.int64,
                               None)
-    params = _params(op, rows, logits.device, seed, position, temperature, top_k, top_p, min_p)
+    params = row_params(op, rows, logits.device, seed, position, temperature, top_k, top_p, min_p)
     return VerifyOutput(*torch.ops.bik.verify_draft(draft_tokens, num_drafts, logits, *params,
                                                     backend, max_top_k))
