@@ -23,9 +23,10 @@ def records(request):
 
 def test_every_config_compiles(records):
     kernels = {r.kernel for r in records}
+    hopper = {"matmul_tma_kernel"} if records[0].arch == 90 else set()
     assert kernels == {"matmul_kernel", "matmul_fold_kernel", "rms_norm_kernel", "softmax_kernel", "mean_kernel",
                        "attention_kernel", "attention_merge_kernel", "sample_stats_kernel",
-                       "gumbel_pick_kernel", "write_kv_kernel"}
+                       "gumbel_pick_kernel", "write_kv_kernel"} | hopper
     assert len(records) >= 20
 
 
@@ -57,22 +58,41 @@ def test_registers_within_hardware_limit(records):
 
 def test_every_matmul_mode_emits_one_mma_instruction(records):
     """Instruction identity: for one (dtype, N, K) every launch mode (FOLD with one or several
-    splits, SPREAD) and bias variant emits the same single tensor-core instruction, so a split's
-    products meet the same hardware sum whichever mode ran it (the K loop is _split_dot in all
-    of them). 16-bit inputs use exactly one MMA (wgmma on sm_90); IEEE fp32 uses none."""
+    splits, SPREAD, and on sm_90 PERSISTENT with either B layout) and bias variant emits the
+    same single tensor-core instruction, so a split's products meet the same hardware sum
+    whichever mode ran it (the K loop steps BLOCK_K from each split's start in all of them).
+    16-bit inputs use exactly one MMA (wgmma on sm_90); IEEE fp32 uses none."""
     by_problem = {}
     for r in records:
-        if r.kernel == "matmul_kernel":
+        if r.kernel in ("matmul_kernel", "matmul_tma_kernel"):
             key = (r.config["dtype"], r.config["shape"]["N"], r.config["shape"]["K"])
             by_problem.setdefault(key, set()).add(r.mma)
     modes = {r.config["SPREAD"] for r in records if r.kernel == "matmul_kernel"}
     assert modes == {True, False}
+    persistent = {(r.config["dtype"], r.config["shape"]["N"], r.config["shape"]["K"])
+                  for r in records if r.kernel == "matmul_tma_kernel"}
+    assert (records[0].arch == 90) == bool(persistent)
+    assert persistent <= set(by_problem)
     for (dtype, n, k), mmas in by_problem.items():
         assert len(mmas) == 1, (dtype, n, k, mmas)
         (mma,) = mmas
         assert len(mma) == (0 if dtype == "float32" else 1), (dtype, n, k, mma)
         if dtype != "float32" and records[0].arch == 90:
             assert mma[0].startswith("wgmma.mma_async"), mma
+
+
+def test_hopper_persistent_matmul_loads_through_tma(records):
+    """PERSISTENT (the large-M path, 16-bit inputs) loads A and B with TMA
+    (cp.async.bulk.tensor) on every aligned Llama shape and both B layouts; its per-tile K loop
+    is pipelined (shared memory holds several stages)."""
+    if records[0].arch != 90:
+        pytest.skip("sm_90 only")
+    tma = [r for r in records if r.kernel == "matmul_tma_kernel"]
+    assert tma and all(r.tma for r in tma)
+    assert {r.config["B_NK"] for r in tma} == {True, False}
+    assert {r.config["dtype"] for r in tma} == {"bfloat16", "float16"}
+    big = [r for r in tma if r.config["BLOCK_K"] == 64]
+    assert big and all(r.shared >= 3 * (128 + 128) * 64 * 2 for r in big)
 
 
 def test_hopper_matmul_pipelines(records):

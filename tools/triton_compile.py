@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SHARED_LIMIT", "CompileRecord", "Ptr", "compile_kernel", "launch_like_signature"]
+__all__ = ["SHARED_LIMIT", "CompileRecord", "Desc", "Ptr", "compile_kernel",
+           "launch_like_signature"]
 
 # Max dynamic shared memory per block (opt-in), from the CUDA programming guide.
 SHARED_LIMIT = {90: 232_448, 80: 166_912}
@@ -36,6 +37,13 @@ class Ptr(NamedTuple):
     dtype: torch.dtype
 
 
+class Desc(NamedTuple):
+    """An example host TensorDescriptor argument (TMA): element dtype and block shape."""
+
+    dtype: torch.dtype
+    block: tuple[int, ...]
+
+
 class CompileRecord(NamedTuple):
     kernel: str
     arch: int
@@ -48,6 +56,7 @@ class CompileRecord(NamedTuple):
     spill_stores: int
     spill_loads: int
     mma: tuple[str, ...] = ()  # the distinct tensor-core instructions in the PTX
+    tma: bool = False  # the PTX loads through TMA (cp.async.bulk.tensor)
 
 
     @property
@@ -67,6 +76,9 @@ def launch_like_signature(kernel, args: dict, constexprs: dict):
         if isinstance(value, Ptr):
             signature[name] = "*" + _TRITON_DTYPE[value.dtype]
             attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, Desc):
+            signature[name] = (f"tensordesc<{_TRITON_DTYPE[value.dtype]}"
+                               f"[{','.join(map(str, value.block))}]>")
         elif isinstance(value, bool):
             signature[name] = "i1"
         elif isinstance(value, int) and name in unspecialised:
@@ -136,7 +148,8 @@ def compile_kernel(kernel, args: dict, constexprs: dict, *, arch: int, num_warps
                                                       "num_stages": num_stages}
     return CompileRecord(kernel.__name__, arch, config, compiled.metadata.shared,
                          SHARED_LIMIT[arch], regs, stack, local, spill_st, spill_ld,
-                         mma_instructions(compiled.asm["ptx"]))
+                         mma_instructions(compiled.asm["ptx"]),
+                         "cp.async.bulk.tensor" in compiled.asm["ptx"])
 
 
 def mma_instructions(ptx: str) -> tuple[str, ...]:

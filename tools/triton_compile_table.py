@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 from bik.configs import matmul_config, matmul_split, rms_norm_config
-from triton_compile import CompileRecord, Ptr, compile_kernel
+from triton_compile import CompileRecord, Desc, Ptr, compile_kernel
 
 __all__ = ["ARCHS", "ATTENTION_HEADS", "MATMUL_SHAPES", "REDUCTION_LENGTHS", "RMS_NORM_HIDDENS",
            "SAMPLE_VOCABS", "compile_all", "sampling_kernel_cases"]
@@ -57,12 +57,40 @@ def _matmul_cases(arch: int) -> Iterator[tuple]:
                               "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                               "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
                     yield matmul_kernel, args, consts, cfg.num_warps, cfg.num_stages
+        yield from _persistent_cases(arch, dtype)
         for has_bias in (False, True):
             args = {"ws_ptr": Ptr(torch.float32), "bias_ptr": Ptr(torch.float32),
                     "c_ptr": Ptr(dtype), "M": 4096, "N": 4096, "N_SPLITS": 8, "stride_cb": 0,
                     "stride_cm": 4096, "stride_cn": 1}
             consts = {"HAS_BIAS": has_bias, "BLOCK_M": FOLD_BLOCK[0], "BLOCK_N": FOLD_BLOCK[1]}
             yield matmul_fold_kernel, args, consts, 4, 1
+
+
+def _persistent_cases(arch: int, dtype) -> Iterator[tuple]:
+    """PERSISTENT (TMA; Hopper and 16-bit inputs only: bik.ops.matmul.schedule.use_persistent)
+    for the aligned shapes, B as a linear layer's [N, K] weight and as a row-major [K, N]
+    matrix."""
+    from bik.ops.matmul.triton import input_precision, matmul_tma_kernel
+
+    if arch != 90 or dtype == torch.float32:  # use_persistent: Hopper, 16-bit inputs
+        return
+    for n, k in MATMUL_SHAPES:
+        cfg = matmul_config(dtype, n, k, f"sm{arch}")
+        plan = matmul_split(dtype, n, k)
+        if k % 16 or n % 16 or plan.split % cfg.block_k:
+            continue  # TMA refuses these operands: they run FOLD
+        for has_bias in (False, True):
+            for b_nk in (True, False):
+                b_block = (cfg.block_n, cfg.block_k) if b_nk else (cfg.block_k, cfg.block_n)
+                args = {"a_desc": Desc(dtype, (cfg.block_m, cfg.block_k)),
+                        "b_desc": Desc(dtype, b_block), "bias_ptr": Ptr(torch.float32),
+                        "c_ptr": Ptr(dtype), "M": 4096, "N": n, "K": k, "SPLIT": plan.split,
+                        "num_programs": 132, "stride_cm": n, "stride_cn": 1}
+                consts = {"HAS_BIAS": has_bias, "INPUT_PRECISION": input_precision(dtype),
+                          "MULTI_SPLIT": plan.n_splits(k) > 1, "B_NK": b_nk,
+                          "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                          "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
+                yield matmul_tma_kernel, args, consts, cfg.num_warps, cfg.num_stages
 
 
 def _rms_norm_cases(arch: int) -> Iterator[tuple]:
@@ -190,6 +218,7 @@ def compile_all(arch: int) -> list[CompileRecord]:
             rec = compile_kernel(kernel, args, consts, arch=arch, num_warps=warps,
                                  num_stages=stages, options=options[0] if options else None)
             records.append(rec._replace(config=rec.config | {
-                "dtype": str(next(v.dtype for v in args.values() if isinstance(v, Ptr)))[6:],
+                "dtype": str(next(v.dtype for v in args.values()
+                                  if isinstance(v, (Ptr, Desc))))[6:],
                 "shape": {k: v for k, v in args.items() if k in ("N", "K", "H")}}))
     return records

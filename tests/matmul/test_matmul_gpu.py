@@ -74,3 +74,28 @@ def test_record_whether_torch_mm_varies_with_m():
             json.dump({"torch_mm_M_values_that_differ_from_M1": record,
                        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, f,
                       indent=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b_layout", ["weight", "row_major"])
+def test_launch_modes_same_bits_on_gpu(dtype, b_layout):
+    """Triton's three launch modes on the real tensor cores: PERSISTENT (TMA, Hopper), FOLD and
+    SPREAD give the same bits for a Llama projection at a large M; PERSISTENT is skipped where
+    the arch does not run it."""
+    from bik._arch import device_arch
+    from bik.ops.matmul import schedule
+    from bik.ops.matmul import triton as triton_matmul
+
+    gen = torch.Generator().manual_seed(11)
+    a = torch.randn(1, 2048, 4096, generator=gen).to("cuda", dtype)
+    w = (torch.randn(4096, 4096, generator=gen) / 64).to("cuda", dtype)
+    b = w.t()[None] if b_layout == "weight" else w.t().contiguous()[None]
+    modes = [{"persistent": False, "spread": False}, {"persistent": False, "spread": True}]
+    if schedule.use_persistent(device_arch(a.device), dtype, 1 << 20):
+        modes.append({"persistent": True})
+    outs = []
+    for mode in modes:
+        out = torch.empty(1, 2048, 4096, device="cuda", dtype=dtype)
+        triton_matmul.launch_matmul(a, b, None, out, **mode)
+        outs.append(out)
+    assert all(same_bits(o, outs[0]) for o in outs[1:])

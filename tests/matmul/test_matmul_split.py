@@ -6,9 +6,10 @@
   use (csrc/cpu/c_abi.h) is the Python rule for every K.
 * Row-parallel shards: the G group partials, each computed alone on its K range (what one rank
   of a row-parallel layer holds), folded in ascending order, are the full product's bits.
-* Triton (interpreter): SPREAD (one program per (tile, split), fp32 partials, a fold kernel) and
-  FOLD (splits in order inside a program) give the same bits at every M; rows stay invariant in
-  both; a split picked by M is caught by the same check.
+* Triton (interpreter): SPREAD (one program per (tile, split), fp32 partials, a fold kernel),
+  FOLD (splits in order inside a program) and PERSISTENT (TMA loads, programs looping over the
+  tiles; both B layouts) give the same bits at every M; rows stay invariant in all three; a
+  split picked by M is caught by the same check.
 """
 
 from __future__ import annotations
@@ -202,6 +203,72 @@ def test_triton_spread_equals_fold_at_every_m(target, small_splits, k):
         one = torch.empty(1, 33, 40)
         triton_matmul.launch_matmul(pool[None], w.t()[None], bias, one, split=k)
         assert not same_bits(one[0], run(pool, False))
+
+
+class _Launches:
+    """Counts the launches of a Triton kernel (kernel[grid](...)) and runs them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("target", targets("interpreter"))
+@pytest.mark.parametrize("k", [64, 100])
+@pytest.mark.parametrize("b_layout", ["weight", "row_major"])
+def test_triton_persistent_equals_fold_at_every_m(target, small_splits, monkeypatch, k,
+                                                   b_layout):
+    """PERSISTENT (the Hopper large-M path: TMA descriptors, 3 programs looping over the tiles
+    here) gives FOLD's and SPREAD's bits at every M, with B as a linear weight's [N, K]
+    transposed view or a row-major [K, N]; rows stay invariant in it."""
+    from bik.ops.matmul import triton as triton_matmul
+
+    tma = _Launches(triton_matmul.matmul_tma_kernel)
+    monkeypatch.setattr(triton_matmul, "matmul_tma_kernel", tma)
+    g = torch.Generator().manual_seed(k)
+    pool = torch.randn(70, k, generator=g)
+    w = torch.randn(40, k, generator=g)
+    b = w.t() if b_layout == "weight" else w.t().contiguous()
+    bias = torch.randn(40, generator=g)
+
+    def run(x, mode):
+        out = torch.empty(1, x.shape[0], 40)
+        triton_matmul.launch_matmul(x[None], b[None], bias, out, spread=mode == "spread",
+                                    persistent=mode == "persistent")
+        return out[0]
+
+    report = rows_alone_vs_batched(lambda x: run(x, "persistent"), pool, (1, 2, 17, 70),
+                                   name=f"triton persistent K={k}")
+    assert report.ok, report.summary()
+    assert tma.count > 0  # TMA took these operands
+    persistent = run(pool, "persistent")
+    assert same_bits(persistent, run(pool, "fold"))
+    assert same_bits(persistent, run(pool, "spread"))
+
+
+@pytest.mark.parametrize("target", targets("interpreter"))
+def test_triton_persistent_refuses_what_tma_cannot_load(target, small_splits, monkeypatch):
+    """Operands TMA cannot take (a split not on a BLOCK_K boundary, an unaligned row stride,
+    several batch entries) run FOLD instead, with its bits."""
+    from bik.ops.matmul import triton as triton_matmul
+
+    tma = _Launches(triton_matmul.matmul_tma_kernel)
+    monkeypatch.setattr(triton_matmul, "matmul_tma_kernel", tma)
+    g = torch.Generator().manual_seed(3)
+    for x, w, nb in ((torch.randn(5, 20, generator=g), torch.randn(40, 20, generator=g), 1),
+                     (torch.randn(5, 35, generator=g), torch.randn(40, 35, generator=g), 1),
+                     (torch.randn(5, 64, generator=g), torch.randn(40, 64, generator=g), 2)):
+        a, b = x[None].expand(nb, -1, -1), w.t()[None].expand(nb, -1, -1)
+        outs = []
+        for persistent in (True, False):
+            out = torch.empty(nb, 5, 40)
+            triton_matmul.launch_matmul(a, b, None, out, persistent=persistent)
+            outs.append(out)
+        assert same_bits(*outs)
+    assert tma.count == 0
 
 
 @pytest.mark.parametrize("target", targets("interpreter"))

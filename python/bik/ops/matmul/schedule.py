@@ -1,14 +1,23 @@
 """How the K splits of a matmul are scheduled on a GPU (Triton and CUDA alike): speed only.
 
-Both launch modes run the same per-split inner loop and fold the splits in the same ascending
+Every launch mode runs the same per-split inner loop and folds the splits in the same ascending
 order (bik.configs.matmul_split), so the choice never changes a bit: SPREAD gives each (tile,
 split) its own program, writes fp32 partials and folds them in a second kernel; FOLD has one
-program per tile compute its splits one after another, adding each to a running total.
+program per tile compute its splits one after another, adding each to a running total;
+PERSISTENT (Triton on Hopper) runs FOLD's per-tile work in one program per SM that loops over
+the tiles, loading through TMA.
 """
 
 from __future__ import annotations
 
-__all__ = ["SPREAD_MAX_TILES", "use_spread"]
+import functools
+
+import torch
+
+from bik.configs import arch_family
+
+__all__ = ["INTERPRETER_PROGRAMS", "SPREAD_MAX_TILES", "persistent_programs", "use_persistent",
+           "use_spread"]
 
 # SPREAD while the output tiles alone would not fill one wave of an H200's 132 SMs.
 SPREAD_MAX_TILES = 132
@@ -18,3 +27,29 @@ def use_spread(tiles: int, n_splits: int) -> bool:
     """Spread the K splits over programs when the output tiles alone leave the GPU idle.
     Either choice gives the same bits; this decides speed and workspace only."""
     return n_splits > 1 and tiles < SPREAD_MAX_TILES
+
+
+# PERSISTENT's program count in the interpreter: a few, so that programs take several tiles.
+INTERPRETER_PROGRAMS = 3
+
+
+def use_persistent(arch: str, dtype: torch.dtype, tiles: int) -> bool:
+    """PERSISTENT (TMA loads, one program per SM looping over the tiles) on Hopper-class GPUs
+    for 16-bit inputs once the output tiles fill a wave: the large-M path. (IEEE fp32 runs no
+    tensor-core instruction, and its transposed-B tile spilled in this mode on sm_90.) Either
+    choice gives the same bits."""
+    return (dtype in (torch.bfloat16, torch.float16) and arch.startswith("sm")
+            and arch_family(arch) == "sm90" and tiles >= SPREAD_MAX_TILES)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, tiles: int) -> int:
+    """PERSISTENT's grid: one program per SM (cached per device), never more than the tiles."""
+    if device.type != "cuda":
+        return max(1, min(tiles, INTERPRETER_PROGRAMS))
+    return max(1, min(tiles, _sm_count(device.index if device.index is not None
+                                       else torch.cuda.current_device())))

@@ -9,9 +9,14 @@ rounding. Inside a split the order is fixed by (BLOCK_K, the dot instruction) â€
 valid row or BLOCK_M. Rows beyond M are masked to zero on load and never stored, so no index
 wraps around (the failure mode of kernels that take ``offs % M``).
 
-Two launch modes, one inner loop (bik/ops/matmul/schedule.py): FOLD (grid axis 1 = 1; the
+Three launch modes, one split loop (bik/ops/matmul/schedule.py): FOLD (grid axis 1 = 1; the
 program runs its splits in order) and SPREAD (grid axis 1 = the split; fp32 partials to a
-workspace, ``matmul_fold_kernel`` folds them in order). Same bits by construction.
+workspace, ``matmul_fold_kernel`` folds them in order) load tiles through pointers;
+PERSISTENT (``matmul_tma_kernel``, Hopper, large M) keeps one program per SM looping over
+output tiles, loads A and B through TMA tensor descriptors and folds each tile's splits as FOLD
+does. TMA fills out-of-bounds elements with zeros, which is what the pointer kernels' masks
+load, the k steps are the same BLOCK_K steps from each split's start, and the dot is the same
+instruction (checked on the PTX for every mode): same bits by construction.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ import triton.language as tl
 
 from bik._arch import device_arch
 from bik.configs import matmul_config, matmul_split
-from bik.ops.matmul.schedule import use_spread
+from bik.ops.matmul.schedule import persistent_programs, use_persistent, use_spread
 
-__all__ = ["launch_matmul", "matmul_fold_kernel", "matmul_kernel"]
+__all__ = ["launch_matmul", "matmul_fold_kernel", "matmul_kernel", "matmul_tma_kernel"]
 
 
 @triton.jit
@@ -45,6 +50,16 @@ def _split_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, lo, hi, stride_ak, stride
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc
+
+
+@triton.jit
+def _tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of tile ``pid`` in grouped order (L2 reuse): a permutation of which
+    program computes which tile, nothing else."""
+    group_size = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
 
 
 # M is never specialised (Triton would compile M == 1 and M % 16 == 0 separately): one compiled
@@ -68,14 +83,7 @@ def matmul_kernel(
     # The batch is folded into grid axis 0 (axis 1 is capped at 65535 on CUDA).
     tiles = num_pid_m * num_pid_n
     batch = (tl.program_id(0) // tiles).to(tl.int64)
-    pid = tl.program_id(0) % tiles
-    # Grouped tile order for L2 reuse. It only permutes which program computes which tile.
-    group_size = GROUP_M * num_pid_n
-    group_id = pid // group_size
-    first_m = group_id * GROUP_M
-    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
+    pid_m, pid_n = _tile_of(tl.program_id(0) % tiles, num_pid_m, num_pid_n, GROUP_M)
 
     # int64 offsets: M*K or K*N may exceed 2**31 elements for LM-head sized problems.
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -141,6 +149,87 @@ def matmul_fold_kernel(
     tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _tma_split_dot(a_desc, b_desc, off_m, off_n, lo, hi, B_NK: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """_split_dot with TMA loads: acc = 0, then acc = dot(a, b, acc) over [lo, hi) in BLOCK_K
+    steps. A split ends on a BLOCK_K boundary or at K (launch_matmul checks), and TMA zero-fills
+    past K and past M, N: the tiles the pointer loop's masks load."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        a = a_desc.load([off_m, k0])
+        if B_NK:  # B given as the [N, K] weight of a linear layer (K contiguous)
+            b = b_desc.load([off_n, k0]).T
+        else:
+            b = b_desc.load([k0, off_n])
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "num_programs"])
+def matmul_tma_kernel(
+    a_desc, b_desc, bias_ptr, c_ptr,
+    M, N, K, SPLIT, num_programs,
+    stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    MULTI_SPLIT: tl.constexpr,
+    B_NK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """PERSISTENT: ``num_programs`` programs (one per SM) take the output tiles in turn; each
+    tile is FOLD's: t = p_0; t = t + p_s, s ascending; + bias; one rounding. One batch entry."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    for pid in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
+        pid_m, pid_n = _tile_of(pid, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        total = _tma_split_dot(a_desc, b_desc, off_m, off_n, 0, tl.minimum(SPLIT, K), B_NK,
+                               INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        if MULTI_SPLIT:
+            for lo_s in range(SPLIT, K, SPLIT):  # t = t + p_s, s ascending
+                total = total + _tma_split_dot(a_desc, b_desc, off_m, off_n, lo_s,
+                                               tl.minimum(lo_s + SPLIT, K), B_NK,
+                                               INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        offs_m = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
+        offs_n = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            total = total + bias[None, :]
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty),
+                 mask=(offs_m < M)[:, None] & mask_n[None, :])
+
+
+def _tma_operands(a: torch.Tensor, b: torch.Tensor, cfg, split: int):
+    """(a_desc, b_desc, b_nk) for PERSISTENT, or None when TMA cannot take these operands: one
+    batch entry, unit stride along K for A and along K or N for B, 16-byte aligned bases and
+    row strides, and splits that end on BLOCK_K boundaries."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if a.shape[0] != 1 or split % cfg.block_k:
+        return None
+    a2, b2 = a[0], b[0]
+    size = a.element_size()
+
+    def aligned(t, row_stride):
+        return t.data_ptr() % 16 == 0 and (row_stride * size) % 16 == 0
+
+    if a2.stride(1) != 1 or not aligned(a2, a2.stride(0)):
+        return None
+    if b2.stride(0) == 1 and aligned(b2, b2.stride(1)):  # [K, N] view of an [N, K] weight
+        return (TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]),
+                TensorDescriptor.from_tensor(b2.t(), [cfg.block_n, cfg.block_k]), True)
+    if b2.stride(1) == 1 and aligned(b2, b2.stride(0)):
+        return (TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]),
+                TensorDescriptor.from_tensor(b2, [cfg.block_k, cfg.block_n]), False)
+    return None
+
+
 def input_precision(dtype: torch.dtype) -> str:
     # fp32 runs as IEEE fp32 (never TF32); 16-bit inputs have one dot precision anyway.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -151,13 +240,15 @@ FOLD_BLOCK = (32, 128)  # fold kernel tile (elementwise: speed only)
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                   out: torch.Tensor, *, layer: tuple[int, int] | None = None,
-                  split: int | None = None, spread: bool | None = None) -> None:
+                  split: int | None = None, spread: bool | None = None,
+                  persistent: bool | None = None) -> None:
     """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]), all validated by the caller.
 
     Any strides are accepted (batch stride 0 broadcasts b); ``out`` is written, not read.
     ``layer``: the (N, K) of the whole layer the tables (tile and K-split) are looked up with,
     default this call's (a shard of a sharded layer passes the layer's). ``split``: an explicit
-    K-split length (tests). ``spread`` None = by work size (the bits do not depend on it).
+    K-split length (tests). ``spread`` / ``persistent`` None = by arch and work size (the bits
+    do not depend on them); ``persistent=True`` where TMA cannot take the operands runs FOLD.
     """
     nb, m, k = a.shape
     n = b.shape[2]
@@ -172,9 +263,24 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     if n_splits > 65535:
         raise ValueError(f"bik: backend='triton' matmul: K = {k} gives {n_splits} splits "
                          f"(max 65535)")
+    bias_arg = bias.contiguous() if bias is not None else out
+    if persistent is None:
+        persistent = use_persistent(device_arch(a.device), a.dtype, tiles)
+    descs = _tma_operands(a, b, cfg, split) if persistent else None
+    if descs is not None:
+        a_desc, b_desc, b_nk = descs
+        programs = persistent_programs(a.device, tiles)
+        matmul_tma_kernel[(programs,)](
+            a_desc, b_desc, bias_arg, out, m, n, k, split, programs,
+            out.stride(1), out.stride(2),
+            HAS_BIAS=bias is not None, INPUT_PRECISION=input_precision(a.dtype),
+            MULTI_SPLIT=n_splits > 1, B_NK=b_nk,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return
     ws = torch.empty((nb, n_splits, m, n) if spread else (1,), dtype=torch.float32,
                      device=a.device)
-    bias_arg = bias.contiguous() if bias is not None else out
     matmul_kernel[(tiles, n_splits if spread else 1)](
         a, b, bias_arg, out, ws,
         m, n, k, split,
