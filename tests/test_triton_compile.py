@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 # The sampler's stats kernel spills up to 56 B (sm_90, fp16) for a vocabulary that is not a
 # multiple of 16 (V = 111: unvectorised masked loads around the normaliser's chunk folds); the
 # Llama vocabularies (128256, 262144) do not spill.
-SPILL_BUDGET = {"attention_kernel": 32, "attention_merge_kernel": 0, "sample_stats_kernel": 64}
+SPILL_BUDGET = {"attention_kernel": 32, "sample_stats_kernel": 64}
 
 
 @pytest.fixture(scope="module", params=ARCHS, ids=lambda a: f"sm{a}")
@@ -25,7 +25,7 @@ def test_every_config_compiles(records):
     kernels = {r.kernel for r in records}
     hopper = {"matmul_tma_kernel"} if records[0].arch == 90 else set()
     assert kernels == {"matmul_kernel", "matmul_fold_kernel", "rms_norm_kernel", "softmax_kernel", "mean_kernel",
-                       "attention_kernel", "attention_merge_kernel", "sample_stats_kernel",
+                       "attention_kernel", "sample_stats_kernel",
                        "gumbel_pick_kernel", "write_kv_kernel"} | hopper
     assert len(records) >= 20
 

@@ -126,9 +126,10 @@ def _reduction_cases(arch: int) -> Iterator[tuple]:
 
 
 def _attention_cases(arch: int) -> Iterator[tuple]:
-    """Llama-style GQA ratios and head dims, paged and contiguous, both launch modes."""
+    """Llama-style GQA ratios and head dims, paged and contiguous, both launch modes (SPLIT with
+    its fused merge)."""
     from bik.configs import attention_config
-    from bik.ops.attention.triton import LOG2E, attention_kernel, attention_merge_kernel
+    from bik.ops.attention.triton import LOG2E, attention_kernel
 
     i32, f32 = Ptr(torch.int32), Ptr(torch.float32)
     no_fusion = {"enable_fp_fusion": False}
@@ -141,22 +142,18 @@ def _attention_cases(arch: int) -> Iterator[tuple]:
                 for fold in (True, False):
                     args = {"q_ptr": Ptr(dtype), "k_ptr": Ptr(dtype), "v_ptr": Ptr(dtype),
                                 "out_ptr": Ptr(dtype), "lse_ptr": f32, "pacc_ptr": f32, "pml_ptr": f32,
-                                "cu_q_ptr": i32, "seqlens_k_ptr": i32, "table_ptr": i32,
+                                "ticket_ptr": i32, "cu_q_ptr": i32, "seqlens_k_ptr": i32, "table_ptr": i32,
                                 "base_ptr": Ptr(torch.int64), "stride_qt": hq * d, "stride_qh": d,
                                 "stride_ot": hq * d, "stride_oh": d, "stride_table_b": 64,
                                 "stride_page": 16 * hkv * d if paged else 0,
                                 "stride_tok": hkv * d, "stride_kvh": d, "block_size": 16, "total_q": 4096,
-                                "num_heads_q": hq, "scale_log2e": LOG2E / d**0.5}
+                                "num_heads_q": hq, "splits_per_prog": 4,
+                                "scale_log2e": LOG2E / d**0.5}
                     consts = {"HKV": hkv, "G": g, "D": d, "BLOCK_M": block_m,
                                   "BLOCK_T": max(1, cfg.block_m // g), "BLOCK_N": cfg.block_n,
                                   "SPLIT": cfg.split, "PAGED": paged, "CAUSAL": True, "FOLD": fold,
                                   "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
                     yield attention_kernel, args, consts, cfg.num_warps, cfg.num_stages, no_fusion
-            args = {"out_ptr": Ptr(dtype), "lse_ptr": f32, "pacc_ptr": f32, "pml_ptr": f32,
-                        "tok_seq_ptr": i32, "cu_q_ptr": i32, "seqlens_k_ptr": i32, "stride_ot": hq * d,
-                        "stride_oh": d, "total_q": 4096, "num_heads_q": hq}
-            consts = {"G": g, "G_P2": 1 << (g - 1).bit_length(), "D": d, "SPLIT": cfg.split, "CAUSAL": True}
-            yield attention_merge_kernel, args, consts, 4, 1, no_fusion
     yield from _kv_write_cases()
 
 

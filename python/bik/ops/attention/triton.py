@@ -12,8 +12,10 @@ would get alone in decode. SPLIT, BLOCK_N, BLOCK_M and the dot shapes come from
 Two launch modes give the same bits by construction (same split partials, same fold order,
 same shared functions; both compiled with ``enable_fp_fusion=False`` so no mul+add contracts
 differently in one than in the other): FOLD (each program folds all splits of its tile; no
-workspace; prefill-sized work) and SPLIT (one program per split writing fp32 partials, then
-a merge kernel folding them in order; fills the GPU at decode-sized work).
+workspace; prefill-sized work) and SPLIT (decode-sized work: the tile's splits are spread over
+programs, a few consecutive splits each, every split's partial written in fp32; the last of the
+tile's programs to finish -- an atomic ticket -- reads them back and folds them in ascending
+order, the merge fused into the same launch).
 
 Rows of a tile are the G query heads that share a KV head times BLOCK_T = BLOCK_M // G tokens.
 """
@@ -30,7 +32,8 @@ from bik._arch import device_arch
 from bik.configs import TRITON_ATTENTION_HEAD_DIMS, attention_config
 from bik.ops.attention._layout import Problem, run_on_gpu
 
-__all__ = ["attention_kernel", "attention_merge_kernel", "launch_attention", "run_attention"]
+__all__ = ["SPLIT_PROGRAM_TARGET", "attention_kernel", "launch_attention", "run_attention",
+           "splits_per_program", "use_split_mode"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -66,19 +69,41 @@ def _kv_offsets(kv_pos, kv_ok, b, table_ptr, stride_table_b, base_ptr, block_siz
 
 # Lengths and batch-sized ints are not specialised (Triton would compile 1 and multiples of 16
 # separately): one compiled kernel per config serves every batch and every q_len.
-@triton.jit(do_not_specialize=["block_size", "total_q", "num_heads_q"])
+@triton.jit
+def _fold_partials(pml_ptr, pacc_ptr, q_rows, head, row_ok, dims, n_splits, total_q,
+                   num_heads_q, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """SPLIT's fused merge: the tile's split partials read back (past L1: other SMs wrote
+    them) and folded j ascending from the empty state, as FOLD folds them in registers. A
+    split a row cannot see was stored as (-inf, 0, 0): folding it is an exact identity."""
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    plane = total_q.to(tl.int64) * num_heads_q
+    for j in range(n_splits):
+        row_idx = j * plane + q_rows * num_heads_q + head
+        m_j = tl.load(pml_ptr + row_idx + j * plane, mask=row_ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        l_j = tl.load(pml_ptr + row_idx + (j + 1) * plane, mask=row_ok, other=0.0,
+                      cache_modifier=".cg")
+        acc_j = tl.load(pacc_ptr + row_idx[:, None] * D + dims[None, :], mask=row_ok[:, None],
+                        other=0.0, cache_modifier=".cg")
+        m, l, acc = merge_partial(m, l, acc, m_j, l_j, acc_j)
+    return m, l, acc
+
+
+@triton.jit(do_not_specialize=["block_size", "total_q", "num_heads_q", "splits_per_prog"])
 def attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, pacc_ptr, pml_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, pacc_ptr, pml_ptr, ticket_ptr,
     cu_q_ptr, seqlens_k_ptr, table_ptr, base_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table_b,
     stride_page, stride_tok, stride_kvh,
-    block_size, total_q, num_heads_q, scale_log2e,
+    block_size, total_q, num_heads_q, splits_per_prog, scale_log2e,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Axis 0 (up to 2**31 - 1 programs) takes sequences x KV heads; axes 1 and 2 (65535 max)
-    # take query tiles and splits.
+    # take query tiles and (SPLIT) runs of splits_per_prog splits.
     b = tl.program_id(0) // HKV
     hk = tl.program_id(0) % HKV
     tile = tl.program_id(1)
@@ -107,8 +132,8 @@ def attention_kernel(
         j_lo = 0
         j_hi = n_splits
     else:
-        j_lo = tl.program_id(2)
-        j_hi = j_lo + 1
+        j_lo = tl.program_id(2) * splits_per_prog
+        j_hi = tl.minimum(j_lo + splits_per_prog, n_splits)
         if j_lo >= n_splits:
             return
 
@@ -150,66 +175,57 @@ def attention_kernel(
             tl.store(pml_ptr + row_idx + (j + 1) * plane, l_j, mask=row_ok)
             tl.store(pacc_ptr + row_idx[:, None] * D + dims[None, :], acc_j, mask=row_ok[:, None])
 
-    if FOLD:
+    last = True
+    if not FOLD:
+        # Every thread's partial stores, then one release / acquire ticket per program: the
+        # tile's last program to arrive sees every partial and folds them.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + (tl.program_id(0) * tl.num_programs(1) + tile), 1,
+                               sem="acq_rel", scope="gpu")
+        last = ticket == tl.cdiv(n_splits, splits_per_prog) - 1
+        if last:
+            tl.debug_barrier()
+            m, l, acc = _fold_partials(pml_ptr, pacc_ptr, q_rows, head, row_ok, dims, n_splits,
+                                       total_q, num_heads_q, BLOCK_M, D)
+    if last:
         out, lse = finalize(m, l, acc)
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         tl.store(lse_ptr + q_rows * num_heads_q + head, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["total_q", "num_heads_q"])
-def attention_merge_kernel(
-    out_ptr, lse_ptr, pacc_ptr, pml_ptr, tok_seq_ptr, cu_q_ptr, seqlens_k_ptr,
-    stride_ot, stride_oh, total_q, num_heads_q,
-    G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
-    """Fold the SPLIT-mode partials of G heads of one token, j ascending (same functions)."""
-    t = tl.program_id(0).to(tl.int64)
-    lane = tl.arange(0, G_P2)
-    head_ok = lane < G
-    head = tl.program_id(1) * G + tl.where(head_ok, lane, 0)
-    b = tl.load(tok_seq_ptr + t)
-    q_start = tl.load(cu_q_ptr + b)
-    q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    seqlen_k = tl.load(seqlens_k_ptr + b)
-    if CAUSAL:
-        n_splits = tl.cdiv(seqlen_k - q_len + (t - q_start) + 1, SPLIT)
-    else:
-        n_splits = tl.cdiv(seqlen_k, SPLIT)
-    dims = tl.arange(0, D)
-    m = tl.full((G_P2,), float("-inf"), tl.float32)
-    l = tl.zeros((G_P2,), tl.float32)
-    acc = tl.zeros((G_P2, D), tl.float32)
-    plane = total_q.to(tl.int64) * num_heads_q
-    for j in range(n_splits):
-        row_idx = j * plane + t * num_heads_q + head
-        m_j = tl.load(pml_ptr + row_idx + j * plane, mask=head_ok, other=float("-inf"))
-        l_j = tl.load(pml_ptr + row_idx + (j + 1) * plane, mask=head_ok, other=0.0)
-        acc_j = tl.load(pacc_ptr + row_idx[:, None] * D + dims[None, :], mask=head_ok[:, None],
-                        other=0.0)
-        m, l, acc = merge_partial(m, l, acc, m_j, l_j, acc_j)
-    out, lse = finalize(m, l, acc)
-    tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-    tl.store(lse_ptr + t * num_heads_q + head, lse, mask=head_ok)
+def use_split_mode(total_q: int, num_heads_q: int, n_splits: int, per_program: int) -> bool:
+    """Decode/verify-sized work splits the KV across programs; prefill folds in-program, and
+    so does work whose programs would each hold all of a tile's splits anyway. Either choice
+    gives the same bits; this only decides speed and workspace size."""
+    return n_splits > per_program and total_q * num_heads_q * n_splits <= (1 << 20)
 
 
-def use_split_mode(total_q: int, num_heads_q: int, n_splits: int) -> bool:
-    """Decode/verify-sized work splits the KV across programs; prefill folds in-program.
-    Either choice gives the same bits; this only decides speed and workspace size."""
-    return n_splits > 1 and total_q * num_heads_q * n_splits <= (1 << 20)
+# SPLIT aims at about this many programs (two waves of an H200's 132 SMs): a program takes more
+# consecutive splits when the (sequence, KV head, tile) items alone come close to it.
+SPLIT_PROGRAM_TARGET = 264
+
+
+def splits_per_program(items: int, n_splits: int) -> int:
+    """Consecutive splits per SPLIT program for ``items`` (sequence, KV head, query tile)
+    triples: at least one, enough that items x runs stays near SPLIT_PROGRAM_TARGET. Speed only:
+    every split's partial is computed alone and the fold order is fixed."""
+    runs = max(1, min(n_splits, SPLIT_PROGRAM_TARGET // max(items, 1)))
+    return -(-n_splits // runs)
 
 
 def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_size,
                      stride_page: int, stride_tok: int, max_q_len: int, max_k_len: int,
-                     scale: float, causal: bool, split_mode: bool | None = None) -> None:
-    """Run the kernel(s). Key ``pos`` of sequence b (head h, dim d) lives at element offset
+                     scale: float, causal: bool, split_mode: bool | None = None,
+                     per_program: int | None = None) -> None:
+    """Run the kernel. Key ``pos`` of sequence b (head h, dim d) lives at element offset
     ``table[b, pos // block_size] * stride_page + (pos % block_size) * stride_tok`` when paged,
     else ``base[b] + pos * stride_tok``, plus ``h * k.stride(-2) + d``; v likewise (same strides).
 
     ``cu_q`` int32 [B+1], ``seqlens_k`` int32 [B], ``table`` int32 [B, max_pages] or None,
-    ``base`` int64 [B] when ``table`` is None. ``split_mode`` None = by work size (bits equal).
+    ``base`` int64 [B] when ``table`` is None. ``split_mode`` None = by work size;
+    ``per_program``: SPLIT's splits per program, None = by work size (the bits do not depend on
+    either).
     """
     total_q, hq, d = q.shape
     hkv = k.shape[-2]
@@ -221,38 +237,31 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
     block_t = max(1, cfg.block_m // g)
     block_m = max(cfg.block_m, triton.next_power_of_2(g))
     n_splits = max(1, math.ceil(max_k_len / cfg.split))
-    split = use_split_mode(total_q, hq, n_splits) if split_mode is None else split_mode
+    tiles = triton.cdiv(max_q_len, block_t)
+    per = per_program or splits_per_program(n_seq * hkv * tiles, n_splits)
+    split = use_split_mode(total_q, hq, n_splits, per) if split_mode is None else split_mode
     paged = table is not None
     if split:
         pacc = torch.empty((n_splits, total_q, hq, d), dtype=torch.float32, device=q.device)
         pml = torch.empty((n_splits, 2, total_q, hq), dtype=torch.float32, device=q.device)
+        tickets = torch.zeros(n_seq * hkv * tiles, dtype=torch.int32, device=q.device)
     else:
         pacc = pml = lse  # unused
-    grid = (n_seq * hkv, triton.cdiv(max_q_len, block_t), n_splits if split else 1)
+        tickets = seqlens_k  # unused
+    grid = (n_seq * hkv, tiles, triton.cdiv(n_splits, per) if split else 1)
     dummy = seqlens_k
     attention_kernel[grid](
-        q, k, v, out, lse, pacc, pml,
+        q, k, v, out, lse, pacc, pml, tickets,
         cu_q, seqlens_k, table if paged else dummy, base if not paged else dummy,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         table.stride(0) if paged else 0,
         stride_page, stride_tok, k.stride(-2),
-        block_size, total_q, hq, scale * LOG2E,
+        block_size, total_q, hq, per, scale * LOG2E,
         HKV=hkv, G=g, D=d, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
         SPLIT=cfg.split, PAGED=paged, CAUSAL=causal, FOLD=not split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )
-    if split:
-        q_lens = cu_q[1:] - cu_q[:-1]
-        tok_seq = torch.repeat_interleave(
-            torch.arange(n_seq, device=q.device, dtype=torch.int32), q_lens,
-            output_size=total_q)
-        attention_merge_kernel[(total_q, hkv)](
-            out, lse, pacc, pml, tok_seq, cu_q, seqlens_k,
-            out.stride(0), out.stride(1), total_q, hq,
-            G=g, G_P2=triton.next_power_of_2(g), D=d, SPLIT=cfg.split, CAUSAL=causal,
-            num_warps=4, enable_fp_fusion=False,
-        )
 
 
 def run_attention(label: str, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
