@@ -1,10 +1,13 @@
 """Triton Gumbel-max sampler: tokens and logprobs bit-identical to the CPU path.
 
-Three launches per call, all row-local:
+Four launches per call, all row-local:
 
-* ``sample_stats_kernel`` (one program per row): the row max m (exact), the invalid flag (NaN or
-  +inf in z), the top-p threshold by bisection on the fp32 order key, the min-p threshold
-  m + log_min_p, and bik_log of the kept mass for the logprob. Every mass is
+* rows without top-p: the normaliser's G vocabulary groups side by side, G programs per row
+  (triton_groups.py: each group's max and flag, then each group's mass; m, the min-p threshold
+  and the flag from the group-0 program; the group totals folded ascending in torch);
+* ``sample_stats_kernel`` (one program per top-p row): the row max m (exact), the invalid flag
+  (NaN or +inf in z), the top-p threshold by bisection on the fp32 order key, the min-p
+  threshold m + log_min_p, and bik_log of the kept mass for the logprob. Every mass is
   :func:`_vocab_mass`: bik_exp(z - m) summed in the normaliser's written order (chunks of the
   vocabulary, 32 explicit lanes per chunk folded 16 .. 1 by reshapes, chunk sums and group
   totals ascending), never a ``tl.sum`` tree of the compiler's choosing. Exactly rounded ops
@@ -170,28 +173,36 @@ def _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, threshold, m_safe, CHUNK: tl.
     each folded pairwise by halves (explicit reshapes, not a tl.sum tree); chunk sums enter the
     group total one by one in ascending order (a tl.sum of one value among zeros is that value,
     exactly), group totals likewise."""
-    cols = tl.arange(0, CHUNK)[None, :]
-    slots = tl.arange(0, NCH)
     total = tl.full((), 0.0, tl.float32)
     for g0 in range(0, V, GROUP_LEN):
-        g_end = g0 + GROUP_LEN
-        group_total = tl.full((), 0.0, tl.float32)
-        for c0 in range(g0, g_end, CHUNK * NCH):
-            offs = c0 + slots[:, None] * CHUNK + cols
-            mask = offs < g_end
-            if RAW:
-                s = tl.load(x_row + offs, mask=mask, other=0.0)
-            else:
-                z = _tempered(x_row, offs, mask, temp)
-                keep = mask & _kept_k(z, offs, vk, ik) & (z >= threshold)
-                s = tl.where(keep, bik_exp(z - m_safe), 0.0)
-            for k in tl.static_range(LOG2_CHUNK):
-                s = _halves(s, NCH, CHUNK >> (k + 1))
-            sums = tl.reshape(s, (NCH,))
-            for c in tl.static_range(NCH):
-                group_total = group_total + tl.sum(tl.where(slots == c, sums, 0.0), axis=0)
-        total = total + group_total
+        total = total + group_mass(x_row, g0, g0 + GROUP_LEN, temp, vk, ik, threshold, m_safe,
+                                   CHUNK, LOG2_CHUNK, NCH, RAW)
     return total
+
+
+@triton.jit
+def group_mass(x_row, g0, g_end, temp, vk, ik, threshold, m_safe, CHUNK: tl.constexpr,
+               LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr, RAW: tl.constexpr):
+    """One group's total of _vocab_mass's terms over tokens [g0, g_end): its chunks from g0,
+    each folded by halves, the chunk sums added in ascending order from +0."""
+    cols = tl.arange(0, CHUNK)[None, :]
+    slots = tl.arange(0, NCH)
+    group_total = tl.full((), 0.0, tl.float32)
+    for c0 in range(g0, g_end, CHUNK * NCH):
+        offs = c0 + slots[:, None] * CHUNK + cols
+        mask = offs < g_end
+        if RAW:
+            s = tl.load(x_row + offs, mask=mask, other=0.0)
+        else:
+            z = _tempered(x_row, offs, mask, temp)
+            keep = mask & _kept_k(z, offs, vk, ik) & (z >= threshold)
+            s = tl.where(keep, bik_exp(z - m_safe), 0.0)
+        for k in tl.static_range(LOG2_CHUNK):
+            s = _halves(s, NCH, CHUNK >> (k + 1))
+        sums = tl.reshape(s, (NCH,))
+        for c in tl.static_range(NCH):
+            group_total = group_total + tl.sum(tl.where(slots == c, sums, 0.0), axis=0)
+    return group_total
 
 
 @triton.jit
@@ -209,11 +220,13 @@ def sample_stats_kernel(x_ptr, stride_x, V, GROUP_LEN, temp_ptr, vk_ptr, ik_ptr,
                         log_min_p_ptr, m_ptr, vlo_ptr, logs_ptr, bad_ptr, BLOCK: tl.constexpr,
                         CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    top_p = tl.load(top_p_ptr + row)
+    if top_p >= 1.0:  # triton_groups' kernels take rows without top-p, G programs each
+        return
     x_row = x_ptr + row * stride_x
     temp = tl.load(temp_ptr + row)
     vk = tl.load(vk_ptr + row)
     ik = tl.load(ik_ptr + row)
-    top_p = tl.load(top_p_ptr + row)
     log_min_p = tl.load(log_min_p_ptr + row)
     cols = tl.arange(0, BLOCK)
 
@@ -231,21 +244,18 @@ def sample_stats_kernel(x_ptr, stride_x, V, GROUP_LEN, temp_ptr, vk_ptr, ik_ptr,
     m_safe = tl.where(is_bad, 0.0, m)
 
     # top-p: the largest v with vocab_sum(bik_exp(z - m) [kept, z >= v]) >= top_p * S.
-    v_lo = float("-inf")
-    if top_p < 1.0:
-        target = top_p * _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, float("-inf"), m_safe,
-                                     CHUNK, LOG2_CHUNK, NCH, False)
-        lo = _key(tl.full((), float("-inf"), tl.float32))
-        hi = _key(m_safe) + 1
-        for _ in range(32):
-            mid = (lo + hi) >> 1
-            mass = _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, _from_key(mid), m_safe, CHUNK,
-                               LOG2_CHUNK, NCH, False)
-            ok = mass >= target
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid)
-        v_lo = _from_key(lo)
-    v_lo = tl.maximum(v_lo, m_safe + log_min_p)
+    target = top_p * _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, float("-inf"), m_safe,
+                                 CHUNK, LOG2_CHUNK, NCH, False)
+    lo = _key(tl.full((), float("-inf"), tl.float32))
+    hi = _key(m_safe) + 1
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        mass = _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, _from_key(mid), m_safe, CHUNK,
+                           LOG2_CHUNK, NCH, False)
+        ok = mass >= target
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    v_lo = tl.maximum(_from_key(lo), m_safe + log_min_p)
 
     # The logprob's normaliser over the finally kept tokens (>= 1: the max token's term is 1).
     norm = _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, v_lo, m_safe, CHUNK, LOG2_CHUNK, NCH,
@@ -326,17 +336,25 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
     part_idx = torch.empty(b, n_splits, dtype=torch.int32, device=dev)
     if b == 0:
         return m, log_s, bad, part_val, part_idx
+    from bik.ops.sampling.triton_groups import (  # it builds on this module's helpers
+        finish_plain_rows,
+        launch_group_stats,
+    )
+
     stride = logits.stride(0)
     groups, chunk = sampler_chunks(v)
+    nch = _chunks_per_tile(device_arch(logits.device), chunk)
+    gtot = launch_group_stats(logits, temperature, vk, ik, top_p, log_min_p, m, v_lo, bad,
+                              groups=groups, chunk=chunk, nch=nch, block=cfg.block,
+                              num_warps=cfg.num_warps, options=NO_FUSION)
     sample_stats_kernel[(b,)](logits, stride, v, v // groups, temperature, vk, ik, top_p,
                               log_min_p, m, v_lo, log_s, bad, BLOCK=cfg.block, CHUNK=chunk,
-                              LOG2_CHUNK=chunk.bit_length() - 1,
-                              NCH=_chunks_per_tile(device_arch(logits.device), chunk),
+                              LOG2_CHUNK=chunk.bit_length() - 1, NCH=nch,
                               num_warps=cfg.num_warps, **NO_FUSION)
     gumbel_pick_kernel[(b, n_splits)](logits, stride, v, key, temperature, vk, ik, v_lo, m,
                                       part_val, part_idx, n_splits, SPLIT=cfg.split,
                                       BLOCK=cfg.block, num_warps=cfg.num_warps, **NO_FUSION)
-    return m, log_s, bad, part_val, part_idx
+    return m, finish_plain_rows(gtot, bad, top_p, log_s), bad, part_val, part_idx
 
 
 def run_noise_part(fn: str, x: torch.Tensor, n: int) -> torch.Tensor:
