@@ -10,10 +10,11 @@ pytest.importorskip("triton")
 # and reductions do not spill. The attention kernels keep two fp32 accumulators (the running
 # fold and the current split) and measured at most 24 B of stack on some fp32 / sm_80 configs.
 # A change that spills more must raise these deliberately (and say why in its commit).
-# The sampler's stats kernel spills up to 56 B (sm_90, fp16) for a vocabulary that is not a
-# multiple of 16 (V = 111: unvectorised masked loads around the normaliser's chunk folds); the
-# Llama vocabularies (128256, 262144) do not spill.
-SPILL_BUDGET = {"attention_kernel": 32, "sample_stats_kernel": 64}
+# The sampler's top-p kernel (16 thresholds probed per pass, each with its own chunk fold, and
+# the candidate buffer's compaction) spills up to 92 B at 128 registers (8 warps, sm_90, V = 111;
+# 64 B at the Llama vocabularies; 4 warps: 168 registers and still 52 B): a few words per
+# thread, against the 34 passes over the row it replaces.
+SPILL_BUDGET = {"attention_kernel": 32, "top_p_stats_kernel": 96}
 
 
 @pytest.fixture(scope="module", params=ARCHS, ids=lambda a: f"sm{a}")
@@ -25,8 +26,8 @@ def test_every_config_compiles(records):
     kernels = {r.kernel for r in records}
     hopper = {"matmul_tma_kernel"} if records[0].arch == 90 else set()
     assert kernels == {"matmul_kernel", "matmul_fold_kernel", "rms_norm_kernel", "softmax_kernel", "mean_kernel",
-                       "attention_kernel", "sample_stats_kernel",
-                       "gumbel_pick_kernel", "write_kv_kernel"} | hopper
+                       "attention_kernel", "top_p_stats_kernel", "group_max_kernel",
+                       "group_mass_kernel", "gumbel_pick_kernel", "write_kv_kernel"} | hopper
     assert len(records) >= 20
 
 

@@ -178,14 +178,17 @@ SAMPLE_VOCABS = (111, 128256, 262144)
 
 
 def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
-    """The sampler's stats and pick kernels for every logits dtype and vocabulary, compiled
-    exactly as launched (no fp fusion), so their PTX can be checked for approximations."""
+    """The sampler's kernels (top-p stats, the group stats of rows without top-p, the pick) for
+    every logits dtype and vocabulary, compiled exactly as launched (no fp fusion), so their PTX
+    can be checked for approximations."""
     from bik.configs import sampler_chunks, sampling_config
-    from bik.ops.sampling.triton import (
-        NO_FUSION,
-        _chunks_per_tile,
-        gumbel_pick_kernel,
-        sample_stats_kernel,
+    from bik.ops.sampling.triton import NO_FUSION, _chunks_per_tile, gumbel_pick_kernel
+    from bik.ops.sampling.triton_groups import group_mass_kernel, group_max_kernel
+    from bik.ops.sampling.triton_top_p import (
+        TOP_P_CANDIDATES,
+        TOP_P_LANES,
+        TOP_P_PASSES,
+        top_p_stats_kernel,
     )
 
     cfg = sampling_config(f"sm{arch}")
@@ -193,16 +196,27 @@ def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
     for dtype in DTYPES:
         for v in SAMPLE_VOCABS:
             groups, chunk = sampler_chunks(v)
-            args = {"x_ptr": Ptr(dtype), "stride_x": v, "V": v, "GROUP_LEN": v // groups,
-                    "temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32, "top_p_ptr": f32,
-                    "log_min_p_ptr": f32, "m_ptr": f32, "vlo_ptr": f32, "logs_ptr": f32,
-                    "bad_ptr": i32}
-            consts = {"BLOCK": cfg.block, "CHUNK": chunk, "LOG2_CHUNK": chunk.bit_length() - 1,
-                      "NCH": _chunks_per_tile(f"sm{arch}", chunk)}
-            yield sample_stats_kernel, args, consts, cfg.num_warps, 1, NO_FUSION
-            args = {"x_ptr": Ptr(dtype), "stride_x": v, "V": v, "key_ptr": Ptr(torch.int64),
-                        "temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32, "vlo_ptr": f32, "m_ptr": f32,
-                        "part_val_ptr": f32, "part_idx_ptr": i32, "n_splits": -(-v // cfg.split)}
+            row = {"x_ptr": Ptr(dtype), "stride_x": v}
+            params = {"temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32, "top_p_ptr": f32}
+            folds = {"CHUNK": chunk, "LOG2_CHUNK": chunk.bit_length() - 1,
+                     "NCH": _chunks_per_tile(f"sm{arch}", chunk)}
+            args = row | {"V": v, "GROUP_LEN": v // groups} | params | {
+                "log_min_p_ptr": f32, "cand_ptr": f32, "m_ptr": f32, "vlo_ptr": f32,
+                "logs_ptr": f32, "bad_ptr": i32, "passes_ptr": i32}
+            consts = {"BLOCK": cfg.block, "LANES": TOP_P_LANES, "CANDIDATES": TOP_P_CANDIDATES,
+                      "PASSES": TOP_P_PASSES} | folds
+            yield top_p_stats_kernel, args, consts, cfg.num_warps, 1, NO_FUSION
+            args = row | {"GROUP_LEN": v // groups} | params | {"gmax_ptr": f32,
+                                                                "gbad_ptr": i32}
+            yield (group_max_kernel, args, {"G": groups, "BLOCK": cfg.block}, cfg.num_warps, 1,
+                   NO_FUSION)
+            args = row | {"GROUP_LEN": v // groups} | params | {
+                "log_min_p_ptr": f32, "gmax_ptr": f32, "gbad_ptr": i32, "gtot_ptr": f32,
+                "m_ptr": f32, "vlo_ptr": f32, "bad_ptr": i32}
+            yield (group_mass_kernel, args, {"G": groups} | folds, cfg.num_warps, 1, NO_FUSION)
+            args = row | {"V": v, "key_ptr": Ptr(torch.int64), "temp_ptr": f32, "vk_ptr": f32,
+                          "ik_ptr": i32, "vlo_ptr": f32, "m_ptr": f32, "part_val_ptr": f32,
+                          "part_idx_ptr": i32, "n_splits": -(-v // cfg.split)}
             yield (gumbel_pick_kernel, args, {"SPLIT": cfg.split, "BLOCK": cfg.block},
                    cfg.num_warps, 1, NO_FUSION)
 

@@ -18,7 +18,7 @@ part alone and a few small collectives finish it, bit for bit:
    folds them ascending from +0: the one-device sum. logprob = (z_c - m) - bik_log(sum).
 
 Rows with top-k on or top-p < 1 gather their logits (their rows only, exactly) and run bik.sample
-on the whole row: top-k's threshold and top-p's bisection need the whole distribution. A
+on the whole row: top-k's threshold and top-p's cut need the whole distribution. A
 vocabulary that G does not divide (G = 1) cannot be vocab-parallel: ValueError on every rank.
 """
 

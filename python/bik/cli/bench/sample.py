@@ -3,7 +3,7 @@
 Model: the sampler reads the logits once (B * V * itemsize bytes); ``bik_gbps`` is that over
 bik's p50 time, ``copy_gbps`` the measured bandwidth of a device copy of the same logits (read +
 write bytes over its time), and ``frac_of_copy`` their ratio (the issue's target on the H200:
->= 0.8 at B >= 64, V >= 128k). ``bik_rows_identical``: row 0 (the same request at every B) drew
+>= 0.8 at B >= 64, V >= 128k, temperature-only and top-p 0.9). ``bik_rows_identical``: row 0 (the same request at every B) drew
 the same token at every B.
 """
 
@@ -26,6 +26,7 @@ GPU_BS = (1, 8, 64, 256, 1024)
 GPU_VOCABS = (32000, 128256, 262144)
 CPU_BS = (1, 16, 64)
 CPU_VOCABS = (32000,)
+TOP_PS = (1.0, 0.9)  # temperature only, then top-p (the issue's two sampler targets)
 
 
 def bench_sample(device, dtype, backend, quick: bool, bs=None) -> list[dict]:
@@ -36,32 +37,35 @@ def bench_sample(device, dtype, backend, quick: bool, bs=None) -> list[dict]:
     for v in track(list(vocabs), description="sample", transient=True):
         gen = torch.Generator().manual_seed(v)
         pool = (torch.randn(max(bs), v, generator=gen) * 3).to(dtype=dtype, device=device)
-        first = []
-        for b in bs:
-            x = pool[:b]
-            pos = torch.arange(b, device=device)
+        for top_p in TOP_PS:
+            first = []
+            for b in bs:
+                x = pool[:b]
+                pos = torch.arange(b, device=device)
 
-            def run(x=x, pos=pos):
-                return bik.sample(x, seed=1, position=pos, temperature=1.0, backend=backend)
+                def run(x=x, pos=pos, top_p=top_p):
+                    return bik.sample(x, seed=1, position=pos, temperature=1.0, top_p=top_p,
+                                      backend=backend)
 
-            first.append(run().tokens[0].item())
-            t_bik = time_ms(run, device)
-            t_mult = time_ms(lambda x=x: torch.multinomial(torch.softmax(x.float(), -1), 1),
-                             device)
-            t_argmax = time_ms(lambda x=x: x.argmax(-1), device)
-            t_copy = time_ms(lambda x=x: x.clone(), device)
-            nbytes = x.numel() * x.element_size()
-            bik_gbps = nbytes / t_bik["p50"] / 1e6
-            copy_gbps = 2 * nbytes / t_copy["p50"] / 1e6
-            records.append({
-                "op": "sample", "B": b, "V": v, "dtype": dtype_name(dtype), "bik_ms": t_bik,
-                "multinomial_ms": t_mult, "argmax_ms": t_argmax, "copy_ms": t_copy,
-                "bik_gbps": bik_gbps, "copy_gbps": copy_gbps, "frac_of_copy": bik_gbps / copy_gbps,
-                "speedup_vs_multinomial": t_mult["p50"] / t_bik["p50"],
-                "noisy": noisy(t_bik, t_mult),
-            })
-        for rec in records[-len(bs):]:
-            rec["bik_rows_identical"] = len(set(first)) == 1
+                first.append(run().tokens[0].item())
+                t_bik = time_ms(run, device)
+                t_mult = time_ms(lambda x=x: torch.multinomial(torch.softmax(x.float(), -1), 1),
+                                 device)
+                t_argmax = time_ms(lambda x=x: x.argmax(-1), device)
+                t_copy = time_ms(lambda x=x: x.clone(), device)
+                nbytes = x.numel() * x.element_size()
+                bik_gbps = nbytes / t_bik["p50"] / 1e6
+                copy_gbps = 2 * nbytes / t_copy["p50"] / 1e6
+                records.append({
+                    "op": "sample", "B": b, "V": v, "top_p": top_p, "dtype": dtype_name(dtype),
+                    "bik_ms": t_bik, "multinomial_ms": t_mult, "argmax_ms": t_argmax,
+                    "copy_ms": t_copy, "bik_gbps": bik_gbps, "copy_gbps": copy_gbps,
+                    "frac_of_copy": bik_gbps / copy_gbps,
+                    "speedup_vs_multinomial": t_mult["p50"] / t_bik["p50"],
+                    "noisy": noisy(t_bik, t_mult),
+                })
+            for rec in records[-len(bs):]:
+                rec["bik_rows_identical"] = len(set(first)) == 1
     return records
 
 
@@ -70,17 +74,18 @@ def render_sample(records: list[dict], console: Console) -> None:
     with_backend = "backend" in records[0]
     if with_backend:
         table.add_column("backend")
-    for col in ("V", "B", "bik ms", "softmax+multinomial ms", "argmax ms", "bik GB/s",
+    for col in ("V", "top-p", "B", "bik ms", "softmax+multinomial ms", "argmax ms", "bik GB/s",
                 "of copy", "row 0 same", ""):
         table.add_column(col, justify="right")
     for r in records:
-        table.add_row(*([r["backend"]] if with_backend else []), str(r["V"]), str(r["B"]),
+        table.add_row(*([r["backend"]] if with_backend else []), str(r["V"]),
+                      str(r.get("top_p", 1.0)), str(r["B"]),
                       f"{r['bik_ms']['p50']:.3f}",
                       f"{r['multinomial_ms']['p50']:.3f}", f"{r['argmax_ms']['p50']:.3f}",
                       f"{r['bik_gbps']:.1f}", f"{r['frac_of_copy']:.2f}",
                       "yes" if r["bik_rows_identical"] else "[red]NO",
                       "[yellow]noisy" if r["noisy"] else "")
-    print_table(console, table, keys=2 + int(with_backend))
+    print_table(console, table, keys=3 + int(with_backend))
 
 
 def run(device, dtype, args) -> list[dict]:

@@ -27,7 +27,7 @@ import torch
 from bik.ops.sampling.cpu import gumbel_from_unit, philox4x32_10
 from bik.ops.sampling.noise import STREAM_SAMPLE, bik_exp_torch, bik_log_torch
 
-__all__ = ["filtered_probs", "gumbel_max", "logprob", "noise", "vocab_sum"]
+__all__ = ["filtered_probs", "gumbel_max", "logprob", "noise", "top_p_cut", "vocab_sum"]
 
 
 def noise(seed: int, position: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -83,6 +83,28 @@ def vocab_sum(terms: torch.Tensor, groups: int, chunk: int) -> torch.Tensor:
             group_total = group_total + s[:, 0]
         total = total + group_total
     return total
+
+
+def top_p_cut(z: torch.Tensor, top_p: float, groups: int, chunk: int) -> torch.Tensor:
+    """fp32 [B]: top-p's v_p for tempered logits z [B, V] (top-k off): the largest value of the
+    row whose mass, vocab_sum(bik_exp(z - m) over z >= v), reaches top_p * S. Found by bisection
+    over the row's distinct values, descending (the mass is monotone in v)."""
+    terms = bik_exp_torch(z - z.amax(1, keepdim=True))
+    target = top_p * vocab_sum(terms, groups, chunk)
+    cut = torch.empty(z.shape[0], dtype=torch.float32)
+    for r in range(z.shape[0]):
+        values = torch.unique(z[r]).flip(0)
+
+        def reaches(i: int, r=r, values=values) -> bool:
+            sel = torch.where(z[r:r + 1] >= values[i], terms[r:r + 1], 0.0)
+            return bool(vocab_sum(sel, groups, chunk)[0] >= target[r])
+
+        lo, hi = 0, len(values) - 1  # the first index that reaches the target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if reaches(mid) else (mid + 1, hi)
+        cut[r] = values[lo]
+    return cut
 
 
 def logprob(z: torch.Tensor, kept: torch.Tensor, token: torch.Tensor, groups: int,

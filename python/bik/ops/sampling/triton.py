@@ -5,13 +5,13 @@ Four launches per call, all row-local:
 * rows without top-p: the normaliser's G vocabulary groups side by side, G programs per row
   (triton_groups.py: each group's max and flag, then each group's mass; m, the min-p threshold
   and the flag from the group-0 program; the group totals folded ascending in torch);
-* ``sample_stats_kernel`` (one program per top-p row): the row max m (exact), the invalid flag
-  (NaN or +inf in z), the top-p threshold by bisection on the fp32 order key, the min-p
-  threshold m + log_min_p, and bik_log of the kept mass for the logprob. Every mass is
-  :func:`_vocab_mass`: bik_exp(z - m) summed in the normaliser's written order (chunks of the
-  vocabulary, 32 explicit lanes per chunk folded 16 .. 1 by reshapes, chunk sums and group
-  totals ascending), never a ``tl.sum`` tree of the compiler's choosing. Exactly rounded ops
-  only, compiled with ``enable_fp_fusion=False``: the CPU's bits.
+* rows with top-p (triton_top_p.py, one program per row): m, the flag, the top-p cut found in
+  a few passes that each probe several thresholds at once (not 32 bisection passes), the min-p
+  threshold m + log_min_p and bik_log of the kept mass for the logprob.
+  Every mass is bik_exp(z - m) summed in the normaliser's written order (chunks of the
+  vocabulary, each folded by halves through explicit reshapes (``chunk_sums``), chunk sums and
+  group totals ascending), never a ``tl.sum`` tree of the compiler's choosing. Exactly rounded
+  ops only, compiled with ``enable_fp_fusion=False``: the CPU's bits.
 * ``gumbel_pick_kernel`` (grid rows x vocabulary splits of SPLIT tokens): z = div_rn(x, T), the
   keep mask from exact thresholds, score = z + g with g from Philox4x32-10 and bik_log, and the
   split's winner under (value desc, index asc). No exp, no approximate op, no division other
@@ -33,8 +33,8 @@ from bik._arch import device_arch
 from bik.configs import sampler_chunks, sampling_config
 from bik.ops.sampling.split_vocab import sample_split_vocab
 
-__all__ = ["bik_exp", "bik_log", "gumbel_pick_kernel", "launch_sample", "noise_parts_kernel",
-           "philox4x32_10", "sample_rows", "sample_stats_kernel", "unit_gumbel"]
+__all__ = ["bik_exp", "bik_log", "chunk_sums", "gumbel_pick_kernel", "launch_sample", "noise_parts_kernel",
+           "philox4x32_10", "sample_rows", "unit_gumbel"]
 
 INT32_MAX = tl.constexpr(2**31 - 1)
 # The noise's exact extremes over all 2^23 u (fp32): a token with fl(z + G_MAX) < fl(m + G_MIN)
@@ -165,6 +165,14 @@ def _halves(s, NCH: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def chunk_sums(s, NCH: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
+    """[NCH, CHUNK] terms -> [NCH] chunk sums, each chunk folded pairwise by halves."""
+    for k in tl.static_range(LOG2_CHUNK):
+        s = _halves(s, NCH, CHUNK >> (k + 1))
+    return tl.reshape(s, (NCH,))
+
+
+@triton.jit
 def _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, threshold, m_safe, CHUNK: tl.constexpr,
                 LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr, RAW: tl.constexpr):
     """The normaliser's sum (csrc/cpu/sampling.h vocab_sum) of bik_exp(z - m) over the tokens
@@ -197,9 +205,7 @@ def group_mass(x_row, g0, g_end, temp, vk, ik, threshold, m_safe, CHUNK: tl.cons
             z = _tempered(x_row, offs, mask, temp)
             keep = mask & _kept_k(z, offs, vk, ik) & (z >= threshold)
             s = tl.where(keep, bik_exp(z - m_safe), 0.0)
-        for k in tl.static_range(LOG2_CHUNK):
-            s = _halves(s, NCH, CHUNK >> (k + 1))
-        sums = tl.reshape(s, (NCH,))
+        sums = chunk_sums(s, NCH, CHUNK, LOG2_CHUNK)
         for c in tl.static_range(NCH):
             group_total = group_total + tl.sum(tl.where(slots == c, sums, 0.0), axis=0)
     return group_total
@@ -213,57 +219,6 @@ def vocab_sum_kernel(t_ptr, V, GROUP_LEN, out_ptr, CHUNK: tl.constexpr, LOG2_CHU
     total = _vocab_mass(t_ptr + row * V, V, GROUP_LEN, 1.0, 0.0, 0, 0.0, 0.0, CHUNK, LOG2_CHUNK,
                         NCH, True)
     tl.store(out_ptr + row, total)
-
-
-@triton.jit
-def sample_stats_kernel(x_ptr, stride_x, V, GROUP_LEN, temp_ptr, vk_ptr, ik_ptr, top_p_ptr,
-                        log_min_p_ptr, m_ptr, vlo_ptr, logs_ptr, bad_ptr, BLOCK: tl.constexpr,
-                        CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    top_p = tl.load(top_p_ptr + row)
-    if top_p >= 1.0:  # triton_groups' kernels take rows without top-p, G programs each
-        return
-    x_row = x_ptr + row * stride_x
-    temp = tl.load(temp_ptr + row)
-    vk = tl.load(vk_ptr + row)
-    ik = tl.load(ik_ptr + row)
-    log_min_p = tl.load(log_min_p_ptr + row)
-    cols = tl.arange(0, BLOCK)
-
-    # Pass 1: max over the top-k-kept tokens (exact) and the invalid flag.
-    mx = tl.full((BLOCK,), float("-inf"), tl.float32)
-    bad = tl.zeros((BLOCK,), tl.int32)
-    for c0 in range(0, V, BLOCK):
-        offs = c0 + cols
-        mask = offs < V
-        z = _tempered(x_row, offs, mask, temp)
-        bad = bad | ((z != z) | (z == float("inf"))).to(tl.int32)  # noqa: PLR0124 (NaN)
-        mx = tl.maximum(mx, tl.where(mask & _kept_k(z, offs, vk, ik), z, float("-inf")))
-    m = tl.max(mx, axis=0)
-    is_bad = (tl.max(bad, axis=0) > 0) | (m == float("-inf"))
-    m_safe = tl.where(is_bad, 0.0, m)
-
-    # top-p: the largest v with vocab_sum(bik_exp(z - m) [kept, z >= v]) >= top_p * S.
-    target = top_p * _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, float("-inf"), m_safe,
-                                 CHUNK, LOG2_CHUNK, NCH, False)
-    lo = _key(tl.full((), float("-inf"), tl.float32))
-    hi = _key(m_safe) + 1
-    for _ in range(32):
-        mid = (lo + hi) >> 1
-        mass = _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, _from_key(mid), m_safe, CHUNK,
-                           LOG2_CHUNK, NCH, False)
-        ok = mass >= target
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid)
-    v_lo = tl.maximum(_from_key(lo), m_safe + log_min_p)
-
-    # The logprob's normaliser over the finally kept tokens (>= 1: the max token's term is 1).
-    norm = _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, v_lo, m_safe, CHUNK, LOG2_CHUNK, NCH,
-                       False)
-    tl.store(m_ptr + row, m_safe)
-    tl.store(vlo_ptr + row, v_lo)
-    tl.store(logs_ptr + row, bik_log(tl.where(is_bad, 1.0, norm)))
-    tl.store(bad_ptr + row, is_bad.to(tl.int32))
 
 
 @triton.jit
@@ -336,21 +291,21 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
     part_idx = torch.empty(b, n_splits, dtype=torch.int32, device=dev)
     if b == 0:
         return m, log_s, bad, part_val, part_idx
-    from bik.ops.sampling.triton_groups import (  # it builds on this module's helpers
+    from bik.ops.sampling.triton_groups import (  # they build on this module's helpers
         finish_plain_rows,
         launch_group_stats,
     )
+    from bik.ops.sampling.triton_top_p import launch_top_p_stats
 
     stride = logits.stride(0)
     groups, chunk = sampler_chunks(v)
     nch = _chunks_per_tile(device_arch(logits.device), chunk)
+    shape = {"groups": groups, "chunk": chunk, "nch": nch, "block": cfg.block,
+             "num_warps": cfg.num_warps, "options": NO_FUSION}
     gtot = launch_group_stats(logits, temperature, vk, ik, top_p, log_min_p, m, v_lo, bad,
-                              groups=groups, chunk=chunk, nch=nch, block=cfg.block,
-                              num_warps=cfg.num_warps, options=NO_FUSION)
-    sample_stats_kernel[(b,)](logits, stride, v, v // groups, temperature, vk, ik, top_p,
-                              log_min_p, m, v_lo, log_s, bad, BLOCK=cfg.block, CHUNK=chunk,
-                              LOG2_CHUNK=chunk.bit_length() - 1, NCH=nch,
-                              num_warps=cfg.num_warps, **NO_FUSION)
+                              **shape)
+    launch_top_p_stats(logits, temperature, vk, ik, top_p, log_min_p, m, v_lo, log_s, bad,
+                       **shape)
     gumbel_pick_kernel[(b, n_splits)](logits, stride, v, key, temperature, vk, ik, v_lo, m,
                                       part_val, part_idx, n_splits, SPLIT=cfg.split,
                                       BLOCK=cfg.block, num_warps=cfg.num_warps, **NO_FUSION)

@@ -1,0 +1,250 @@
+"""The Triton sampler's statistics for rows with top-p < 1: the cut in a few passes, not 32.
+
+top-p keeps z >= v_p, v_p the largest fp32 v whose mass M(v) = vocab_sum(bik_exp(z - m) over
+the top-k-kept z >= v) reaches target = top_p * S (csrc/cpu/sampling.h: the CPU finds it by 32
+bisection steps on the fp32 order key, each a pass over the row). Every M(v) here is that exact
+sum, in the normaliser's order, so the search may probe any thresholds it likes: M is monotone
+in v (a fixed-order sum of non-negative terms), so a probe with M >= target raises the lower
+end of the key bracket [lo, hi) that holds v_p and one below target lowers the upper end. The
+probes decide how many passes a row takes, never its cut: the CPU's bits.
+
+One program per top-p row; each pass reads the row once and probes LANES thresholds together:
+
+* the max and invalid flag (exact);
+* pass 0: a fixed grid m - 0.45 (k + 1)^2 (k < LANES - 2), m + log_min_p and -inf (giving S,
+  so the target, and the min-p normaliser);
+* then passes of one of two kinds, chosen per row on the device:
+  - split: LANES keys evenly through [lo, hi), while the kept finite tokens with z in [lo, hi)
+    are written in vocabulary order to the row's buffer (the first CANDIDATES of them);
+  - candidates: once the buffer held every token of the old bracket and at most LANES of them
+    lie in the new one, their values are the probes. M only changes at kept tokens' values, so
+    v_p is one of them (or lo): the largest probe with M >= target is v_p, and the row is done.
+  Splits alone shrink any bracket of 2^32 keys to one in ceil(32 / log2(LANES + 1)) passes, so
+  ``TOP_P_PASSES`` bounds every row without a host sync (CUDA-graph safe).
+
+The logprob's normaliser is M at max(v_p, m + log_min_p), a probe's mass already. Within a
+pass, a threshold at or below a tile's smallest kept z takes the tile's full chunk sums, one
+above its largest takes +0 sums: the same terms folded in the same order, so the same sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bik.ops.sampling.triton import (
+    _from_key,
+    _kept_k,
+    _key,
+    _tempered,
+    bik_exp,
+    bik_log,
+    chunk_sums,
+)
+
+__all__ = ["TOP_P_CANDIDATES", "TOP_P_LANES", "TOP_P_PASSES", "launch_top_p_stats",
+           "top_p_cut", "top_p_stats_kernel"]
+
+TOP_P_LANES = 16  # thresholds probed per pass
+TOP_P_CANDIDATES = 256  # tokens of the bracket a split pass keeps for the candidates pass
+
+
+def _passes(lanes: int) -> int:
+    """Pass 0, the split passes that take any bracket of 2^32 + 1 keys to one (each leaves at
+    most ceil(span / (lanes + 1)) keys), and one candidates pass (it ends the search)."""
+    span, splits = 2**32 + 1, 0
+    while span > 1:
+        span, splits = -(-span // (lanes + 1)), splits + 1
+    return 1 + splits + 1
+
+
+TOP_P_PASSES = _passes(TOP_P_LANES)
+
+
+@triton.jit
+def _lane(v, lanes, k, fill):
+    """v[k] of a [LANES] vector (a max over one value and fills: exact)."""
+    return tl.max(tl.where(lanes == k, v, fill), axis=0)
+
+
+@triton.jit
+def _probe_masses(x_row, V, GROUP_LEN, temp, vk, ik, m_safe, probes, lo_v, hi_v, collect,
+                  cand_row, LANES: tl.constexpr, CANDIDATES: tl.constexpr, CHUNK: tl.constexpr,
+                  LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr):
+    """M at each of the LANES probes (exactly triton._vocab_mass's sum for that threshold), and
+    the number of kept finite tokens with z in [lo_v, hi_v), the first CANDIDATES of them stored
+    at cand_row in vocabulary order when ``collect``."""
+    lanes = tl.arange(0, LANES)
+    cols = tl.arange(0, CHUNK)[None, :]
+    slots = tl.arange(0, NCH)
+    total = tl.zeros((LANES,), tl.float32)
+    n = tl.full((), 0, tl.int32)
+    for g0 in range(0, V, GROUP_LEN):
+        group_total = tl.zeros((LANES,), tl.float32)
+        for c0 in range(g0, g0 + GROUP_LEN, CHUNK * NCH):
+            offs = c0 + slots[:, None] * CHUNK + cols
+            mask = offs < g0 + GROUP_LEN
+            z = _tempered(x_row, offs, mask, temp)
+            kept = mask & _kept_k(z, offs, vk, ik)
+            e = tl.where(kept, bik_exp(z - m_safe), 0.0)
+            z_hi = tl.max(tl.max(tl.where(kept, z, float("-inf")), axis=1), axis=0)
+            z_lo = tl.min(tl.min(tl.where(kept, z, float("inf")), axis=1), axis=0)
+            full = chunk_sums(e, NCH, CHUNK, LOG2_CHUNK)
+            for k in tl.static_range(LANES):
+                t = _lane(probes, lanes, k, float("-inf"))
+                if t <= z_lo:
+                    sums = full
+                elif t > z_hi:
+                    sums = tl.zeros((NCH,), tl.float32)
+                else:
+                    sums = chunk_sums(tl.where(z >= t, e, 0.0), NCH, CHUNK, LOG2_CHUNK)
+                for c in tl.static_range(NCH):  # chunk sums in ascending order
+                    s_c = tl.sum(tl.where(slots == c, sums, 0.0), axis=0)
+                    group_total = group_total + tl.where(lanes == k, s_c, 0.0)
+            if collect & (z_hi >= lo_v) & (z_lo < hi_v):
+                inside = kept & (z > float("-inf")) & (z >= lo_v) & (z < hi_v)
+                flat = tl.reshape(inside.to(tl.int32), (NCH * CHUNK,))
+                pos = n + tl.cumsum(flat, axis=0) - 1
+                tl.store(cand_row + pos, tl.reshape(z, (NCH * CHUNK,)),
+                         mask=(flat != 0) & (pos < CANDIDATES))
+                n = n + tl.sum(flat, axis=0)
+        total = total + group_total  # group totals in ascending order
+    return total, n
+
+
+@triton.jit
+def top_p_stats_kernel(x_ptr, stride_x, V, GROUP_LEN, temp_ptr, vk_ptr, ik_ptr, top_p_ptr,
+                       log_min_p_ptr, cand_ptr, m_ptr, vlo_ptr, logs_ptr, bad_ptr, passes_ptr,
+                       BLOCK: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+                       NCH: tl.constexpr, LANES: tl.constexpr, CANDIDATES: tl.constexpr,
+                       PASSES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    top_p = tl.load(top_p_ptr + row)
+    if top_p >= 1.0:  # triton_groups' kernels take rows without top-p, G programs each
+        return
+    x_row = x_ptr + row * stride_x
+    cand_row = cand_ptr + row * CANDIDATES
+    temp = tl.load(temp_ptr + row)
+    vk = tl.load(vk_ptr + row)
+    ik = tl.load(ik_ptr + row)
+    log_min_p = tl.load(log_min_p_ptr + row)
+    cols = tl.arange(0, BLOCK)
+
+    # The max over the top-k-kept tokens (exact) and the invalid flag.
+    mx = tl.full((BLOCK,), float("-inf"), tl.float32)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for c0 in range(0, V, BLOCK):
+        offs = c0 + cols
+        mask = offs < V
+        z = _tempered(x_row, offs, mask, temp)
+        bad = bad | ((z != z) | (z == float("inf"))).to(tl.int32)  # noqa: PLR0124 (NaN)
+        mx = tl.maximum(mx, tl.where(mask & _kept_k(z, offs, vk, ik), z, float("-inf")))
+    m = tl.max(mx, axis=0)
+    is_bad = (tl.max(bad, axis=0) > 0) | (m == float("-inf"))
+    m_safe = tl.where(is_bad, 0.0, m)
+    v_min_p = m_safe + log_min_p
+
+    lanes = tl.arange(0, LANES)
+    idx = tl.arange(0, CANDIDATES)
+    step = (lanes + 1).to(tl.float32)
+    probes = tl.where(lanes < LANES - 2, m_safe - 0.45 * (step * step),
+                      tl.where(lanes == LANES - 2, v_min_p, float("-inf")))
+    lo = _key(tl.full((), float("-inf"), tl.float32))  # M(lo) >= target > M(hi)
+    hi = _key(m_safe) + 1
+    target = tl.full((), 0.0, tl.float32)
+    lo_mass = tl.full((), 0.0, tl.float32)
+    mass_min_p = tl.full((), 0.0, tl.float32)
+    final = tl.full((), 0, tl.int32)  # the probes are every kept token of the bracket
+    passes = tl.full((), 0, tl.int32)
+    for it in range(PASSES):
+        if lo + 1 < hi:
+            passes = passes + 1
+            collect = (it > 0) | (V <= CANDIDATES)
+            masses, n = _probe_masses(x_row, V, GROUP_LEN, temp, vk, ik, m_safe, probes,
+                                      _from_key(lo), _from_key(hi), collect, cand_row, LANES,
+                                      CANDIDATES, CHUNK, LOG2_CHUNK, NCH)
+            if it == 0:
+                target = top_p * _lane(masses, lanes, LANES - 1, float("-inf"))
+                lo_mass = _lane(masses, lanes, LANES - 1, float("-inf"))  # M(-inf) = S
+                mass_min_p = _lane(masses, lanes, LANES - 2, float("-inf"))
+            keys = _key(probes)
+            ok = masses >= target
+            new_lo = tl.maximum(lo, tl.max(tl.where(ok, keys, lo), axis=0))
+            lo_mass = tl.where(new_lo > lo,
+                               tl.max(tl.where(ok & (keys == new_lo), masses, 0.0), axis=0),
+                               lo_mass)
+            lo = new_lo
+            hi = tl.minimum(hi, tl.min(tl.where(ok, hi, keys), axis=0))
+            hi = tl.where(final != 0, lo + 1, hi)
+
+            # The next probes: the candidates left in [lo, hi) when the buffer held the whole
+            # old bracket and they fit the lanes, else keys evenly through [lo, hi).
+            tl.debug_barrier()  # the buffer's stores before any thread's loads
+            cand = tl.load(cand_row + idx, mask=idx < n, other=float("-inf"))
+            tl.debug_barrier()  # and the loads before the next pass's stores
+            lo_v = _from_key(lo)
+            inside = (idx < n) & (cand >= lo_v) & (cand < _from_key(hi))
+            final = (collect & (n <= CANDIDATES)
+                     & (tl.sum(inside.to(tl.int32), axis=0) <= LANES)).to(tl.int32)
+            rank = tl.cumsum(inside.to(tl.int32), axis=0) - 1
+            picked = tl.zeros((LANES,), tl.float32)
+            for j in tl.static_range(LANES):
+                c_j = tl.max(tl.where(inside & (rank == j), cand, float("-inf")), axis=0)
+                # + 0.0 turns -0.0 into +0.0: the CPU's cut is the largest key of a value
+                picked = tl.where(lanes == j, tl.where(c_j > float("-inf"), c_j + 0.0, lo_v),
+                                  picked)
+            span = hi - lo
+            split = _from_key(lo + (span * (lanes + 1).to(tl.int64)) // (LANES + 1))
+            probes = tl.where(final != 0, picked, split)
+
+    v_p = _from_key(lo)
+    v_lo = tl.maximum(v_p, v_min_p)
+    # The logprob's normaliser over the finally kept tokens (>= 1: the max token's term is 1).
+    norm = tl.where(v_p >= v_min_p, lo_mass, mass_min_p)
+    tl.store(m_ptr + row, m_safe)
+    tl.store(vlo_ptr + row, v_lo)
+    tl.store(logs_ptr + row, bik_log(tl.where(is_bad, 1.0, norm)))
+    tl.store(bad_ptr + row, is_bad.to(tl.int32))
+    tl.store(passes_ptr + row, passes)
+
+
+def launch_top_p_stats(logits, temperature, vk, ik, top_p, log_min_p, m, v_lo, log_s, bad, *,
+                       groups: int, chunk: int, nch: int, block: int, num_warps: int,
+                       options: dict, passes: int = TOP_P_PASSES) -> torch.Tensor:
+    """The kernel over every row (rows without top-p return at once); m, v_lo, log_s and bad
+    are written for the top-p rows. Returns the probe passes each took (int32 [B]; 0 for the
+    others), which tests and benchmarks read."""
+    b, v = logits.shape
+    candidates = torch.empty(b, TOP_P_CANDIDATES, dtype=torch.float32, device=logits.device)
+    taken = torch.zeros(b, dtype=torch.int32, device=logits.device)
+    top_p_stats_kernel[(b,)](logits, logits.stride(0), v, v // groups, temperature, vk, ik,
+                             top_p, log_min_p, candidates, m, v_lo, log_s, bad, taken,
+                             BLOCK=block, CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1,
+                             NCH=nch, LANES=TOP_P_LANES, CANDIDATES=TOP_P_CANDIDATES,
+                             PASSES=passes, num_warps=num_warps, **options)
+    return taken
+
+
+def top_p_cut(logits: torch.Tensor, top_p: float, *, passes: int = TOP_P_PASSES):
+    """Tests and benchmarks: (v_p, bik_log of the kept mass, passes taken) per row of fp32
+    logits [B, V] at T = 1, top-k and min-p off; ``passes`` below TOP_P_PASSES cuts the search
+    short (a control)."""
+    from bik._arch import device_arch
+    from bik.configs import sampler_chunks, sampling_config
+    from bik.ops.sampling.triton import NO_FUSION, _chunks_per_tile
+
+    b, v = logits.shape
+    dev = logits.device
+    cfg = sampling_config(device_arch(dev))
+    groups, chunk = sampler_chunks(v)
+    m, v_p, log_s = (torch.empty(b, dtype=torch.float32, device=dev) for _ in range(3))
+    bad = torch.empty(b, dtype=torch.int32, device=dev)
+    ones = torch.ones(b, dtype=torch.float32, device=dev)
+    taken = launch_top_p_stats(logits, ones, torch.full_like(ones, float("-inf")),
+                               torch.full((b,), v, dtype=torch.int32, device=dev),
+                               ones * top_p, torch.full_like(ones, float("-inf")), m, v_p,
+                               log_s, bad, groups=groups, chunk=chunk,
+                               nch=_chunks_per_tile(device_arch(dev), chunk), block=cfg.block,
+                               num_warps=cfg.num_warps, options=NO_FUSION, passes=passes)
+    return v_p, log_s, taken
