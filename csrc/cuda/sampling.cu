@@ -2,8 +2,9 @@
 // Triton kernels (docs/design.md#sampler), in the Triton backend's three steps:
 //
 // * bik_sample_stats_<t> (one 512-thread block per row): row max m over the top-k-kept tokens
-//   (exact), the invalid flag, top-p's threshold by 32 bisection steps on the fp32 order key,
-//   min-p's threshold m + log_min_p (one rounded add), and bik_log of the kept mass for the
+//   (exact), the invalid flag, top-p's threshold by the probe search (sampling.cuh row_cut: a
+//   few passes of 16 exact masses each, not 32 bisection passes), min-p's threshold
+//   m + log_min_p (one rounded add), and bik_log of the kept mass for the
 //   logprob. Every mass is the normaliser's sum (vocab_mass: bik_exp(z - m) over vocabulary
 //   chunks of 1024, a chunk per warp in the contract's pairwise fold, chunk sums then group
 //   totals ascending): exactly rounded ops only, so the CPU path's bits.
@@ -92,6 +93,84 @@ __device__ float vocab_mass(const typename T::storage* xr, i64 V, i64 group_len,
   return scratch[31];
 }
 
+constexpr int kMaxGroups = 32;  // normaliser groups per row (the launcher checks 31)
+
+// Shared state of the top-p probe passes.
+struct ProbeShared {
+  float group_totals[kMaxGroups * kProbeLanes];
+  float masses[kProbeLanes];
+  float cand[kTopPCandidates];
+  int count;
+};
+
+// One probe pass (row_cut's probe): warp w sums groups w, w + warps, ... chunk by chunk in
+// ascending order, a chunk in the normaliser's layout (sampling.cuh: lane l holds tokens
+// l + 32 i); lane k keeps probe k's group total, so each probe's chunk sum is added in order.
+// A probe above the chunk's largest kept z adds +0 without a fold: the same sum (a non-kept
+// token's z is -inf, its term +0).
+// Thread k < kProbeLanes adds the group totals
+// in ascending order. The bracket's kept finite tokens are counted and the first
+// kTopPCandidates stored (in whatever order the atomics give: the search needs the set only).
+template <class T>
+__device__ i64 probe_masses(const typename T::storage* xr, i64 V, i64 group_len,
+                            float temperature, float vk, i64 ik, float m,
+                            const float (&probes)[kProbeLanes], float lo_v, float hi_v,
+                            bool collect, float (&masses)[kProbeLanes], ProbeShared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const i64 per_group = cdiv(group_len, kSamplerChunk), groups = V / group_len;
+  __syncthreads();  // the previous pass's candidates and masses are read
+  if (threadIdx.x == 0) sh.count = 0;
+  __syncthreads();
+  for (i64 g = warp; g < groups; g += warps) {
+    const i64 g_end = (g + 1) * group_len;
+    float my_total = 0.0f;  // lane k < kProbeLanes: probe k's group total
+    for (i64 c = 0; c < per_group; ++c) {
+      const i64 c0 = g * group_len + c * kSamplerChunk;
+      float z[kChunkRegs], e[kChunkRegs], s[kChunkRegs];
+      float z_hi = -inf_f32();
+#pragma unroll
+      for (int i = 0; i < kChunkRegs; ++i) {
+        const i64 j = c0 + lane + 32 * i;
+        const float zj = j < g_end ? z_at<T>(xr, j, temperature) : -inf_f32();
+        const bool kept = j < g_end && kept_k(zj, j, vk, ik);
+        z[i] = kept ? zj : -inf_f32();
+        e[i] = kept ? bik_exp(sub_rn(zj, m)) : 0.0f;
+        if (kept && zj > z_hi) z_hi = zj;
+        if (collect && kept && zj > -inf_f32() && zj >= lo_v && zj < hi_v) {
+          const int at = atomicAdd(&sh.count, 1);
+          if (at < kTopPCandidates) sh.cand[at] = zj;
+        }
+      }
+#pragma unroll
+      for (int w = 16; w >= 1; w >>= 1) z_hi = fmaxf(z_hi, __shfl_xor_sync(kFullMask, z_hi, w));
+#pragma unroll
+      for (int k = 0; k < kProbeLanes; ++k) {
+        const float t = probes[k];
+        float sum = 0.0f;
+        if (!(t > z_hi)) {  // warp-uniform branches
+#pragma unroll
+          for (int i = 0; i < kChunkRegs; ++i) s[i] = z[i] >= t ? e[i] : 0.0f;
+          sum = fold_registers(s);
+#pragma unroll
+          for (int w = 16; w >= 1; w >>= 1) sum = add_rn(sum, __shfl_xor_sync(kFullMask, sum, w));
+        }
+        if (lane == k) my_total = add_rn(my_total, sum);
+      }
+    }
+    if (lane < kProbeLanes) sh.group_totals[g * kProbeLanes + lane] = my_total;
+  }
+  __syncthreads();
+  if (threadIdx.x < kProbeLanes) {
+    float t = 0.0f;
+    for (i64 g = 0; g < groups; ++g) t = add_rn(t, sh.group_totals[g * kProbeLanes + threadIdx.x]);
+    sh.masses[threadIdx.x] = t;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kProbeLanes; ++k) masses[k] = sh.masses[k];
+  return sh.count;
+}
+
 template <class T>
 __device__ void sample_stats(const typename T::storage* x, i64 sx, i64 V, i64 group_len,
                              const float* temperature, const float* vk_in, const i32* ik_in,
@@ -114,8 +193,15 @@ __device__ void sample_stats(const typename T::storage* x, i64 sx, i64 V, i64 gr
   auto mass = [=](float threshold) {
     return vocab_mass<T>(xr, V, group_len, temp, vk, ik, threshold, m_safe, sums, scratch);
   };
+  __shared__ ProbeShared probe_shared;
+  auto probe = [&](const float (&probes)[kProbeLanes], float lo_v, float hi_v, bool collect,
+                   float (&masses)[kProbeLanes]) {
+    return probe_masses<T>(xr, V, group_len, temp, vk, ik, m_safe, probes, lo_v, hi_v, collect,
+                           masses, probe_shared);
+  };
   float v_lo, norm;
-  row_cut(mass, m_safe, top_p_in[row], log_min_p_in[row], v_lo, norm);
+  row_cut(mass, probe, V, m_safe, top_p_in[row], log_min_p_in[row], probe_shared.cand, v_lo,
+          norm);
   if (threadIdx.x == 0) {
     m_out[row] = m_safe;
     vlo_out[row] = v_lo;

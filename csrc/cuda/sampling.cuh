@@ -166,31 +166,93 @@ BIK_HD float normaliser_term(float z, i64 j, float vk, i64 ik, float threshold, 
   return kept_k(z, j, vk, ik) && z >= threshold ? bik_exp(sub_rn(z, m)) : 0.0f;
 }
 
-// The row's cut and normaliser from a mass function (mass(v): the normaliser's sum over the
-// top-k-kept tokens with z >= v): top-p's v_p by 32 bisection steps on the fp32 order key, then
-// min-p's bound, then the kept mass. The kernel passes its block-wide mass, the host emulation
-// (tests) a sequential one in the kernel's layout.
+// ---- top-p's probe search (docs/design.md#sampler, "Triton's top-p search": the same search) --
+// v_p is defined by exact masses only, and a probe's exact mass says on which side of it v_p
+// lies, so each pass over the row probes kProbeLanes thresholds and narrows a key bracket
+// [lo, hi) with M(lo) >= target > M(hi). Pass 0: a grid below m, min-p's bound and -inf (S).
+// Later passes split the bracket's keys kProbeLanes + 1 ways while collecting the bracket's kept
+// finite tokens (the first kTopPCandidates), or, once that collection held the whole bracket
+// and at most kProbeLanes of its tokens lie in the narrowed one, probe exactly their values (M
+// changes only at kept tokens' values, so v_p is one of them) and end. The probes decide the
+// pass count, never the cut: the bisection's v_p, the CPU's bits.
+constexpr int kProbeLanes = 16;
+constexpr i64 kTopPCandidates = 256;
+// Pass 0, the splits that take any bracket of 2^32 + 1 keys to one (17^8 > 2^32 + 1), and one
+// candidates pass.
+constexpr int kTopPPasses = 10;
+
+// The row's cut v_lo (top-p's v_p, then min-p's bound) and the kept mass norm. mass(v): the
+// normaliser's sum over the top-k-kept tokens with z >= v. probe(probes, lo_v, hi_v, collect,
+// masses): each probe's mass(v) into masses, and, when collect, the number of kept finite tokens
+// with z in [lo_v, hi_v), the first kTopPCandidates of them (any order) in cand. The kernel
+// passes block-wide functions, the host emulation (tests) sequential ones in the kernel's
+// layout. passes < kTopPPasses cuts the search short (a test's control).
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
-template <class Mass>
-BIK_HD void row_cut(const Mass& mass, float m_safe, float top_p, float log_min_p, float& v_lo,
-                    float& norm) {
-  v_lo = -inf_f32();
-  if (top_p < 1.0f) {
-    const float target = mul_rn(top_p, mass(-inf_f32()));
-    i64 lo = order_key(-inf_f32()), hi = order_key(m_safe) + 1;
-    for (int it = 0; it < 32; ++it) {
-      const i64 mid = (lo + hi) >> 1;
-      const bool ok = mass(from_order_key(mid)) >= target;
-      lo = ok ? mid : lo;
-      hi = ok ? hi : mid;
-    }
-    v_lo = from_order_key(lo);
-  }
+template <class Mass, class Probe>
+BIK_HD void row_cut(const Mass& mass, const Probe& probe, i64 V, float m_safe, float top_p,
+                    float log_min_p, const float* cand, float& v_lo, float& norm,
+                    int passes = kTopPPasses) {
   const float v_m = add_rn(m_safe, log_min_p);
-  v_lo = v_m > v_lo ? v_m : v_lo;
-  norm = mass(v_lo);
+  if (!(top_p < 1.0f)) {
+    v_lo = v_m;
+    norm = mass(v_lo);
+    return;
+  }
+  float probes[kProbeLanes], masses[kProbeLanes];
+  for (int k = 0; k < kProbeLanes - 2; ++k)
+    probes[k] = sub_rn(m_safe, mul_rn(0.45f, float((k + 1) * (k + 1))));
+  probes[kProbeLanes - 2] = v_m;
+  probes[kProbeLanes - 1] = -inf_f32();
+  i64 lo = order_key(-inf_f32()), hi = order_key(m_safe) + 1;
+  float target = 0.0f, lo_mass = 0.0f, mass_min_p = 0.0f;
+  bool final = false;  // the probes are every kept token of the bracket
+  for (int it = 0; it < passes && lo + 1 < hi; ++it) {
+    const bool collect = it > 0 || V <= kTopPCandidates;
+    const i64 n = probe(probes, from_order_key(lo), from_order_key(hi), collect, masses);
+    if (it == 0) {
+      target = mul_rn(top_p, masses[kProbeLanes - 1]);
+      lo_mass = masses[kProbeLanes - 1];  // M(-inf) = S
+      mass_min_p = masses[kProbeLanes - 2];
+    }
+    for (int k = 0; k < kProbeLanes; ++k) {
+      const i64 key = order_key(probes[k]);
+      if (masses[k] >= target) {
+        if (key > lo) {
+          lo = key;
+          lo_mass = masses[k];
+        }
+      } else if (key < hi) {
+        hi = key;
+      }
+    }
+    if (final) hi = lo + 1;
+    const float lo_v = from_order_key(lo), hi_v = from_order_key(hi);
+    const i64 stored = n < kTopPCandidates ? n : kTopPCandidates;
+    i64 inside = 0;
+    for (i64 i = 0; i < stored; ++i) inside += cand[i] >= lo_v && cand[i] < hi_v ? 1 : 0;
+    final = collect && n <= kTopPCandidates && inside <= kProbeLanes;
+    if (final) {  // probe k: the bracket's k-th candidate (constant indices: registers)
+      for (int k = 0; k < kProbeLanes; ++k) probes[k] = lo_v;
+      int rank = 0;
+      for (i64 i = 0; i < stored; ++i) {
+        if (!(cand[i] >= lo_v && cand[i] < hi_v)) continue;
+        const float c = add_rn(cand[i], 0.0f);  // -0 becomes +0 (the bisection's largest key)
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+        for (int k = 0; k < kProbeLanes; ++k) probes[k] = rank == k ? c : probes[k];
+        ++rank;
+      }
+    } else {
+      for (int k = 0; k < kProbeLanes; ++k)
+        probes[k] = from_order_key(lo + (hi - lo) * (k + 1) / (kProbeLanes + 1));
+    }
+  }
+  const float v_p = from_order_key(lo);
+  norm = v_p >= v_m ? lo_mass : mass_min_p;
+  v_lo = v_m > v_p ? v_m : v_p;
 }
 
 #if !defined(__CUDACC_RTC__) && !defined(__CUDA_ARCH__)

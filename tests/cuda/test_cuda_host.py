@@ -51,6 +51,9 @@ def _build(out: Path, *cuda_flags: str) -> ctypes.CDLL:
                                             ctypes.c_int64, *[ctypes.c_void_p] * 6,
                                             ctypes.c_int64, ctypes.c_int64,
                                             *[ctypes.c_void_p] * 3]
+    lib.bik_cuda_top_p_cut.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_float, ctypes.c_int,
+                                       ctypes.c_void_p, ctypes.c_void_p]
     lib.bik_cuda_exp.restype = ctypes.c_float
     lib.bik_cuda_exp.argtypes = [ctypes.c_float]
     lib.bik_cuda_vocab_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -222,6 +225,50 @@ def test_sampler_kernel_logic_gives_cpu_bits(host, v, split, threads, near_ties)
     assert tokens[7] == -1
     assert torch.equal(tokens, want.tokens), (tokens != want.tokens).nonzero().flatten()[:10]
     assert torch.equal(logprobs.view(torch.int32), want.logprobs.view(torch.int32))
+
+
+def _host_top_p_cut(host, x: torch.Tensor, top_p: float, passes: int = 10):
+    from bik import configs
+
+    x = x.float().contiguous()
+    rows, v = x.shape
+    cut, kept_mass = torch.empty(rows), torch.empty(rows)
+    groups, _ = configs.sampler_chunks(v)
+    host.bik_cuda_top_p_cut(x.data_ptr(), rows, v, v // groups, top_p, passes, cut.data_ptr(),
+                            kept_mass.data_ptr())
+    return cut, kept_mass
+
+
+def test_top_p_search_finds_the_contracts_cut(host):
+    """The stats kernel's probe search (row_cut) with the normaliser in the kernel's layout:
+    v_p = reference.top_p_cut (the contract read literally) and the kept mass = the literal sum,
+    bit for bit, on wide-tailed rows, near ties and 390 tokens tied at the cut (signed zeros
+    mixed: more than the candidates buffer, so the splits run to one key). Cutting that search
+    two passes short leaves another cut (caught)."""
+    from bik import configs
+    from bik.ops.sampling import reference
+    from bik.ops.sampling.noise import bik_exp_torch
+
+    gen = torch.Generator().manual_seed(16)
+    v = 2000
+    wide = torch.randn(4, v, generator=gen) * 2
+    wide[:, :20] += torch.rand(4, 20, generator=gen) * 8
+    base = torch.randint(-3, 4, (3, v), generator=gen).float()
+    near = torch.nextafter(base, base + torch.randint(-1, 2, (3, v), generator=gen).float())
+    tied = torch.full((1, v), -6.0)
+    tied[:, :10] = 3.0
+    tied[:, 10:400] = 0.0
+    tied[:, 10:400:2] = -0.0
+    groups, chunk = configs.sampler_chunks(v)
+    for x, top_p in ((wide, 0.5), (wide, 0.95), (near, 0.9), (tied, 0.9)):
+        cut, kept_mass = _host_top_p_cut(host, x, top_p)
+        want = reference.top_p_cut(x, top_p, groups, chunk)
+        assert torch.equal(cut, want)
+        terms = bik_exp_torch(x - x.amax(1, keepdim=True))
+        kept = torch.where(x >= want[:, None], terms, 0.0)
+        assert torch.equal(kept_mass, reference.vocab_sum(kept, groups, chunk))
+    short, _ = _host_top_p_cut(host, tied, 0.9, passes=7)  # it takes 9
+    assert not torch.equal(short, reference.top_p_cut(tied, 0.9, groups, chunk))
 
 
 def test_normaliser_pieces_equal_the_cpu_backend(host):

@@ -23,6 +23,27 @@ void rows(const typename T::storage* x, const typename T::storage* r, std::int64
   }
 }
 
+// row_cut's probe pass on the host: each probe's mass, then (when collect) the kept finite
+// tokens with z in [lo_v, hi_v), the first kTopPCandidates in cand. kept_z(j): token j's z, or
+// -inf when a filter drops it.
+template <class Mass, class KeptZ>
+std::int64_t probe_pass(const Mass& mass, const KeptZ& kept_z, std::int64_t V,
+                        const float (&probes)[bik::sampling::kProbeLanes], float lo_v,
+                        float hi_v, bool collect, float (&masses)[bik::sampling::kProbeLanes],
+                        float* cand) {
+  namespace s = bik::sampling;
+  for (int k = 0; k < s::kProbeLanes; ++k) masses[k] = mass(probes[k]);
+  std::int64_t n = 0;
+  for (std::int64_t j = 0; collect && j < V; ++j) {
+    const float z = kept_z(j);
+    if (z > -bik::inf_f32() && z >= lo_v && z < hi_v) {
+      if (n < s::kTopPCandidates) cand[n] = z;
+      ++n;
+    }
+  }
+  return n;
+}
+
 }  // namespace
 
 extern "C" {
@@ -42,6 +63,33 @@ void bik_cuda_vocab_sum(const float* terms, std::int64_t B, std::int64_t V,
   for (std::int64_t r = 0; r < B; ++r)
     out[r] = bik::sampling::vocab_mass_host([&](std::int64_t j) { return terms[r * V + j]; },
                                             V, group_len);
+}
+
+// The stats kernel's top-p search (row_cut) on fp32 logits [B, V] at T = 1, top-k and min-p
+// off, with the normaliser in the kernel's layout: v_p and the kept mass per row; `passes` as
+// row_cut's (a control cuts it short).
+void bik_cuda_top_p_cut(const float* x, std::int64_t B, std::int64_t V, std::int64_t group_len,
+                        float top_p, int passes, float* v_p, float* kept_mass) {
+  namespace s = bik::sampling;
+  for (std::int64_t r = 0; r < B; ++r) {
+    const float* xr = x + r * V;
+    float m = -bik::inf_f32();
+    for (std::int64_t j = 0; j < V; ++j) m = xr[j] > m ? xr[j] : m;
+    auto mass = [&](float threshold) {
+      return s::vocab_mass_host(
+          [&](std::int64_t j) {
+            return s::normaliser_term(xr[j], j, -bik::inf_f32(), V, threshold, m);
+          },
+          V, group_len);
+    };
+    float cand[s::kTopPCandidates];
+    auto probe = [&](const float (&probes)[s::kProbeLanes], float lo_v, float hi_v, bool collect,
+                     float (&masses)[s::kProbeLanes]) {
+      return probe_pass(mass, [&](std::int64_t j) { return xr[j]; }, V, probes, lo_v, hi_v,
+                        collect, masses, cand);
+    };
+    s::row_cut(mass, probe, V, m, top_p, -bik::inf_f32(), cand, v_p[r], kept_mass[r], passes);
+  }
 }
 
 std::uint32_t bik_host_philox_word0(std::uint32_t c0, std::uint32_t c1, std::uint32_t c2,
@@ -79,7 +127,7 @@ void bik_host_rms_norm(int dtype, const void* x, const void* r, std::int64_t n_r
 // The CUDA sampler's token, max and log normaliser for rows of fp32 logits [B, V], computed on
 // the host with the kernels' own helpers in the kernels' work split: the stats kernel's pass 1
 // (stats_consider per thread, then an exact max), its row_cut over the normaliser in the
-// kernel's layout (vocab_mass_host: top-p, min-p, the kept mass), and the pick kernel's loop
+// kernel's layout (vocab_mass_host: top-p's probe search, min-p, the kept mass), and the pick kernel's loop
 // body (pick_consider) per split of `split` tokens and per thread of `threads`, the winners
 // combined under (value desc, index asc). vk/ik: the top-k threshold the ops layer computes.
 // key: int64 [B, 5] as the ops layer builds it. group_len: V / G (bik.configs.sampler_chunks).
@@ -110,8 +158,17 @@ void bik_cuda_emulate_sample(const float* x, std::int64_t B, std::int64_t V,
           },
           V, group_len);
     };
+    float cand[s::kTopPCandidates];
+    auto kept_z = [&](std::int64_t j) {
+      const float z = s::tempered(xr[j], temperature[r]);
+      return s::kept_k(z, j, vk[r], ik[r]) ? z : -bik::inf_f32();
+    };
+    auto probe = [&](const float (&probes)[s::kProbeLanes], float lo_v, float hi_v, bool collect,
+                     float (&masses)[s::kProbeLanes]) {
+      return probe_pass(mass, kept_z, V, probes, lo_v, hi_v, collect, masses, cand);
+    };
     float v_lo, norm;
-    s::row_cut(mass, m_safe, top_p[r], log_min_p[r], v_lo, norm);
+    s::row_cut(mass, probe, V, m_safe, top_p[r], log_min_p[r], cand, v_lo, norm);
     m_out[r] = m_safe;
     log_s_out[r] = s::bik_log(is_bad ? 1.0f : norm);
     s::PickRow p;
