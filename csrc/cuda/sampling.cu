@@ -94,23 +94,25 @@ __device__ float vocab_mass(const typename T::storage* xr, i64 V, i64 group_len,
 }
 
 constexpr int kMaxGroups = 32;  // normaliser groups per row (the launcher checks 31)
+constexpr int kProbeRound = 128;  // chunks whose probe sums are held in shared memory at once
 
-// Shared state of the top-p probe passes.
+// Shared state of the top-p probe passes (11.8 KB).
 struct ProbeShared {
+  float chunk_sums[kProbeRound * kProbeLanes];
   float group_totals[kMaxGroups * kProbeLanes];
   float masses[kProbeLanes];
   float cand[kTopPCandidates];
   int count;
 };
 
-// One probe pass (row_cut's probe): warp w sums groups w, w + warps, ... chunk by chunk in
-// ascending order, a chunk in the normaliser's layout (sampling.cuh: lane l holds tokens
-// l + 32 i); lane k keeps probe k's group total, so each probe's chunk sum is added in order.
-// A probe above the chunk's largest kept z adds +0 without a fold: the same sum (a non-kept
-// token's z is -inf, its term +0).
-// Thread k < kProbeLanes adds the group totals
-// in ascending order. The bracket's kept finite tokens are counted and the first
-// kTopPCandidates stored (in whatever order the atomics give: the search needs the set only).
+// One probe pass (row_cut's probe). The row's chunks go by rounds of kProbeRound: in a round,
+// warp w takes chunks w, w + warps, ... in the normaliser's layout (sampling.cuh: lane l holds
+// tokens l + 32 i) and writes each probe's chunk sum; then thread g * kProbeLanes + k adds
+// group g's chunk sums of the round for probe k to its running group total, in ascending
+// order. A probe above the chunk's largest kept z gets +0 without a fold: the same sum (a
+// non-kept token's z is -inf, its term +0). Thread k < kProbeLanes adds the group totals in
+// ascending order. The bracket's kept finite tokens are counted and the first kTopPCandidates
+// stored (in whatever order the atomics give: the search needs the set only).
 template <class T>
 __device__ i64 probe_masses(const typename T::storage* xr, i64 V, i64 group_len,
                             float temperature, float vk, i64 ik, float m,
@@ -118,14 +120,16 @@ __device__ i64 probe_masses(const typename T::storage* xr, i64 V, i64 group_len,
                             bool collect, float (&masses)[kProbeLanes], ProbeShared& sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const i64 per_group = cdiv(group_len, kSamplerChunk), groups = V / group_len;
+  const i64 chunks = groups * per_group;
+  const i64 slot = threadIdx.x, slot_g = slot / kProbeLanes;
   __syncthreads();  // the previous pass's candidates and masses are read
   if (threadIdx.x == 0) sh.count = 0;
-  __syncthreads();
-  for (i64 g = warp; g < groups; g += warps) {
-    const i64 g_end = (g + 1) * group_len;
-    float my_total = 0.0f;  // lane k < kProbeLanes: probe k's group total
-    for (i64 c = 0; c < per_group; ++c) {
-      const i64 c0 = g * group_len + c * kSamplerChunk;
+  if (slot_g < groups) sh.group_totals[slot] = 0.0f;
+  for (i64 r0 = 0; r0 < chunks; r0 += kProbeRound) {
+    const i64 r_end = r0 + kProbeRound < chunks ? r0 + kProbeRound : chunks;
+    for (i64 q = r0 + warp; q < r_end; q += warps) {
+      const i64 g_end = (q / per_group + 1) * group_len;
+      const i64 c0 = (q / per_group) * group_len + (q % per_group) * kSamplerChunk;
       float z[kChunkRegs], e[kChunkRegs], s[kChunkRegs];
       float z_hi = -inf_f32();
 #pragma unroll
@@ -154,12 +158,20 @@ __device__ i64 probe_masses(const typename T::storage* xr, i64 V, i64 group_len,
 #pragma unroll
           for (int w = 16; w >= 1; w >>= 1) sum = add_rn(sum, __shfl_xor_sync(kFullMask, sum, w));
         }
-        if (lane == k) my_total = add_rn(my_total, sum);
+        if (lane == k) sh.chunk_sums[(q - r0) * kProbeLanes + k] = sum;
       }
     }
-    if (lane < kProbeLanes) sh.group_totals[g * kProbeLanes + lane] = my_total;
+    __syncthreads();
+    if (slot_g < groups) {
+      const i64 first = slot_g * per_group > r0 ? slot_g * per_group : r0;
+      const i64 last = (slot_g + 1) * per_group < r_end ? (slot_g + 1) * per_group : r_end;
+      const int k = int(slot % kProbeLanes);
+      float t = sh.group_totals[slot];
+      for (i64 q = first; q < last; ++q) t = add_rn(t, sh.chunk_sums[(q - r0) * kProbeLanes + k]);
+      sh.group_totals[slot] = t;
+    }
+    __syncthreads();
   }
-  __syncthreads();
   if (threadIdx.x < kProbeLanes) {
     float t = 0.0f;
     for (i64 g = 0; g < groups; ++g) t = add_rn(t, sh.group_totals[g * kProbeLanes + threadIdx.x]);
