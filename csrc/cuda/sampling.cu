@@ -109,10 +109,11 @@ struct ProbeShared {
 // warp w takes chunks w, w + warps, ... in the normaliser's layout (sampling.cuh: lane l holds
 // tokens l + 32 i) and writes each probe's chunk sum; then thread g * kProbeLanes + k adds
 // group g's chunk sums of the round for probe k to its running group total, in ascending
-// order. A probe above the chunk's largest kept z gets +0 without a fold: the same sum (a
-// non-kept token's z is -inf, its term +0). Thread k < kProbeLanes adds the group totals in
-// ascending order. The bracket's kept finite tokens are counted and the first kTopPCandidates
-// stored (in whatever order the atomics give: the search needs the set only).
+// order. A probe above the chunk's largest kept z gets +0 without a fold (and a chunk below
+// every probe without an exp): the same sums (a dropped token's z is -inf, its term +0).
+// Thread k < kProbeLanes adds the group totals in ascending order. The bracket's kept finite
+// tokens are counted and the first kTopPCandidates stored (in whatever order the atomics give:
+// the search needs the set only).
 template <class T>
 __device__ i64 probe_masses(const typename T::storage* xr, i64 V, i64 group_len,
                             float temperature, float vk, i64 ik, float m,
@@ -122,6 +123,9 @@ __device__ i64 probe_masses(const typename T::storage* xr, i64 V, i64 group_len,
   const i64 per_group = cdiv(group_len, kSamplerChunk), groups = V / group_len;
   const i64 chunks = groups * per_group;
   const i64 slot = threadIdx.x, slot_g = slot / kProbeLanes;
+  float lowest = probes[0];
+#pragma unroll
+  for (int k = 1; k < kProbeLanes; ++k) lowest = probes[k] < lowest ? probes[k] : lowest;
   __syncthreads();  // the previous pass's candidates and masses are read
   if (threadIdx.x == 0) sh.count = 0;
   if (slot_g < groups) sh.group_totals[slot] = 0.0f;
@@ -130,7 +134,7 @@ __device__ i64 probe_masses(const typename T::storage* xr, i64 V, i64 group_len,
     for (i64 q = r0 + warp; q < r_end; q += warps) {
       const i64 g_end = (q / per_group + 1) * group_len;
       const i64 c0 = (q / per_group) * group_len + (q % per_group) * kSamplerChunk;
-      float z[kChunkRegs], e[kChunkRegs], s[kChunkRegs];
+      float z[kChunkRegs], s[kChunkRegs];
       float z_hi = -inf_f32();
 #pragma unroll
       for (int i = 0; i < kChunkRegs; ++i) {
@@ -138,7 +142,6 @@ __device__ i64 probe_masses(const typename T::storage* xr, i64 V, i64 group_len,
         const float zj = j < g_end ? z_at<T>(xr, j, temperature) : -inf_f32();
         const bool kept = j < g_end && kept_k(zj, j, vk, ik);
         z[i] = kept ? zj : -inf_f32();
-        e[i] = kept ? bik_exp(sub_rn(zj, m)) : 0.0f;
         if (kept && zj > z_hi) z_hi = zj;
         if (collect && kept && zj > -inf_f32() && zj >= lo_v && zj < hi_v) {
           const int at = atomicAdd(&sh.count, 1);
@@ -147,18 +150,26 @@ __device__ i64 probe_masses(const typename T::storage* xr, i64 V, i64 group_len,
       }
 #pragma unroll
       for (int w = 16; w >= 1; w >>= 1) z_hi = fmaxf(z_hi, __shfl_xor_sync(kFullMask, z_hi, w));
+      float* out = sh.chunk_sums + (q - r0) * kProbeLanes;
+      if (lowest > z_hi) {  // below every probe (most chunks once the bracket nears m): +0s
+        if (lane < kProbeLanes) out[lane] = 0.0f;
+        continue;  // warp-uniform, as every branch below
+      }
+      float e[kChunkRegs];  // a dropped token's z is -inf: its term is +0
+#pragma unroll
+      for (int i = 0; i < kChunkRegs; ++i) e[i] = bik_exp(sub_rn(z[i], m));
 #pragma unroll
       for (int k = 0; k < kProbeLanes; ++k) {
         const float t = probes[k];
         float sum = 0.0f;
-        if (!(t > z_hi)) {  // warp-uniform branches
+        if (!(t > z_hi)) {
 #pragma unroll
           for (int i = 0; i < kChunkRegs; ++i) s[i] = z[i] >= t ? e[i] : 0.0f;
           sum = fold_registers(s);
 #pragma unroll
           for (int w = 16; w >= 1; w >>= 1) sum = add_rn(sum, __shfl_xor_sync(kFullMask, sum, w));
         }
-        if (lane == k) sh.chunk_sums[(q - r0) * kProbeLanes + k] = sum;
+        if (lane == k) out[k] = sum;
       }
     }
     __syncthreads();

@@ -24,7 +24,8 @@ One program per top-p row; each pass reads the row once and probes LANES thresho
 
 The logprob's normaliser is M at max(v_p, m + log_min_p), a probe's mass already. Within a
 pass, a threshold at or below a tile's smallest kept z takes the tile's full chunk sums, one
-above its largest takes +0 sums: the same terms folded in the same order, so the same sums.
+above its largest takes +0 sums: the same terms folded in the same order, so the same sums. A
+tile below every probe (most of the row once the bracket is near m) costs a load and a max.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def _probe_masses(x_row, V, GROUP_LEN, temp, vk, ik, m_safe, probes, lo_v, hi_v,
     slots = tl.arange(0, NCH)
     total = tl.zeros((LANES,), tl.float32)
     n = tl.full((), 0, tl.int32)
+    lowest = tl.min(probes, axis=0)
     for g0 in range(0, V, GROUP_LEN):
         group_total = tl.zeros((LANES,), tl.float32)
         for c0 in range(g0, g0 + GROUP_LEN, CHUNK * NCH):
@@ -87,21 +89,22 @@ def _probe_masses(x_row, V, GROUP_LEN, temp, vk, ik, m_safe, probes, lo_v, hi_v,
             mask = offs < g0 + GROUP_LEN
             z = _tempered(x_row, offs, mask, temp)
             kept = mask & _kept_k(z, offs, vk, ik)
-            e = tl.where(kept, bik_exp(z - m_safe), 0.0)
             z_hi = tl.max(tl.max(tl.where(kept, z, float("-inf")), axis=1), axis=0)
             z_lo = tl.min(tl.min(tl.where(kept, z, float("inf")), axis=1), axis=0)
-            full = chunk_sums(e, NCH, CHUNK, LOG2_CHUNK)
-            for k in tl.static_range(LANES):
-                t = _lane(probes, lanes, k, float("-inf"))
-                if t <= z_lo:
-                    sums = full
-                elif t > z_hi:
-                    sums = tl.zeros((NCH,), tl.float32)
-                else:
-                    sums = chunk_sums(tl.where(z >= t, e, 0.0), NCH, CHUNK, LOG2_CHUNK)
-                for c in tl.static_range(NCH):  # chunk sums in ascending order
-                    s_c = tl.sum(tl.where(slots == c, sums, 0.0), axis=0)
-                    group_total = group_total + tl.where(lanes == k, s_c, 0.0)
+            if lowest <= z_hi:  # else every probe's sums are +0 here: no exp, nothing to add
+                e = tl.where(kept, bik_exp(z - m_safe), 0.0)
+                full = chunk_sums(e, NCH, CHUNK, LOG2_CHUNK)
+                for k in tl.static_range(LANES):
+                    t = _lane(probes, lanes, k, float("-inf"))
+                    if t <= z_lo:
+                        sums = full
+                    elif t > z_hi:
+                        sums = tl.zeros((NCH,), tl.float32)
+                    else:
+                        sums = chunk_sums(tl.where(z >= t, e, 0.0), NCH, CHUNK, LOG2_CHUNK)
+                    for c in tl.static_range(NCH):  # chunk sums in ascending order
+                        s_c = tl.sum(tl.where(slots == c, sums, 0.0), axis=0)
+                        group_total = group_total + tl.where(lanes == k, s_c, 0.0)
             if collect & (z_hi >= lo_v) & (z_lo < hi_v):
                 inside = kept & (z > float("-inf")) & (z >= lo_v) & (z < hi_v)
                 flat = tl.reshape(inside.to(tl.int32), (NCH * CHUNK,))
