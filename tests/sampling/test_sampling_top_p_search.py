@@ -1,6 +1,6 @@
 """The Triton top-p search (ops/sampling/triton_top_p.py): the contract's cut in a few passes.
 
-In the interpreter process. The kernel's cut v_p is compared with reference.top_p_cut (the
+In the interpreter process (and on a GPU where there is one). The kernel's cut v_p is compared with reference.top_p_cut (the
 contract read literally: the largest value of the row whose normaliser-order mass reaches
 top_p * S) and its log of the kept mass with the literal sum, bit for bit; the number of passes
 it took is read back. Rows whose cut ties more tokens than the candidate buffer holds take the
@@ -17,15 +17,17 @@ from bik.ops.sampling import reference
 from bik.ops.sampling.noise import bik_exp_torch, bik_log_torch
 from targets import targets
 
-pytestmark = pytest.mark.parametrize("target", targets("interpreter"))
+pytestmark = pytest.mark.parametrize("target", targets("interpreter", "gpu-triton"))
 
 V = 2000  # 8 normaliser groups of 250 tokens
 
 
-def _search(logits: torch.Tensor, top_p: float, passes: int | None = None):
+def _search(target, logits: torch.Tensor, top_p: float, passes: int | None = None):
+    """(v_p, log of the kept mass, passes taken) from the kernel on the target's device."""
     from bik.ops.sampling.triton_top_p import TOP_P_PASSES, top_p_cut
 
-    return top_p_cut(logits, top_p, passes=passes or TOP_P_PASSES)
+    out = top_p_cut(logits.to(target.device), top_p, passes=passes or TOP_P_PASSES)
+    return tuple(t.cpu() for t in out)
 
 
 def _expected(logits: torch.Tensor, top_p: float):
@@ -49,7 +51,7 @@ def test_cut_and_mass_are_the_contracts_in_a_few_passes(target, top_p, gen):
     """LLM-like rows: the contract's v_p and kept mass exactly, in at most 6 passes (the
     bisection took 32 + 2)."""
     x = _llm_like(gen, 4)
-    cut, log_s, passes = _search(x, top_p)
+    cut, log_s, passes = _search(target, x, top_p)
     want_cut, want_log_s = _expected(x, top_p)
     assert torch.equal(cut, want_cut)
     assert torch.equal(log_s.view(torch.int32), want_log_s.view(torch.int32))
@@ -60,7 +62,7 @@ def test_near_ties_are_the_contracts(target, gen):
     """Few distinct values and their 1-ulp neighbours, in every group."""
     base = torch.randint(-3, 4, (3, V), generator=gen).float()
     x = torch.nextafter(base, base + torch.randint(-1, 2, (3, V), generator=gen).float())
-    cut, log_s, _ = _search(x, 0.9)
+    cut, log_s, _ = _search(target, x, 0.9)
     want_cut, want_log_s = _expected(x, 0.9)
     assert torch.equal(cut, want_cut)
     assert torch.equal(log_s.view(torch.int32), want_log_s.view(torch.int32))
@@ -77,12 +79,12 @@ def test_ties_beyond_the_buffer_take_every_split_pass(target):
     x[:, 10:400] = 0.0
     x[:, 10:400:2] = -0.0
     assert 390 > TOP_P_CANDIDATES
-    cut, log_s, passes = _search(x, 0.9)
+    cut, log_s, passes = _search(target, x, 0.9)
     want_cut, want_log_s = _expected(x, 0.9)
     assert torch.equal(cut, want_cut) and float(want_cut) == 0.0
     assert torch.equal(log_s.view(torch.int32), want_log_s.view(torch.int32))
     assert 3 < int(passes) <= TOP_P_PASSES
-    short, _, _ = _search(x, 0.9, passes=int(passes) - 2)
+    short, _, _ = _search(target, x, 0.9, passes=int(passes) - 2)
     assert not torch.equal(short, want_cut)
 
 
@@ -90,6 +92,6 @@ def test_a_small_vocabulary_is_settled_by_its_first_buffer(target, gen):
     """V <= TOP_P_CANDIDATES: pass 0 already holds every token, so the next pass probes the
     candidates of the bracket and ends the search (2 passes, 3 if more than LANES remain)."""
     x = torch.randn(4, 200, generator=gen) * 3
-    cut, _, passes = _search(x, 0.9)
+    cut, _, passes = _search(target, x, 0.9)
     assert torch.equal(cut, _expected(x, 0.9)[0])
     assert int(passes.max()) <= 3, passes
