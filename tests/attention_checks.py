@@ -28,12 +28,38 @@ from bik.testing.attention import (
 from bik.testing.harness import InvarianceReport, same_bits
 from checks import assert_invariant
 
-__all__ = ["HEADS", "SPLIT", "bik_attn", "check_accuracy", "check_layouts_agree",
-           "check_neighbours", "check_page_sizes", "check_schedules", "decode_positions",
-           "decode_report", "one_call", "whole_prefill", "window_report"]
+__all__ = [
+    "HEADS",
+    "SPLIT",
+    "bik_attn",
+    "check_accuracy",
+    "check_layouts_agree",
+    "check_neighbours",
+    "check_page_sizes",
+    "check_schedules",
+    "decode_positions",
+    "decode_report",
+    "mixed_batch",
+    "one_call",
+    "whole_prefill",
+    "window_report",
+]
 
 HEADS = (4, 2, 64)  # q heads, kv heads, head_dim
 SPLIT = 256  # the sm90/sm80 table's split size: decode positions probe its boundaries
+
+
+def mixed_batch(head_dim: int):
+    """One batch of a prefill chunk, decode rows and a verify window whose tiles see different
+    numbers of splits of 32 keys (up to 5): returns fn(backend) -> the attention output."""
+    gen = torch.Generator().manual_seed(4)
+    lengths, q_lens = [75, 40, 130, 3], [15, 1, 4, 3]
+    seqs = [make_request(gen, n, 4, 2, head_dim, torch.float32) for n in lengths]
+    cache = pack_paged(seqs, lengths, 16, gen)
+    q = torch.cat([s.q[n - t:] for s, n, t in zip(seqs, lengths, q_lens)])
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return lambda backend: bik_attn(backend)(q, cache.k_cache, cache.v_cache,
+                                             cache.cache_seqlens, cu, cache.block_table)
 
 
 def bik_attn(backend):

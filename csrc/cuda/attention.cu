@@ -10,8 +10,10 @@
 // `block_t` tokens (gh * block_t <= 16), so decode and verify rows share each K/V block load.
 //
 // Two launch modes with the same bits: FOLD (fold = 1: a program folds every split of its
-// tile) and SPLIT (fold = 0, grid z = split: partials to pml/pacc, then bik_attention_merge
-// folds them with the same merge_scales / fold2 / finalize).
+// tile) and SPLIT (fold = 0: grid z takes runs of `splits_per_prog` consecutive splits, each
+// split reduced alone and its fp32 partial written to pml/pacc; then the tile's last program to
+// take a ticket folds every partial in ascending order with FOLD's merge_scales / fold2 /
+// finalize: one launch, FOLD's bits).
 #include "attention_plan.cuh"
 #include "bik_convert.cuh"
 
@@ -41,10 +43,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 template <int KIND, int D>
 __device__ __forceinline__ void attention_body(
     const void* q, const void* kc, const void* vc, void* out, float* lse, float* pacc,
-    float* pml, const int* cu_q, const int* seqlens, const int* table, const i64* base,
-    i64 sqt, i64 sqh, i64 sot, i64 soh, i64 stable, i64 spage, i64 stok, i64 skvh,
-    int block_size, int total_q, int hq, int hkv, int gh, int block_t, float scale_log2e,
-    int split, int causal, int fold) {
+    float* pml, int* tickets, const int* cu_q, const int* seqlens, const int* table,
+    const i64* base, i64 sqt, i64 sqh, i64 sot, i64 soh, i64 stable, i64 spage, i64 stok,
+    i64 skvh, int block_size, int total_q, int hq, int hkv, int gh, int block_t,
+    float scale_log2e, int split, int causal, int fold, int splits_per_prog) {
   constexpr int kPer = kRows * D / kThreads;  // (row, d) accumulators per thread
   __shared__ float qs[kRows][D];
   __shared__ float ks[kBlockN][D + 1];  // +1: lanes read different keys at the same d
@@ -69,8 +71,9 @@ __device__ __forceinline__ void attention_body(
   const i64 seqlen = seqlens[b];
   const i64 kv_end = bik_attn::tile_kv_end(seqlen, q_len, tile, block_t, causal);
   const int n_splits = bik_attn::tile_splits(kv_end, split);
-  const int j_first = fold ? 0 : static_cast<int>(blockIdx.z);
-  const int j_end = fold ? n_splits : j_first + 1;
+  const int j_first = fold ? 0 : static_cast<int>(blockIdx.z) * splits_per_prog;
+  const int j_run_end = j_first + splits_per_prog;
+  const int j_end = fold || j_run_end > n_splits ? n_splits : j_run_end;
   if (j_first >= n_splits) return;
 
   if (tid < kRows) {
@@ -195,7 +198,48 @@ __device__ __forceinline__ void attention_body(
       }
     }
   }
-  if (!fold) return;
+  if (!fold) {
+    // Every thread's partials reach the device before its program's ticket; the tile's last
+    // program to take one sees every run's partials and folds them j ascending from the empty
+    // state, exactly as the FOLD branch above (the same skips, scales and order).
+    __shared__ int last_s;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      const int runs = (n_splits + splits_per_prog - 1) / splits_per_prog;
+      const i64 slot = static_cast<i64>(blockIdx.x) * gridDim.y + tile;
+      last_s = atomicAdd(tickets + slot, 1) == runs - 1;
+      __threadfence();
+    }
+    __syncthreads();
+    if (!last_s) return;
+    for (int j = 0; j < n_splits; ++j) {
+      const i64 lo = static_cast<i64>(j) * split;
+      if (tid < kRows && lim_s[tid] >= lo) {  // split j's (m, l) where FOLD has them
+        const i64 at = bik_attn::pml_index(j, 0, total_q, hq, qrow_s[tid], head_s[tid]);
+        m_cur[tid] = __ldcg(pml + at);
+        l_cur[tid] = __ldcg(pml + bik_attn::pml_index(j, 1, total_q, hq, qrow_s[tid], head_s[tid]));
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int idx = tid + i * kThreads;
+        const int r = idx / D;
+        if (lim_s[r] < lo) continue;  // the row does not see split j
+        const float acc_j = __ldcg(
+            pacc + bik_attn::pacc_index(j, total_q, hq, qrow_s[r], head_s[r], idx % D, D));
+        const bik_attn::Scales sc = bik_attn::merge_scales(m_run[r], m_cur[r]);
+        acc_run[i] = bik_attn::fold2(acc_run[i], sc.a, acc_j, sc.b);
+      }
+      __syncthreads();
+      if (tid < kRows && lim_s[tid] >= lo) {
+        const bik_attn::Scales sc = bik_attn::merge_scales(m_run[tid], m_cur[tid]);
+        l_run[tid] = bik_attn::fold2(l_run[tid], sc.a, l_cur[tid], sc.b);
+        m_run[tid] = sc.m_new;
+      }
+      __syncthreads();
+    }
+  }
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
@@ -211,19 +255,21 @@ __device__ __forceinline__ void attention_body(
 
 }  // namespace
 
-// Grid: x = n_seq * Hkv * ceil(G / gh), y = ceil(max_q_len / block_t), z = n_splits (split
-// mode) or 1. Block: 128 threads. Lengths: cu_q int32 [B+1], seqlens int32 [B]; keys via
-// table int32 [B, stride_table] (paged) or base int64 [B] (contiguous; table null).
+// Grid: x = n_seq * Hkv * ceil(G / gh), y = ceil(max_q_len / block_t), z = runs of
+// splits_per_prog splits (split mode) or 1. Block: 128 threads. Lengths: cu_q int32 [B+1],
+// seqlens int32 [B]; keys via table int32 [B, stride_table] (paged) or base int64 [B]
+// (contiguous; table null). Split mode: pacc/pml workspaces and tickets int32 [x * y], zeroed.
 #define BIK_ATTENTION_ENTRY(NAME, KIND, D)                                                    \
   extern "C" __global__ void __launch_bounds__(kThreads) NAME(                                \
       const void* q, const void* kc, const void* vc, void* out, float* lse, float* pacc,      \
-      float* pml, const int* cu_q, const int* seqlens, const int* table, const i64* base,     \
-      i64 sqt, i64 sqh, i64 sot, i64 soh, i64 stable, i64 spage, i64 stok, i64 skvh,          \
-      int block_size, int total_q, int hq, int hkv, int gh, int block_t, float scale_log2e,   \
-      int split, int causal, int fold) {                                                      \
-    attention_body<KIND, D>(q, kc, vc, out, lse, pacc, pml, cu_q, seqlens, table, base, sqt,  \
-                            sqh, sot, soh, stable, spage, stok, skvh, block_size, total_q, hq, \
-                            hkv, gh, block_t, scale_log2e, split, causal, fold);              \
+      float* pml, int* tickets, const int* cu_q, const int* seqlens, const int* table,        \
+      const i64* base, i64 sqt, i64 sqh, i64 sot, i64 soh, i64 stable, i64 spage, i64 stok,   \
+      i64 skvh, int block_size, int total_q, int hq, int hkv, int gh, int block_t,            \
+      float scale_log2e, int split, int causal, int fold, int splits_per_prog) {              \
+    attention_body<KIND, D>(q, kc, vc, out, lse, pacc, pml, tickets, cu_q, seqlens, table,    \
+                            base, sqt, sqh, sot, soh, stable, spage, stok, skvh, block_size,  \
+                            total_q, hq, hkv, gh, block_t, scale_log2e, split, causal, fold,  \
+                            splits_per_prog);                                                 \
   }
 
 BIK_ATTENTION_ENTRY(bik_attention_f32_d64, bik_cvt::kF32, 64)
@@ -232,42 +278,3 @@ BIK_ATTENTION_ENTRY(bik_attention_bf16_d64, bik_cvt::kBF16, 64)
 BIK_ATTENTION_ENTRY(bik_attention_bf16_d128, bik_cvt::kBF16, 128)
 BIK_ATTENTION_ENTRY(bik_attention_f16_d64, bik_cvt::kF16, 64)
 BIK_ATTENTION_ENTRY(bik_attention_f16_d128, bik_cvt::kF16, 128)
-
-// Split mode's fold: one program per (token, head), one thread per d. Each thread folds the
-// row's splits j = 0 .. row_splits(lim) - 1 in ascending order (m and l redundantly, same
-// bits in every thread), then finalizes. The token's sequence comes from a binary search of
-// cu_q (the last b with cu_q[b] <= token).
-extern "C" __global__ void __launch_bounds__(128)
-bik_attention_merge(const float* pacc, const float* pml, void* out, float* lse, const int* cu_q,
-                    const int* seqlens, int n_seq, i64 sot, i64 soh, int total_q, int hq,
-                    int head_dim, int split, int causal, int out_kind) {
-  const i64 token = blockIdx.x;
-  const int head = blockIdx.y;
-  const int d = threadIdx.x;
-  int lo = 0;
-  int hi = n_seq - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (cu_q[mid] <= token) lo = mid; else hi = mid - 1;
-  }
-  const i64 q_start = cu_q[lo];
-  const i64 q_len = cu_q[lo + 1] - q_start;
-  const i64 lim = bik_attn::row_limit(seqlens[lo], q_len, token - q_start, causal);
-  const int n = bik_attn::row_splits(lim, split);
-  float m = bik_attn::neg_inf();
-  float l = 0.0f;
-  float acc = 0.0f;
-  for (int j = 0; j < n; ++j) {
-    const float m_j = pml[bik_attn::pml_index(j, 0, total_q, hq, token, head)];
-    const float l_j = pml[bik_attn::pml_index(j, 1, total_q, hq, token, head)];
-    const bik_attn::Scales sc = bik_attn::merge_scales(m, m_j);
-    if (d < head_dim)
-      acc = bik_attn::fold2(acc, sc.a, pacc[bik_attn::pacc_index(j, total_q, hq, token, head, d,
-                                                                  head_dim)], sc.b);
-    l = bik_attn::fold2(l, sc.a, l_j, sc.b);
-    m = sc.m_new;
-  }
-  if (d < head_dim)
-    bik_cvt::store_as(out, token * sot + head * soh + d, bik_attn::finalize_out(acc, l), out_kind);
-  if (d == 0) lse[token * hq + head] = bik_attn::finalize_lse(m, l);
-}

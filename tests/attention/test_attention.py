@@ -32,6 +32,7 @@ from attention_checks import (
     check_layouts_agree,
     check_neighbours,
     check_page_sizes,
+    mixed_batch,
     one_call,
     whole_prefill,
 )
@@ -187,19 +188,13 @@ def test_split_mode_runs_and_fused_merge_keep_fold_bits(target, monkeypatch):
     decode rows and a verify window whose tiles see different numbers of splits."""
     from bik.ops.attention import triton as triton_attention
 
-    gen = torch.Generator().manual_seed(4)
-    lengths, q_lens = [75, 40, 130, 3], [15, 1, 4, 3]
-    seqs = [make_request(gen, n, 4, 2, 16, torch.float32) for n in lengths]
-    cache = pack_paged(seqs, lengths, 16, gen)
-    q = torch.cat([s.q[n - t:] for s, n, t in zip(seqs, lengths, q_lens)])
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    batch = mixed_batch(16)
 
     def run(mode, per=None):
         use_launch_mode(monkeypatch, mode)
         if per is not None:
             monkeypatch.setattr(triton_attention, "splits_per_program", lambda *args: per)
-        return bik_attn(target.backend)(q, cache.k_cache, cache.v_cache, cache.cache_seqlens,
-                                        cu, cache.block_table)
+        return batch(target.backend)
 
     fold = run("fold")
     for per in (1, 2, 3, 5):  # 130 keys / 32 = 5 splits: 5 is one program per tile

@@ -27,10 +27,17 @@ def host_lib(tmp_path_factory):
     return lib
 
 
+class _Launches(list):
+    def __init__(self):
+        super().__init__()
+        self.grids = []
+
+
 @pytest.fixture
 def host(host_lib, monkeypatch):
-    """backend="cuda" on CPU tensors, every launch run by the host build of the kernels."""
-    launches = []
+    """backend="cuda" on CPU tensors, every launch run by the host build of the kernels.
+    Returns the launched kernels' names; ``.grids`` holds their grids."""
+    launches = _Launches()
 
     def launch(kernel, grid, block, shared_bytes, *args, device=None):
         source = ("matmul_sm90" if kernel.startswith("bik_matmul_sm90")
@@ -46,6 +53,7 @@ def host(host_lib, monkeypatch):
         rc = host_lib.run_kernel(kernel.encode(), *grid, block[0], argv)
         assert rc == 0, f"{kernel}: {'deadlock' if rc == 2 else 'not runnable on the host'}"
         launches.append(kernel)
+        launches.grids.append(tuple(grid))
 
     # backend="cuda" on CPU tensors: the host build of the kernels stands in for a GPU.
     monkeypatch.setitem(bik.ops._registry._CAN_RUN, "cuda", lambda label, device: None)

@@ -46,7 +46,7 @@ def kernel_signature(source: str, kernel: str) -> list[str]:
     if kernel.startswith("bik_rms_norm_"):
         match = re.search(r"#define BIK_RMS_NORM_KERNEL\(NAME, VEC, XT, WT\).*?NAME\((.*?)\)\s*\{",
                           text, re.DOTALL)
-    elif kernel.startswith("bik_attention_") and kernel != "bik_attention_merge":
+    elif kernel.startswith("bik_attention_"):
         match = re.search(r"#define BIK_ATTENTION_ENTRY\(NAME, KIND, D\).*?NAME\((.*?)\)\s*\{",
                           text, re.DOTALL)
     else:

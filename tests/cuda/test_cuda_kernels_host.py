@@ -134,7 +134,27 @@ def test_attention_schedules_on_the_real_kernel(host, monkeypatch, mode):
     check_schedules(ac.bik_attn("cuda"), torch.float32, 110, device="cpu", heads=HEADS,
                     chunks=(7, 40), windows=(4,), tail=16, last=6)
     assert "bik_attention_f32_d64" in host
-    assert ("bik_attention_merge" in host) == (mode is not False)
+    spread = any(grid[2] > 1 for kernel, grid in zip(host, host.grids)
+                 if kernel.startswith("bik_attention_"))
+    assert spread == (mode is not False)  # SPLIT ran (its merge fused) unless FOLD was forced
+
+
+def test_attention_split_runs_and_fused_merge_keep_fold_bits(host, monkeypatch):
+    """SPLIT with 1, 2, 3 or all of a tile's splits per program (the last program to take a
+    ticket folds every partial) gives FOLD's bits, for a batch of a prefill chunk, decode rows
+    and a verify window whose tiles see different numbers of splits."""
+    batch = ac.mixed_batch(64)
+
+    def run(mode, per=None):
+        force(monkeypatch, cuda_attention, "use_split_mode", mode)
+        if per is not None:
+            monkeypatch.setattr(cuda_attention, "splits_per_program", lambda *args: per)
+        return batch("cuda")
+
+    fold = run(False)
+    for per in (1, 2, 3, 5):  # 130 keys / 32 = 5 splits: 5 is one program per tile
+        assert torch.equal(run(True, per), fold), per
+        assert host.grids[-1][2] == -(-5 // per)  # runs of per splits
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

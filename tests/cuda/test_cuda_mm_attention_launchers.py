@@ -54,9 +54,9 @@ def test_signature_parser_sees_every_kernel():
     assert len(kernel_signature("matmul", "bik_matmul_bf16")) == 21
     assert kernel_signature("matmul", "bik_matmul_f32") == kernel_signature("matmul",
                                                                             "bik_matmul_f16")
-    assert kernel_signature("attention", "bik_attention_bf16_d64")[-4:] == ["f32", "i32", "i32",
-                                                                            "i32"]
-    assert len(kernel_signature("attention", "bik_attention_merge")) == 15
+    assert kernel_signature("attention", "bik_attention_bf16_d64")[-5:] == ["f32", "i32", "i32",
+                                                                            "i32", "i32"]
+    assert len(kernel_signature("attention", "bik_attention_bf16_d64")) == 31
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -118,16 +118,21 @@ def test_attention_launch_arguments_match_the_kernels(recorder, paged, split_mod
         stride_page=kc.stride(0), stride_tok=kc.stride(1), max_q_len=4, max_k_len=600,
         scale=0.1, causal=True, split_mode=split_mode)
     names = [c[0][1] for c in recorder]
-    assert names == ["bik_attention_bf16_d128"] + (["bik_attention_merge"] if split_mode else [])
+    assert names == ["bik_attention_bf16_d128"]  # SPLIT's merge is fused: one launch
     _check_calls(recorder)
-    assert recorder[0][1] == (2 * hkv, 1, 3 if split_mode else 1)  # 4 heads x 4 tokens a program
+    # 4 heads x 4 tokens a program; SPLIT: the 3 splits of 600 keys in runs of one (16 items)
+    assert recorder[0][1] == (2 * hkv, 1, 3 if split_mode else 1)
+    tickets = recorder[0][3][7]
+    assert (tickets is None) != split_mode
+    if split_mode:
+        assert tickets.dtype == torch.int32 and tickets.numel() == 2 * hkv and not tickets.any()
 
 
 def test_attention_plans():
     plan = cuda_attention.plan_attention(torch.float16, n_seq=3, total_q=3, hq=40, hkv=2, d=64,
                                          max_q_len=1, max_k_len=1000, arch="sm80")
     assert (plan.gh, plan.block_t, plan.n_splits) == (16, 1, 4)  # G = 20: two head slices
-    assert plan.grid == (3 * 2 * 2, 1, 4) and plan.split_mode
+    assert plan.grid == (3 * 2 * 2, 1, 4) and plan.split_mode and plan.per_program == 1
     prefill = cuda_attention.plan_attention(torch.float16, n_seq=1, total_q=8192, hq=32, hkv=8,
                                             d=128, max_q_len=8192, max_k_len=8192, arch="sm90")
     assert (prefill.gh, prefill.block_t) == (4, 4) and not prefill.split_mode

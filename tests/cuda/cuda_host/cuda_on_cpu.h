@@ -147,6 +147,15 @@ inline float __int_as_float(int i) {
 }
 
 inline void __syncthreads() { host_cuda::wait(host_cuda::cta_barrier); }
+// CTAs run one at a time on one OS thread: a fence orders nothing more, an atomic is a plain
+// read-modify-write, and an L2 load is a load.
+inline void __threadfence() {}
+inline int atomicAdd(int* address, int value) {
+  const int old = *address;
+  *address = old + value;
+  return old;
+}
+inline float __ldcg(const float* address) { return *address; }
 inline void __syncwarp(unsigned = 0xffffffffu) {
   host_cuda::wait(host_cuda::warp_barriers[threadIdx.x / 32]);
 }

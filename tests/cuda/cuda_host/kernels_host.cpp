@@ -49,7 +49,6 @@ extern "C" int run_kernel(const char* name, unsigned gx, unsigned gy, unsigned g
   BIK_HOST_KERNEL(bik_attention_bf16_d128)
   BIK_HOST_KERNEL(bik_attention_f16_d64)
   BIK_HOST_KERNEL(bik_attention_f16_d128)
-  BIK_HOST_KERNEL(bik_attention_merge)
 #define BIK_HOST_RMS_NORM(XN, WN)           \
   BIK_HOST_KERNEL(bik_rms_norm_##XN##_##WN) \
   BIK_HOST_KERNEL(bik_rms_norm_vec_##XN##_##WN)

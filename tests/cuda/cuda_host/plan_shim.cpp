@@ -255,7 +255,7 @@ void attn_emulate_f32(const float* q, const float* k, const float* v, float* out
                 bik_attn::finalize_lse(m_run[r], l_run[r]);
           }
       }
-  if (!fold)  // bik_attention_merge
+  if (!fold)  // split mode: the fused fold of every partial, j ascending
     for (int t = 0; t < q_len; ++t)
       for (int h = 0; h < hq; ++h) {
         const int n = bik_attn::row_splits(bik_attn::row_limit(seqlen, q_len, t, causal), split);

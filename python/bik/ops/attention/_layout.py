@@ -1,5 +1,5 @@
 """What every attention backend receives: one validated call (:class:`Problem`), and the shared
-host side of the two GPU launchers (:func:`run_on_gpu`)."""
+host side of the two GPU launchers (:func:`run_on_gpu`, :func:`splits_per_program`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,19 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Layout", "Problem", "run_on_gpu"]
+__all__ = ["SPLIT_PROGRAM_TARGET", "Layout", "Problem", "run_on_gpu", "splits_per_program"]
+
+# SPLIT aims at about this many programs (two waves of an H200's 132 SMs): a program takes more
+# consecutive splits when the (sequence, KV head, tile) items alone come close to it.
+SPLIT_PROGRAM_TARGET = 264
+
+
+def splits_per_program(items: int, n_splits: int) -> int:
+    """Consecutive splits per SPLIT program for ``items`` (sequence, KV head, query tile)
+    triples: at least one, enough that items x runs stays near SPLIT_PROGRAM_TARGET. Speed only:
+    every split's partial is computed alone and the fold order is fixed."""
+    runs = max(1, min(n_splits, SPLIT_PROGRAM_TARGET // max(items, 1)))
+    return -(-n_splits // runs)
 
 
 class Layout(NamedTuple):

@@ -3,8 +3,8 @@
 Same calling convention as :func:`bik.ops.attention.triton.launch_attention`. Bits are
 fixed by :func:`bik.configs.cuda_attention_config` (split size, keys per block) and the
 absolute key positions; the packing of rows into programs (``gh`` heads x ``block_t`` tokens),
-the number of head slices and the launch mode (FOLD or SPLIT + merge) decide speed only
-(csrc/cuda/attention_plan.cuh explains why).
+the number of head slices, the launch mode (FOLD, or SPLIT with its merge fused) and SPLIT's
+splits per program decide speed only (csrc/cuda/attention_plan.cuh explains why).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from typing import NamedTuple
 import torch
 
 from bik._arch import device_arch
-from bik._dtypes import info
 from bik.configs import CUDA_ATTENTION_HEAD_DIMS, CudaAttentionConfig, cuda_attention_config
-from bik.ops.attention._layout import Problem, run_on_gpu
+from bik.ops.attention._layout import Problem, run_on_gpu, splits_per_program
 
 __all__ = ["AttentionLaunch", "launch_attention", "plan_attention", "run_attention"]
 
@@ -30,13 +29,15 @@ class AttentionLaunch(NamedTuple):
     block_t: int  # query tokens per program
     n_splits: int  # splits of the longest sequence
     split_mode: bool
+    per_program: int  # SPLIT: consecutive splits per program
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
 
 
-def use_split_mode(total_q: int, num_heads_q: int, n_splits: int) -> bool:
-    """Decode/verify-sized work spreads the splits over programs (bits are equal either way)."""
-    return n_splits > 1 and total_q * num_heads_q * n_splits <= (1 << 20)
+def use_split_mode(total_q: int, num_heads_q: int, n_splits: int, per_program: int) -> bool:
+    """Decode/verify-sized work spreads the splits over programs (bits are equal either way);
+    not when one program would hold all of a tile's splits anyway."""
+    return n_splits > per_program and total_q * num_heads_q * n_splits <= (1 << 20)
 
 
 def plan_attention(dtype: torch.dtype, *, n_seq: int, total_q: int, hq: int, hkv: int, d: int,
@@ -51,13 +52,14 @@ def plan_attention(dtype: torch.dtype, *, n_seq: int, total_q: int, hq: int, hkv
     block_t = cfg.rows // gh
     slices = -(-g // gh)
     n_splits = max(1, -(-max_k_len // cfg.split))
-    split = use_split_mode(total_q, hq, n_splits) if split_mode is None else bool(split_mode)
     tiles = max(1, -(-max_q_len // block_t))
+    per = splits_per_program(n_seq * hkv * slices * tiles, n_splits)
+    split = use_split_mode(total_q, hq, n_splits, per) if split_mode is None else bool(split_mode)
     if tiles > 65535 or n_splits > 65535:
         raise ValueError(f"bik: backend='cuda' attention: q_len {max_q_len} / {max_k_len} keys "
                          f"exceed the launch grid")
-    grid = (n_seq * hkv * slices, tiles, n_splits if split else 1)
-    return AttentionLaunch(cfg, f"{cfg.kernel}_d{d}", gh, block_t, n_splits, split, grid,
+    grid = (n_seq * hkv * slices, tiles, -(-n_splits // per) if split else 1)
+    return AttentionLaunch(cfg, f"{cfg.kernel}_d{d}", gh, block_t, n_splits, split, per, grid,
                            (cfg.threads, 1, 1))
 
 
@@ -91,24 +93,18 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
     if plan.split_mode:
         pacc = torch.empty((plan.n_splits, total_q, hq, d), dtype=torch.float32, device=q.device)
         pml = torch.empty((plan.n_splits, 2, total_q, hq), dtype=torch.float32, device=q.device)
+        tickets = torch.zeros(plan.grid[0] * plan.grid[1], dtype=torch.int32, device=q.device)
     else:
-        pacc = pml = None
+        pacc = pml = tickets = None
     i32, i64 = cuda_jit.i32, cuda_jit.i64
     kernel = cuda_jit.get_kernel("attention", plan.kernel, q.device)
     cuda_jit.launch(
-        kernel, plan.grid, plan.block, 0, q, k, v, out, lse, pacc, pml, cu_q, seqlens_k, table,
-        base, i64(q.stride(0)), i64(q.stride(1)), i64(out.stride(0)), i64(out.stride(1)),
+        kernel, plan.grid, plan.block, 0, q, k, v, out, lse, pacc, pml, tickets, cu_q, seqlens_k,
+        table, base, i64(q.stride(0)), i64(q.stride(1)), i64(out.stride(0)), i64(out.stride(1)),
         i64(table.stride(0) if paged else 0), i64(stride_page), i64(stride_tok),
         i64(k.stride(-2)), i32(block_size), i32(total_q), i32(hq), i32(hkv), i32(plan.gh),
         i32(plan.block_t), cuda_jit.f32(scale * LOG2E), i32(plan.config.split), i32(int(causal)),
-        i32(int(not plan.split_mode)), device=q.device)
-    if plan.split_mode:
-        merge = cuda_jit.get_kernel("attention", "bik_attention_merge", q.device)
-        cuda_jit.launch(
-            merge, (total_q, hq, 1), (d, 1, 1), 0, pacc, pml, out, lse, cu_q, seqlens_k,
-            i32(n_seq), i64(out.stride(0)), i64(out.stride(1)), i32(total_q), i32(hq), i32(d),
-            i32(plan.config.split), i32(int(causal)), i32(info(out.dtype).cuda_kind),
-            device=q.device)
+        i32(int(not plan.split_mode)), i32(plan.per_program), device=q.device)
 
 
 

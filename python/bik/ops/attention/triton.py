@@ -30,10 +30,9 @@ import triton.language as tl
 
 from bik._arch import device_arch
 from bik.configs import TRITON_ATTENTION_HEAD_DIMS, attention_config
-from bik.ops.attention._layout import Problem, run_on_gpu
+from bik.ops.attention._layout import Problem, run_on_gpu, splits_per_program
 
-__all__ = ["SPLIT_PROGRAM_TARGET", "attention_kernel", "launch_attention", "run_attention",
-           "splits_per_program", "use_split_mode"]
+__all__ = ["attention_kernel", "launch_attention", "run_attention", "use_split_mode"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -199,19 +198,6 @@ def use_split_mode(total_q: int, num_heads_q: int, n_splits: int, per_program: i
     so does work whose programs would each hold all of a tile's splits anyway. Either choice
     gives the same bits; this only decides speed and workspace size."""
     return n_splits > per_program and total_q * num_heads_q * n_splits <= (1 << 20)
-
-
-# SPLIT aims at about this many programs (two waves of an H200's 132 SMs): a program takes more
-# consecutive splits when the (sequence, KV head, tile) items alone come close to it.
-SPLIT_PROGRAM_TARGET = 264
-
-
-def splits_per_program(items: int, n_splits: int) -> int:
-    """Consecutive splits per SPLIT program for ``items`` (sequence, KV head, query tile)
-    triples: at least one, enough that items x runs stays near SPLIT_PROGRAM_TARGET. Speed only:
-    every split's partial is computed alone and the fold order is fixed."""
-    runs = max(1, min(n_splits, SPLIT_PROGRAM_TARGET // max(items, 1)))
-    return -(-n_splits // runs)
 
 
 def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_size,
