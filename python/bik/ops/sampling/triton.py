@@ -33,8 +33,8 @@ from bik._arch import device_arch
 from bik.configs import sampler_chunks, sampling_config
 from bik.ops.sampling.split_vocab import sample_split_vocab
 
-__all__ = ["bik_exp", "bik_log", "chunk_sums", "gumbel_pick_kernel", "launch_sample", "noise_parts_kernel",
-           "philox4x32_10", "sample_rows", "unit_gumbel"]
+__all__ = ["bik_exp", "bik_log", "chunk_sums", "gumbel_pick_kernel", "launch_sample",
+           "max_and_flag", "noise_parts_kernel", "philox4x32_10", "sample_rows", "unit_gumbel"]
 
 INT32_MAX = tl.constexpr(2**31 - 1)
 # The noise's exact extremes over all 2^23 u (fp32): a token with fl(z + G_MAX) < fl(m + G_MIN)
@@ -155,6 +155,22 @@ def _tempered(x_row, offs, mask, temp):
 @triton.jit
 def _kept_k(z, offs, vk, ik):
     return (z > vk) | ((z == vk) & (offs <= ik))
+
+
+@triton.jit
+def max_and_flag(x_row, start, end, temp, vk, ik, BLOCK: tl.constexpr):
+    """Over tokens [start, end): the max z of the top-k-kept tokens (exact in any order) and
+    whether any z is NaN or +inf (int32 0/1)."""
+    cols = tl.arange(0, BLOCK)
+    mx = tl.full((BLOCK,), float("-inf"), tl.float32)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for c0 in range(start, end, BLOCK):
+        offs = c0 + cols
+        mask = offs < end
+        z = _tempered(x_row, offs, mask, temp)
+        bad = bad | ((z != z) | (z == float("inf"))).to(tl.int32)  # noqa: PLR0124 (NaN)
+        mx = tl.maximum(mx, tl.where(mask & _kept_k(z, offs, vk, ik), z, float("-inf")))
+    return tl.max(mx, axis=0), tl.max(bad, axis=0)
 
 
 @triton.jit

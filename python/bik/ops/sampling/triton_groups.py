@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from bik.ops.sampling.noise import bik_log_torch
-from bik.ops.sampling.triton import _kept_k, _tempered, group_mass
+from bik.ops.sampling.triton import group_mass, max_and_flag
 
 __all__ = ["finish_plain_rows", "group_mass_kernel", "group_max_kernel", "launch_group_stats"]
 
@@ -36,22 +36,11 @@ def group_max_kernel(x_ptr, stride_x, GROUP_LEN, temp_ptr, vk_ptr, ik_ptr, top_p
     g = tl.program_id(1)
     if tl.load(top_p_ptr + row) < 1.0:
         return
-    x_row = x_ptr + row * stride_x
-    temp = tl.load(temp_ptr + row)
-    vk = tl.load(vk_ptr + row)
-    ik = tl.load(ik_ptr + row)
-    cols = tl.arange(0, BLOCK)
     g0 = g.to(tl.int64) * GROUP_LEN
-    mx = tl.full((BLOCK,), float("-inf"), tl.float32)
-    bad = tl.zeros((BLOCK,), tl.int32)
-    for c0 in range(g0, g0 + GROUP_LEN, BLOCK):
-        offs = c0 + cols
-        mask = offs < g0 + GROUP_LEN
-        z = _tempered(x_row, offs, mask, temp)
-        bad = bad | ((z != z) | (z == float("inf"))).to(tl.int32)  # noqa: PLR0124 (NaN)
-        mx = tl.maximum(mx, tl.where(mask & _kept_k(z, offs, vk, ik), z, float("-inf")))
-    tl.store(gmax_ptr + row * G + g, tl.max(mx, axis=0))
-    tl.store(gbad_ptr + row * G + g, tl.max(bad, axis=0))
+    mx, bad = max_and_flag(x_ptr + row * stride_x, g0, g0 + GROUP_LEN, tl.load(temp_ptr + row),
+                           tl.load(vk_ptr + row), tl.load(ik_ptr + row), BLOCK)
+    tl.store(gmax_ptr + row * G + g, mx)
+    tl.store(gbad_ptr + row * G + g, bad)
 
 
 @triton.jit

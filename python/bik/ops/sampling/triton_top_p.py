@@ -42,6 +42,7 @@ from bik.ops.sampling.triton import (
     bik_exp,
     bik_log,
     chunk_sums,
+    max_and_flag,
 )
 
 __all__ = ["TOP_P_CANDIDATES", "TOP_P_LANES", "TOP_P_PASSES", "launch_top_p_stats",
@@ -132,19 +133,9 @@ def top_p_stats_kernel(x_ptr, stride_x, V, GROUP_LEN, temp_ptr, vk_ptr, ik_ptr, 
     vk = tl.load(vk_ptr + row)
     ik = tl.load(ik_ptr + row)
     log_min_p = tl.load(log_min_p_ptr + row)
-    cols = tl.arange(0, BLOCK)
 
-    # The max over the top-k-kept tokens (exact) and the invalid flag.
-    mx = tl.full((BLOCK,), float("-inf"), tl.float32)
-    bad = tl.zeros((BLOCK,), tl.int32)
-    for c0 in range(0, V, BLOCK):
-        offs = c0 + cols
-        mask = offs < V
-        z = _tempered(x_row, offs, mask, temp)
-        bad = bad | ((z != z) | (z == float("inf"))).to(tl.int32)  # noqa: PLR0124 (NaN)
-        mx = tl.maximum(mx, tl.where(mask & _kept_k(z, offs, vk, ik), z, float("-inf")))
-    m = tl.max(mx, axis=0)
-    is_bad = (tl.max(bad, axis=0) > 0) | (m == float("-inf"))
+    m, bad = max_and_flag(x_row, 0, V, temp, vk, ik, BLOCK)
+    is_bad = (bad > 0) | (m == float("-inf"))
     m_safe = tl.where(is_bad, 0.0, m)
     v_min_p = m_safe + log_min_p
 
