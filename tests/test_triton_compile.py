@@ -104,3 +104,30 @@ def test_hopper_matmul_pipelines(records):
     big = [r for r in records if r.kernel == "matmul_kernel" and r.config["dtype"] != "float32"
            and r.config["BLOCK_K"] == 64 and r.config["shape"]["K"] % 16 == 0]
     assert big and all(r.shared >= 3 * (128 + 128) * 64 * 2 for r in big)
+
+
+def test_attention_runs_two_ctas_per_sm(records):
+    """Decode attention fills the GPU only with several CTAs per SM: every attention config
+    (head_dim 64 and 128, Llama GQA ratios, paged and contiguous, FOLD and SPLIT with its fused
+    merge) leaves room for two, by registers and by shared memory."""
+    att = [r for r in records if r.kernel == "attention_kernel"]
+    assert {r.config["D"] for r in att} == {64, 128}
+    one = [(r.config, r.registers, r.shared) for r in att if r.ctas_per_sm < 2]
+    assert not one, one
+
+
+def test_attention_modes_emit_one_mma_instruction(records):
+    """A token's attention bits are the same in a prefill (FOLD) and a decode step (SPLIT) only
+    if both launch modes of one config multiply with the same tensor-core instructions; on
+    sm_90 16-bit tiles that is wgmma (BLOCK_M = 64 at four warps)."""
+    by_config = {}
+    for r in records:
+        if r.kernel == "attention_kernel":
+            c = r.config
+            key = (c["dtype"], c["D"], c["G"], c["BLOCK_M"], c["BLOCK_N"])
+            by_config.setdefault(key, set()).add(r.mma)
+    for key, mmas in by_config.items():
+        assert len(mmas) == 1, (key, mmas)
+        (mma,) = mmas
+        if key[0] != "float32" and records[0].arch == 90:
+            assert mma and all(m.startswith("wgmma.mma_async") for m in mma), (key, mma)

@@ -21,11 +21,16 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SHARED_LIMIT", "CompileRecord", "Desc", "Ptr", "compile_kernel",
+__all__ = ["REGISTERS_PER_SM", "SHARED_LIMIT", "SHARED_PER_SM", "CompileRecord", "Desc", "Ptr", "compile_kernel",
            "launch_like_signature"]
 
 # Max dynamic shared memory per block (opt-in), from the CUDA programming guide.
 SHARED_LIMIT = {90: 232_448, 80: 166_912}
+# Per SM (CUDA programming guide, compute capabilities table): shared memory, and the 1 KiB the
+# system reserves per resident block; 64K 32-bit registers, allocated per warp in units of 256.
+SHARED_PER_SM = {90: 233_472, 80: 167_936}
+SHARED_RESERVED_PER_BLOCK = 1024
+REGISTERS_PER_SM = 65_536
 
 _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                  torch.int32: "i32", torch.int64: "i64"}
@@ -62,6 +67,16 @@ class CompileRecord(NamedTuple):
     @property
     def fits(self) -> bool:
         return self.shared <= self.shared_limit
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """Resident blocks per SM allowed by registers and shared memory (not by the block
+        limit, never the binding one here)."""
+        warps = self.config["num_warps"]
+        per_warp = -(-self.registers * 32 // 256) * 256
+        by_regs = REGISTERS_PER_SM // (per_warp * warps)
+        by_shared = SHARED_PER_SM[self.arch] // (self.shared + SHARED_RESERVED_PER_BLOCK)
+        return min(by_regs, by_shared)
 
 
 def launch_like_signature(kernel, args: dict, constexprs: dict):

@@ -152,7 +152,8 @@ def _attention_cases(arch: int) -> Iterator[tuple]:
                     consts = {"HKV": hkv, "G": g, "D": d, "BLOCK_M": block_m,
                                   "BLOCK_T": max(1, cfg.block_m // g), "BLOCK_N": cfg.block_n,
                                   "SPLIT": cfg.split, "PAGED": paged, "CAUSAL": True, "FOLD": fold,
-                                  "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+                                  "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+                                  "BASE_MULTIPLE": 1 if paged else 16}
                     yield attention_kernel, args, consts, cfg.num_warps, cfg.num_stages, no_fusion
     yield from _kv_write_cases()
 

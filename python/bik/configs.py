@@ -236,6 +236,8 @@ def config_table() -> dict:
         "reduction_max_block": dict(_REDUCTION_MAX_BLOCK),
         "attention": {arch: {dt: vars(c) for dt, c in row.items()}
                       for arch, row in _ATTENTION_BASE.items()},
+        "attention_d128": {arch: {dt: vars(c) for dt, c in row.items()}
+                           for arch, row in _ATTENTION_D128.items()},
         "cpu_attention_split": CPU_ATTENTION_SPLIT,
         "sampling": {arch: vars(c) for arch, c in _SAMPLING.items()},
         "sampler_chunks": {"tp_max": MATMUL_TP_MAX, "chunk": SAMPLER_CHUNK},
@@ -260,6 +262,25 @@ _ATTENTION_BASE = {
     "interpreter": {dt: AttentionConfig(16, 16, 32, num_warps=4, num_stages=1)
                     for dt in ("bf16", "fp16", "fp32")},
 }
+# head_dim 65..128 (Llama's 128): FOLD holds two fp32 BLOCK_M x D accumulators (the running
+# fold and the current split). Chosen so that two CTAs share an SM with no spill in either launch
+# mode, paged or contiguous (ptxas, tests/test_triton_compile.py): on sm_90 four warps with
+# 32-key blocks keep wgmma m64 (224-255 registers, 48 KiB; eight warps with 64-key blocks took
+# 184-255 registers, one CTA per SM); on sm_80 (mma.sync for any BLOCK_M) 32-row tiles. fp32's
+# 16-row tiles run eight warps.
+_ATTENTION_D128 = {
+    "sm90": {
+        "bf16": AttentionConfig(64, 32, 256, num_warps=4, num_stages=2),
+        "fp16": AttentionConfig(64, 32, 256, num_warps=4, num_stages=2),
+        "fp32": AttentionConfig(16, 32, 256, num_warps=8, num_stages=2),
+    },
+    "sm80": {
+        "bf16": AttentionConfig(32, 32, 256, num_warps=4, num_stages=2),
+        "fp16": AttentionConfig(32, 32, 256, num_warps=4, num_stages=2),
+        "fp32": AttentionConfig(16, 32, 256, num_warps=8, num_stages=2),
+    },
+    "interpreter": _ATTENTION_BASE["interpreter"],
+}
 # The CPU backend's split size (it uses no tiles).
 CPU_ATTENTION_SPLIT = 256
 
@@ -267,14 +288,16 @@ CPU_ATTENTION_SPLIT = 256
 def attention_config(dtype: torch.dtype, head_dim: int, gqa: int, arch: str) -> AttentionConfig:
     """The one attention configuration for (dtype, head_dim, GQA ratio, arch), every q_len."""
     del gqa  # the tile packs G heads x BLOCK_M // G tokens; the table needs no G-specific entry
-    base = _ATTENTION_BASE[arch_family(arch)][info(dtype).short]
-    if head_dim > 64 and arch_family(arch) != "interpreter":
-        # Two fp32 accumulators (the running fold and the current split) of BLOCK_M x D: eight
-        # warps keep them in registers at D = 128 (four spill, measured with ptxas).
-        base = replace(base, num_warps=8)
-    if head_dim > 128:  # keep K/V blocks of D = 256 within shared memory and registers
-        base = replace(base, block_n=32)
-    return base
+    family, dt = arch_family(arch), info(dtype).short
+    if head_dim <= 64:
+        return _ATTENTION_BASE[family][dt]
+    if head_dim <= 128:
+        return _ATTENTION_D128[family][dt]
+    # D = 256: eight warps, and K/V blocks of 32 keys to stay within shared memory.
+    base = _ATTENTION_BASE[family][dt]
+    if family == "interpreter":
+        return replace(base, block_n=32)
+    return replace(base, num_warps=8, block_n=32)
 
 
 @dataclass(frozen=True)

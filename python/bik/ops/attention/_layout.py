@@ -31,6 +31,9 @@ class Layout(NamedTuple):
     block_size: int
     stride_page: int
     stride_tok: int
+    # A divisor of every base the host knows without reading them (base = index x a stride):
+    # it lets a GPU kernel vectorise the contiguous loads. 1 = nothing known.
+    base_multiple: int = 1
 
 
 class Problem(NamedTuple):
@@ -66,6 +69,7 @@ def run_on_gpu(label: str, backend: str, head_dims: tuple[int, ...], launch: Cal
            seqlens_k=p.seqlens_k.to(torch.int32),
            table=None if lay.table is None else lay.table.to(torch.int32), base=lay.base,
            block_size=lay.block_size, stride_page=lay.stride_page, stride_tok=lay.stride_tok,
+           base_multiple=lay.base_multiple,
            max_q_len=p.max_q_len, max_k_len=p.max_k_len, scale=p.scale,
            causal=p.causal)
     return out, lse

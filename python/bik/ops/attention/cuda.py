@@ -65,14 +65,18 @@ def plan_attention(dtype: torch.dtype, *, n_seq: int, total_q: int, hq: int, hkv
 
 def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_size,
                      stride_page: int, stride_tok: int, max_q_len: int, max_k_len: int,
-                     scale: float, causal: bool, split_mode: bool | None = None) -> None:
+                     scale: float, causal: bool, split_mode: bool | None = None,
+                     base_multiple: int = 1) -> None:
     """Run the kernel(s) on torch's current stream. Key ``pos`` of sequence b lives at element
     ``table[b, pos // block_size] * stride_page + (pos % block_size) * stride_tok`` (paged) or
     ``base[b] + pos * stride_tok``, plus ``h * k.stride(-2) + d``; v likewise.
 
     ``cu_q`` int32 [B+1], ``seqlens_k`` int32 [B], ``table`` int32 [B, max_pages] or None,
     ``base`` int64 [B] when ``table`` is None. q and k/v need unit stride along head_dim.
+    ``base_multiple`` (Triton's alignment hint) is not needed: this kernel loads each key's row
+    through its own offset.
     """
+    del base_multiple
     from bik.runtime import cuda_jit
 
     total_q, hq, d = q.shape

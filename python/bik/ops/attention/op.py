@@ -166,7 +166,8 @@ def _cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
             raise ValueError(f"{op}: a contiguous cache {list(k_cache.shape)} needs one row per "
                              f"sequence ({n_seq})")
         base = torch.arange(n_seq, dtype=torch.int64, device=q.device) * k_cache.stride(0)
-        return Layout(None, base, k_cache.shape[1], 0, k_cache.stride(1)), k_cache.shape[1]
+        return (Layout(None, base, k_cache.shape[1], 0, k_cache.stride(1), k_cache.stride(0)),
+                k_cache.shape[1])
     check_tensor(op, "block_table", block_table, 2)
     if block_table.dtype not in (torch.int32, torch.int64) or block_table.shape[0] != n_seq:
         raise ValueError(f"{op}: block_table must be int32/int64 [B={n_seq}, max_blocks], got "
@@ -263,7 +264,7 @@ def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, b
     # Clamped so an absurd entry stays outside k rather than wrapping into it (the CPU kernel
     # then refuses it); a sound one is unchanged.
     base = cu_seqlens_k[:-1].to(torch.int64).clamp(-1, k.shape[0]) * k.stride(0)
-    layout = Layout(None, base, 1, 0, k.stride(0))
+    layout = Layout(None, base, 1, 0, k.stride(0), k.stride(0))
     return run_attention(op, Problem(q, k, v, layout, cu_seqlens_q, seqlens_k, *bounds, scale,
                                      causal))
 

@@ -58,11 +58,15 @@ def finalize(m, l, acc):
 
 @triton.jit
 def _kv_offsets(kv_pos, kv_ok, b, table_ptr, stride_table_b, base_ptr, block_size,
-                stride_page, stride_tok, PAGED: tl.constexpr):
+                stride_page, stride_tok, PAGED: tl.constexpr, BASE_MULTIPLE: tl.constexpr):
     if PAGED:
         page = tl.load(table_ptr + b * stride_table_b + kv_pos // block_size, mask=kv_ok, other=0)
         return page.to(tl.int64) * stride_page + (kv_pos % block_size).to(tl.int64) * stride_tok
     base = tl.load(base_ptr + b)
+    if BASE_MULTIPLE > 1:
+        # A loaded offset has no known alignment: without the host's divisor every K/V element
+        # is loaded alone (head_dim 128 then spilled 1.4 KB; ptxas, sm_90).
+        base = tl.multiple_of(base, BASE_MULTIPLE)
     return base + kv_pos.to(tl.int64) * stride_tok
 
 
@@ -100,6 +104,7 @@ def attention_kernel(
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BASE_MULTIPLE: tl.constexpr = 1,
 ):
     # Axis 0 (up to 2**31 - 1 programs) takes sequences x KV heads; axes 1 and 2 (65535 max)
     # take query tiles and (SPLIT) runs of splits_per_prog splits.
@@ -149,7 +154,7 @@ def attention_kernel(
             kv_pos = n0 + tl.arange(0, BLOCK_N)
             kv_ok = kv_pos < hi
             off = _kv_offsets(kv_pos, kv_ok, b, table_ptr, stride_table_b, base_ptr, block_size,
-                              stride_page, stride_tok, PAGED) + hk * stride_kvh
+                              stride_page, stride_tok, PAGED, BASE_MULTIPLE) + hk * stride_kvh
             k = tl.load(k_ptr + off[:, None] + dims[None, :], mask=kv_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
             visible = kv_ok[None, :] & row_ok[:, None]
@@ -203,7 +208,7 @@ def use_split_mode(total_q: int, num_heads_q: int, n_splits: int, per_program: i
 def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_size,
                      stride_page: int, stride_tok: int, max_q_len: int, max_k_len: int,
                      scale: float, causal: bool, split_mode: bool | None = None,
-                     per_program: int | None = None) -> None:
+                     per_program: int | None = None, base_multiple: int = 1) -> None:
     """Run the kernel. Key ``pos`` of sequence b (head h, dim d) lives at element offset
     ``table[b, pos // block_size] * stride_page + (pos % block_size) * stride_tok`` when paged,
     else ``base[b] + pos * stride_tok``, plus ``h * k.stride(-2) + d``; v likewise (same strides).
@@ -211,7 +216,8 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
     ``cu_q`` int32 [B+1], ``seqlens_k`` int32 [B], ``table`` int32 [B, max_pages] or None,
     ``base`` int64 [B] when ``table`` is None. ``split_mode`` None = by work size;
     ``per_program``: SPLIT's splits per program, None = by work size (the bits do not depend on
-    either).
+    either). ``base_multiple``: a divisor of every ``base`` entry known on the host (an
+    alignment hint for vectorised loads; 1 = none).
     """
     total_q, hq, d = q.shape
     hkv = k.shape[-2]
@@ -245,6 +251,7 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
         block_size, total_q, hq, per, scale * LOG2E,
         HKV=hkv, G=g, D=d, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
         SPLIT=cfg.split, PAGED=paged, CAUSAL=causal, FOLD=not split,
+        BASE_MULTIPLE=1 if paged else math.gcd(base_multiple, 16),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )
