@@ -188,8 +188,7 @@ def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
     from bik.ops.sampling.triton_top_p import (
         TOP_P_CANDIDATES,
         TOP_P_LANES,
-        TOP_P_PASSES,
-        top_p_stats_kernel,
+        top_p_pass_kernel,
     )
 
     cfg = sampling_config(f"sm{arch}")
@@ -201,14 +200,15 @@ def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
             params = {"temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32, "top_p_ptr": f32}
             folds = {"CHUNK": chunk, "LOG2_CHUNK": chunk.bit_length() - 1,
                      "NCH": _chunks_per_tile(f"sm{arch}", chunk)}
-            args = row | {"V": v, "GROUP_LEN": v // groups} | params | {
-                "log_min_p_ptr": f32, "cand_ptr": f32, "m_ptr": f32, "vlo_ptr": f32,
-                "logs_ptr": f32, "bad_ptr": i32, "passes_ptr": i32}
-            consts = {"BLOCK": cfg.block, "LANES": TOP_P_LANES, "CANDIDATES": TOP_P_CANDIDATES,
-                      "PASSES": TOP_P_PASSES} | folds
-            yield top_p_stats_kernel, args, consts, cfg.num_warps, 1, NO_FUSION
-            args = row | {"GROUP_LEN": v // groups} | params | {"gmax_ptr": f32,
-                                                                "gbad_ptr": i32}
+            args = row | {"V": v, "GROUP_LEN": v // groups, "it": 2} | params | {
+                "log_min_p_ptr": f32, "gmax_ptr": f32, "gbad_ptr": i32, "probe_ptr": f32,
+                "fstate_ptr": f32, "istate_ptr": Ptr(torch.int64), "gmass_ptr": f32,
+                "cand_ptr": f32, "count_ptr": i32, "ticket_ptr": i32, "m_ptr": f32,
+                "vlo_ptr": f32, "logs_ptr": f32, "bad_ptr": i32, "passes_ptr": i32}
+            consts = {"G": groups, "LANES": TOP_P_LANES, "CANDIDATES": TOP_P_CANDIDATES} | folds
+            yield top_p_pass_kernel, args, consts, cfg.num_warps, 1, NO_FUSION
+            args = row | {"GROUP_LEN": v // groups, "temp_ptr": f32, "vk_ptr": f32,
+                          "ik_ptr": i32, "gmax_ptr": f32, "gbad_ptr": i32}
             yield (group_max_kernel, args, {"G": groups, "BLOCK": cfg.block}, cfg.num_warps, 1,
                    NO_FUSION)
             args = row | {"GROUP_LEN": v // groups} | params | {

@@ -1,7 +1,8 @@
 """The compiled code of the Triton sampler kernels (compiled for sm_90 and sm_80, not run).
 
 In the plain process, no GPU needed: the noise + pick kernel (gumbel_pick_kernel), the top-p
-rows' statistics (top_p_stats_kernel: the max, top-p's cut and the logprob's normaliser) and the
+rows' statistics (top_p_pass_kernel: a pass of the top-p search; its last one gives the cut
+and the logprob's normaliser) and the
 other rows' (group_max_kernel, group_mass_kernel), compiled for
 every dtype and vocabulary size of the launch table, use only exactly rounded fp32 ops: no
 div.full, .approx, fma, ex2, lg2 or rcp in their PTX, and div.rn.f32 present (mul.hi.u32 in the
@@ -17,7 +18,7 @@ import pytest
 
 
 @pytest.mark.parametrize("arch", [90, 80])
-@pytest.mark.parametrize("name", ["gumbel_pick_kernel", "top_p_stats_kernel", "group_max_kernel",
+@pytest.mark.parametrize("name", ["gumbel_pick_kernel", "top_p_pass_kernel", "group_max_kernel",
                                   "group_mass_kernel"])
 def test_sampler_kernel_code_has_no_approximation_or_fma(arch, name):
     """The compiled kernel uses only exactly rounded fp32 ops: no div.full, no .approx, no

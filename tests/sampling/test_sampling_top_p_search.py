@@ -3,8 +3,9 @@
 In the interpreter process (and on a GPU where there is one). The kernel's cut v_p is compared with reference.top_p_cut (the
 contract read literally: the largest value of the row whose normaliser-order mass reaches
 top_p * S) and its log of the kept mass with the literal sum, bit for bit; the number of passes
-it took is read back. Rows whose cut ties more tokens than the candidate buffer holds take the
-split passes to the end, and cutting those short is caught (the bound is needed). bik.sample's
+it took is read back. Rows whose cut ties more tokens than the lanes probe take the split
+passes to the end, and cutting those short is caught (the bound is needed). Each pass runs one
+program per (row, normaliser group). bik.sample's
 tokens and logprobs with top-p against the CPU: test_sampling_vs_cpu.py.
 """
 
@@ -68,17 +69,17 @@ def test_near_ties_are_the_contracts(target, gen):
     assert torch.equal(log_s.view(torch.int32), want_log_s.view(torch.int32))
 
 
-def test_ties_beyond_the_buffer_take_every_split_pass(target):
-    """390 tokens tie at the cut (signed zeros mixed), more than the candidate buffer holds, so
-    the probes never become candidates: the split passes narrow the key bracket to one key,
+def test_ties_beyond_the_lanes_take_every_split_pass(target):
+    """390 tokens tie at the cut (signed zeros mixed: two keys), more than the lanes can probe,
+    so the probes never become candidates: the split passes narrow the key bracket to one key,
     within TOP_P_PASSES. Stopping a pass short of that leaves another cut (caught)."""
-    from bik.ops.sampling.triton_top_p import TOP_P_CANDIDATES, TOP_P_PASSES
+    from bik.ops.sampling.triton_top_p import TOP_P_LANES, TOP_P_PASSES
 
     x = torch.full((1, V), -6.0)
     x[:, :10] = 3.0
     x[:, 10:400] = 0.0
     x[:, 10:400:2] = -0.0
-    assert 390 > TOP_P_CANDIDATES
+    assert 390 // 2 > TOP_P_LANES
     cut, log_s, passes = _search(target, x, 0.9)
     want_cut, want_log_s = _expected(x, 0.9)
     assert torch.equal(cut, want_cut) and float(want_cut) == 0.0
@@ -95,3 +96,27 @@ def test_a_small_vocabulary_is_settled_by_its_first_buffer(target, gen):
     cut, _, passes = _search(target, x, 0.9)
     assert torch.equal(cut, _expected(x, 0.9)[0])
     assert int(passes.max()) <= 3, passes
+
+
+@pytest.mark.parametrize("vocab", [V, V + 1])
+def test_each_pass_runs_one_program_per_normaliser_group(target, vocab, gen, monkeypatch):
+    """The search is spread over the row's normaliser groups (8 at V = 2000; one when 8 does not
+    divide V): TOP_P_PASSES launches of B x G programs, the last to arrive at each pass
+    deciding for its row; the cut is still the contract's."""
+    from bik.ops.sampling import triton_top_p
+
+    grids, kernel = [], triton_top_p.top_p_pass_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_top_p, "top_p_pass_kernel", Spy())
+    x = torch.randn(3, vocab, generator=gen) * 2
+    x[:, :20] += 6
+    cut, _, _ = _search(target, x, 0.9)
+    groups = configs.sampler_chunks(vocab).groups
+    assert groups == (8 if vocab == V else 1)
+    assert grids == [(3, groups)] * triton_top_p.TOP_P_PASSES
+    assert torch.equal(cut, _expected(x, 0.9)[0])

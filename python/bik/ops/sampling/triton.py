@@ -1,13 +1,14 @@
 """Triton Gumbel-max sampler: tokens and logprobs bit-identical to the CPU path.
 
-Four launches per call, all row-local:
+Row-local launches, each over every row (rows of the other kind return at once):
 
 * rows without top-p: the normaliser's G vocabulary groups side by side, G programs per row
   (triton_groups.py: each group's max and flag, then each group's mass; m, the min-p threshold
   and the flag from the group-0 program; the group totals folded ascending in torch);
-* rows with top-p (triton_top_p.py, one program per row): m, the flag, the top-p cut found in
-  a few passes that each probe several thresholds at once (not 32 bisection passes), the min-p
-  threshold m + log_min_p and bik_log of the kept mass for the logprob.
+* rows with top-p (triton_top_p.py, one launch per pass, G programs per row): from the same
+  group maxima, the top-p cut found in a few passes that each probe several thresholds at once
+  (not 32 bisection passes), the min-p threshold m + log_min_p and bik_log of the kept mass
+  for the logprob.
   Every mass is bik_exp(z - m) summed in the normaliser's written order (chunks of the
   vocabulary, each folded by halves through explicit reshapes (``chunk_sums``), chunk sums and
   group totals ascending), never a ``tl.sum`` tree of the compiler's choosing. Exactly rounded
@@ -309,19 +310,20 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
         return m, log_s, bad, part_val, part_idx
     from bik.ops.sampling.triton_groups import (  # they build on this module's helpers
         finish_plain_rows,
-        launch_group_stats,
+        launch_group_mass,
+        launch_group_max,
     )
     from bik.ops.sampling.triton_top_p import launch_top_p_stats
 
     stride = logits.stride(0)
     groups, chunk = sampler_chunks(v)
     nch = _chunks_per_tile(device_arch(logits.device), chunk)
-    shape = {"groups": groups, "chunk": chunk, "nch": nch, "block": cfg.block,
-             "num_warps": cfg.num_warps, "options": NO_FUSION}
-    gtot = launch_group_stats(logits, temperature, vk, ik, top_p, log_min_p, m, v_lo, bad,
-                              **shape)
-    launch_top_p_stats(logits, temperature, vk, ik, top_p, log_min_p, m, v_lo, log_s, bad,
-                       **shape)
+    shape = {"groups": groups, "num_warps": cfg.num_warps, "options": NO_FUSION}
+    gmax, gbad = launch_group_max(logits, temperature, vk, ik, block=cfg.block, **shape)
+    gtot = launch_group_mass(logits, temperature, vk, ik, top_p, log_min_p, gmax, gbad, m,
+                             v_lo, bad, chunk=chunk, nch=nch, **shape)
+    launch_top_p_stats(logits, temperature, vk, ik, top_p, log_min_p, gmax, gbad, m, v_lo,
+                       log_s, bad, chunk=chunk, nch=nch, **shape)
     gumbel_pick_kernel[(b, n_splits)](logits, stride, v, key, temperature, vk, ik, v_lo, m,
                                       part_val, part_idx, n_splits, SPLIT=cfg.split,
                                       BLOCK=cfg.block, num_warps=cfg.num_warps, **NO_FUSION)

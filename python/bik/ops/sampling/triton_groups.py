@@ -2,10 +2,11 @@
 
 A row without top-p needs three statistics: its max m (over the top-k-kept tokens), its invalid
 flag, and the logprob's normaliser S = vocab_sum(bik_exp(z - m)) over the kept tokens. Its
-vocabulary is the normaliser's G groups (bik.configs.sampler_chunks), so instead of one program
-walking the whole row (sample_stats_kernel), G programs per row work side by side:
+vocabulary is the normaliser's G groups (bik.configs.sampler_chunks), so G programs per row
+work side by side instead of one walking the whole row:
 
-* ``group_max_kernel`` (rows x groups): each group's max and invalid flag;
+* ``group_max_kernel`` (rows x groups, every row): each group's max and invalid flag (the
+  top-p search starts from them too);
 * ``group_mass_kernel`` (rows x groups): m is the max of the G maxima (a max is exact in any
   order), then each program sums its group in the contract's order (triton.group_mass: chunks
   folded by halves, chunk sums ascending from +0); the group-0 program writes m, the min-p
@@ -13,8 +14,7 @@ walking the whole row (sample_stats_kernel), G programs per row work side by sid
 * the G group totals are folded in ascending order from +0 and passed through bik_log in torch
   (``finish_plain_rows``): separately rounded fp32 ops, so the bits of the single-program sum.
 
-Rows with top-p < 1 return at once here; sample_stats_kernel handles them (its bisection needs
-the whole row's masses) and returns at once for the others.
+Rows with top-p < 1 return at once from group_mass_kernel: triton_top_p's passes take them.
 """
 
 from __future__ import annotations
@@ -26,16 +26,15 @@ import triton.language as tl
 from bik.ops.sampling.noise import bik_log_torch
 from bik.ops.sampling.triton import group_mass, max_and_flag
 
-__all__ = ["finish_plain_rows", "group_mass_kernel", "group_max_kernel", "launch_group_stats"]
+__all__ = ["finish_plain_rows", "group_mass_kernel", "group_max_kernel", "launch_group_mass",
+           "launch_group_max"]
 
 
 @triton.jit
-def group_max_kernel(x_ptr, stride_x, GROUP_LEN, temp_ptr, vk_ptr, ik_ptr, top_p_ptr, gmax_ptr,
-                     gbad_ptr, G: tl.constexpr, BLOCK: tl.constexpr):
+def group_max_kernel(x_ptr, stride_x, GROUP_LEN, temp_ptr, vk_ptr, ik_ptr, gmax_ptr, gbad_ptr,
+                     G: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    if tl.load(top_p_ptr + row) < 1.0:
-        return
     g0 = g.to(tl.int64) * GROUP_LEN
     mx, bad = max_and_flag(x_ptr + row * stride_x, g0, g0 + GROUP_LEN, tl.load(temp_ptr + row),
                            tl.load(vk_ptr + row), tl.load(ik_ptr + row), BLOCK)
@@ -68,21 +67,29 @@ def group_mass_kernel(x_ptr, stride_x, GROUP_LEN, temp_ptr, vk_ptr, ik_ptr, top_
         tl.store(bad_ptr + row, is_bad.to(tl.int32))
 
 
-def launch_group_stats(logits, temperature, vk, ik, top_p, log_min_p, m, v_lo, bad, *,
-                       groups: int, chunk: int, nch: int, block: int, num_warps: int,
-                       options: dict) -> torch.Tensor:
-    """Both group kernels over every row (top-p rows return at once); m, v_lo and bad are
-    written for the other rows. Returns the group totals fp32 [B, G]."""
+def launch_group_max(logits, temperature, vk, ik, *, groups: int, block: int, num_warps: int,
+                     options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_max_kernel over every (row, group): the G maxima fp32 [B, G] and flags int32
+    [B, G] that both the plain rows' mass kernel and the top-p search start from."""
     b, v = logits.shape
     gmax = torch.empty(b, groups, dtype=torch.float32, device=logits.device)
     gbad = torch.empty(b, groups, dtype=torch.int32, device=logits.device)
+    group_max_kernel[(b, groups)](logits, logits.stride(0), v // groups, temperature, vk, ik,
+                                  gmax, gbad, G=groups, BLOCK=block, num_warps=num_warps,
+                                  **options)
+    return gmax, gbad
+
+
+def launch_group_mass(logits, temperature, vk, ik, top_p, log_min_p, gmax, gbad, m, v_lo, bad,
+                      *, groups: int, chunk: int, nch: int, num_warps: int,
+                      options: dict) -> torch.Tensor:
+    """group_mass_kernel over every (row, group) (top-p rows return at once); m, v_lo and bad
+    are written for the other rows. Returns the group totals fp32 [B, G]."""
+    b, v = logits.shape
     gtot = torch.empty(b, groups, dtype=torch.float32, device=logits.device)
-    stride, glen = logits.stride(0), v // groups
-    group_max_kernel[(b, groups)](logits, stride, glen, temperature, vk, ik, top_p, gmax, gbad,
-                                  G=groups, BLOCK=block, num_warps=num_warps, **options)
-    group_mass_kernel[(b, groups)](logits, stride, glen, temperature, vk, ik, top_p, log_min_p,
-                                   gmax, gbad, gtot, m, v_lo, bad, G=groups, CHUNK=chunk,
-                                   LOG2_CHUNK=chunk.bit_length() - 1, NCH=nch,
+    group_mass_kernel[(b, groups)](logits, logits.stride(0), v // groups, temperature, vk, ik,
+                                   top_p, log_min_p, gmax, gbad, gtot, m, v_lo, bad, G=groups,
+                                   CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, NCH=nch,
                                    num_warps=num_warps, **options)
     return gtot
 
@@ -90,7 +97,7 @@ def launch_group_stats(logits, temperature, vk, ik, top_p, log_min_p, m, v_lo, b
 def finish_plain_rows(gtot: torch.Tensor, bad: torch.Tensor, top_p: torch.Tensor,
                       log_s: torch.Tensor) -> torch.Tensor:
     """log S for every row: the group totals folded ascending from +0 and bik_log'd where the
-    row has no top-p (an invalid row: bik_log(1)), sample_stats_kernel's value elsewhere."""
+    row has no top-p (an invalid row: bik_log(1)), the top-p search's value elsewhere."""
     total = torch.zeros(gtot.shape[0], dtype=torch.float32, device=gtot.device)
     for g in range(gtot.shape[1]):
         total = total + gtot[:, g]

@@ -8,19 +8,26 @@ in v (a fixed-order sum of non-negative terms), so a probe with M >= target rais
 end of the key bracket [lo, hi) that holds v_p and one below target lowers the upper end. The
 probes decide how many passes a row takes, never its cut: the CPU's bits.
 
-One program per top-p row; each pass reads the row once and probes LANES thresholds together:
+Each pass reads the row once and probes LANES thresholds together, split over the row's
+normaliser groups: one launch of ``top_p_pass_kernel`` per pass, one program per (row, group),
+each probing its group (its chunk sums ascending, as the contract folds them) and buffering
+its group's bracket tokens. The row's last program to arrive (an acq_rel ticket) folds the G
+group masses in ascending order from +0 -- the contract's fold of group totals -- and decides:
 
-* the max and invalid flag (exact);
+* before pass 0 (triton_groups.group_max_kernel): each group's max and invalid flag; m is their
+  max (exact in any order);
 * pass 0: a fixed grid m - 0.45 (k + 1)^2 (k < LANES - 2), m + log_min_p and -inf (giving S,
   so the target, and the min-p normaliser);
 * then passes of one of two kinds, chosen per row on the device:
-  - split: LANES keys evenly through [lo, hi), while the kept finite tokens with z in [lo, hi)
-    are written in vocabulary order to the row's buffer (the first CANDIDATES of them);
-  - candidates: once the buffer held every token of the old bracket and at most LANES of them
-    lie in the new one, their values are the probes. M only changes at kept tokens' values, so
-    v_p is one of them (or lo): the largest probe with M >= target is v_p, and the row is done.
+  - split: LANES keys evenly through [lo, hi), while each group writes its kept finite tokens
+    with z in [lo, hi) in vocabulary order to its buffer (the first CANDIDATES of them);
+  - candidates: once every group's buffer held its share of the old bracket and at most LANES
+    tokens lie in the new one, their values are the probes. M only changes at kept tokens'
+    values, so v_p is one of them (or lo): the largest probe with M >= target is v_p, and the
+    row is done.
   Splits alone shrink any bracket of 2^32 keys to one in ceil(32 / log2(LANES + 1)) passes, so
-  ``TOP_P_PASSES`` bounds every row without a host sync (CUDA-graph safe).
+  ``TOP_P_PASSES`` launches bound every row without a host sync (CUDA-graph safe); a settled
+  row's programs return at once.
 
 The logprob's normaliser is M at max(v_p, m + log_min_p), a probe's mass already. Within a
 pass, a threshold at or below a tile's smallest kept z takes the tile's full chunk sums, one
@@ -42,11 +49,10 @@ from bik.ops.sampling.triton import (
     bik_exp,
     bik_log,
     chunk_sums,
-    max_and_flag,
 )
 
 __all__ = ["TOP_P_CANDIDATES", "TOP_P_LANES", "TOP_P_PASSES", "launch_top_p_stats",
-           "top_p_cut", "top_p_stats_kernel"]
+           "top_p_cut", "top_p_pass_kernel"]
 
 TOP_P_LANES = 16  # thresholds probed per pass
 TOP_P_CANDIDATES = 256  # tokens of the bracket a split pass keeps for the candidates pass
@@ -71,152 +77,194 @@ def _lane(v, lanes, k, fill):
 
 
 @triton.jit
-def _probe_masses(x_row, V, GROUP_LEN, temp, vk, ik, m_safe, probes, lo_v, hi_v, collect,
-                  cand_row, LANES: tl.constexpr, CANDIDATES: tl.constexpr, CHUNK: tl.constexpr,
-                  LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr):
-    """M at each of the LANES probes (exactly triton._vocab_mass's sum for that threshold), and
-    the number of kept finite tokens with z in [lo_v, hi_v), the first CANDIDATES of them stored
-    at cand_row in vocabulary order when ``collect``."""
+def _group_probe_masses(x_row, g0, g_end, temp, vk, ik, m_safe, probes, lo_v, hi_v, collect,
+                        cand_row, LANES: tl.constexpr, CANDIDATES: tl.constexpr,
+                        CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr):
+    """One normaliser group [g0, g_end): its total of triton._vocab_mass's terms at each of the
+    LANES probes (its chunks folded by halves, the chunk sums ascending from +0), and the number
+    of kept finite tokens with z in [lo_v, hi_v), the first CANDIDATES of them stored at
+    cand_row in vocabulary order when ``collect``."""
     lanes = tl.arange(0, LANES)
     cols = tl.arange(0, CHUNK)[None, :]
     slots = tl.arange(0, NCH)
-    total = tl.zeros((LANES,), tl.float32)
+    group_total = tl.zeros((LANES,), tl.float32)
     n = tl.full((), 0, tl.int32)
     lowest = tl.min(probes, axis=0)
-    for g0 in range(0, V, GROUP_LEN):
-        group_total = tl.zeros((LANES,), tl.float32)
-        for c0 in range(g0, g0 + GROUP_LEN, CHUNK * NCH):
-            offs = c0 + slots[:, None] * CHUNK + cols
-            mask = offs < g0 + GROUP_LEN
-            z = _tempered(x_row, offs, mask, temp)
-            kept = mask & _kept_k(z, offs, vk, ik)
-            z_hi = tl.max(tl.max(tl.where(kept, z, float("-inf")), axis=1), axis=0)
-            z_lo = tl.min(tl.min(tl.where(kept, z, float("inf")), axis=1), axis=0)
-            if lowest <= z_hi:  # else every probe's sums are +0 here: no exp, nothing to add
-                e = tl.where(kept, bik_exp(z - m_safe), 0.0)
-                full = chunk_sums(e, NCH, CHUNK, LOG2_CHUNK)
-                for k in tl.static_range(LANES):
-                    t = _lane(probes, lanes, k, float("-inf"))
-                    if t <= z_lo:
-                        sums = full
-                    elif t > z_hi:
-                        sums = tl.zeros((NCH,), tl.float32)
-                    else:
-                        sums = chunk_sums(tl.where(z >= t, e, 0.0), NCH, CHUNK, LOG2_CHUNK)
-                    for c in tl.static_range(NCH):  # chunk sums in ascending order
-                        s_c = tl.sum(tl.where(slots == c, sums, 0.0), axis=0)
-                        group_total = group_total + tl.where(lanes == k, s_c, 0.0)
-            if collect & (z_hi >= lo_v) & (z_lo < hi_v):
-                inside = kept & (z > float("-inf")) & (z >= lo_v) & (z < hi_v)
-                flat = tl.reshape(inside.to(tl.int32), (NCH * CHUNK,))
-                pos = n + tl.cumsum(flat, axis=0) - 1
-                tl.store(cand_row + pos, tl.reshape(z, (NCH * CHUNK,)),
-                         mask=(flat != 0) & (pos < CANDIDATES))
-                n = n + tl.sum(flat, axis=0)
-        total = total + group_total  # group totals in ascending order
-    return total, n
+    for c0 in range(g0, g_end, CHUNK * NCH):
+        offs = c0 + slots[:, None] * CHUNK + cols
+        mask = offs < g_end
+        z = _tempered(x_row, offs, mask, temp)
+        kept = mask & _kept_k(z, offs, vk, ik)
+        z_hi = tl.max(tl.max(tl.where(kept, z, float("-inf")), axis=1), axis=0)
+        z_lo = tl.min(tl.min(tl.where(kept, z, float("inf")), axis=1), axis=0)
+        if lowest <= z_hi:  # else every probe's sums are +0 here: no exp, nothing to add
+            e = tl.where(kept, bik_exp(z - m_safe), 0.0)
+            full = chunk_sums(e, NCH, CHUNK, LOG2_CHUNK)
+            for k in tl.static_range(LANES):
+                t = _lane(probes, lanes, k, float("-inf"))
+                if t <= z_lo:
+                    sums = full
+                elif t > z_hi:
+                    sums = tl.zeros((NCH,), tl.float32)
+                else:
+                    sums = chunk_sums(tl.where(z >= t, e, 0.0), NCH, CHUNK, LOG2_CHUNK)
+                for c in tl.static_range(NCH):  # chunk sums in ascending order
+                    s_c = tl.sum(tl.where(slots == c, sums, 0.0), axis=0)
+                    group_total = group_total + tl.where(lanes == k, s_c, 0.0)
+        if collect & (z_hi >= lo_v) & (z_lo < hi_v):
+            inside = kept & (z > float("-inf")) & (z >= lo_v) & (z < hi_v)
+            flat = tl.reshape(inside.to(tl.int32), (NCH * CHUNK,))
+            pos = n + tl.cumsum(flat, axis=0) - 1
+            tl.store(cand_row + pos, tl.reshape(z, (NCH * CHUNK,)),
+                     mask=(flat != 0) & (pos < CANDIDATES))
+            n = n + tl.sum(flat, axis=0)
+    return group_total, n
 
 
 @triton.jit
-def top_p_stats_kernel(x_ptr, stride_x, V, GROUP_LEN, temp_ptr, vk_ptr, ik_ptr, top_p_ptr,
-                       log_min_p_ptr, cand_ptr, m_ptr, vlo_ptr, logs_ptr, bad_ptr, passes_ptr,
-                       BLOCK: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
-                       NCH: tl.constexpr, LANES: tl.constexpr, CANDIDATES: tl.constexpr,
-                       PASSES: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    top_p = tl.load(top_p_ptr + row)
-    if top_p >= 1.0:  # triton_groups' kernels take rows without top-p, G programs each
-        return
-    x_row = x_ptr + row * stride_x
-    cand_row = cand_ptr + row * CANDIDATES
-    temp = tl.load(temp_ptr + row)
-    vk = tl.load(vk_ptr + row)
-    ik = tl.load(ik_ptr + row)
-    log_min_p = tl.load(log_min_p_ptr + row)
-
-    m, bad = max_and_flag(x_row, 0, V, temp, vk, ik, BLOCK)
-    is_bad = (bad > 0) | (m == float("-inf"))
-    m_safe = tl.where(is_bad, 0.0, m)
-    v_min_p = m_safe + log_min_p
-
+def _next_probes(cand_ptr, count_ptr, lo, hi, collect, G: tl.constexpr, LANES: tl.constexpr,
+                 CANDIDATES: tl.constexpr):
+    """The decision after a pass over the bracket [lo, hi): (probes, final). The candidates
+    left in [lo, hi) when every group's buffer held its whole share of the old bracket and they
+    fit the lanes (final: the next pass ends the search), else keys evenly through [lo, hi)."""
     lanes = tl.arange(0, LANES)
-    idx = tl.arange(0, CANDIDATES)
-    step = (lanes + 1).to(tl.float32)
-    probes = tl.where(lanes < LANES - 2, m_safe - 0.45 * (step * step),
-                      tl.where(lanes == LANES - 2, v_min_p, float("-inf")))
-    lo = _key(tl.full((), float("-inf"), tl.float32))  # M(lo) >= target > M(hi)
-    hi = _key(m_safe) + 1
-    target = tl.full((), 0.0, tl.float32)
-    lo_mass = tl.full((), 0.0, tl.float32)
-    mass_min_p = tl.full((), 0.0, tl.float32)
-    final = tl.full((), 0, tl.int32)  # the probes are every kept token of the bracket
-    passes = tl.full((), 0, tl.int32)
-    for it in range(PASSES):
-        if lo + 1 < hi:
-            passes = passes + 1
-            collect = (it > 0) | (V <= CANDIDATES)
-            masses, n = _probe_masses(x_row, V, GROUP_LEN, temp, vk, ik, m_safe, probes,
-                                      _from_key(lo), _from_key(hi), collect, cand_row, LANES,
-                                      CANDIDATES, CHUNK, LOG2_CHUNK, NCH)
-            if it == 0:
-                target = top_p * _lane(masses, lanes, LANES - 1, float("-inf"))
-                lo_mass = _lane(masses, lanes, LANES - 1, float("-inf"))  # M(-inf) = S
-                mass_min_p = _lane(masses, lanes, LANES - 2, float("-inf"))
-            keys = _key(probes)
-            ok = masses >= target
-            new_lo = tl.maximum(lo, tl.max(tl.where(ok, keys, lo), axis=0))
-            lo_mass = tl.where(new_lo > lo,
-                               tl.max(tl.where(ok & (keys == new_lo), masses, 0.0), axis=0),
-                               lo_mass)
-            lo = new_lo
-            hi = tl.minimum(hi, tl.min(tl.where(ok, hi, keys), axis=0))
-            hi = tl.where(final != 0, lo + 1, hi)
-
-            # The next probes: the candidates left in [lo, hi) when the buffer held the whole
-            # old bracket and they fit the lanes, else keys evenly through [lo, hi).
-            tl.debug_barrier()  # the buffer's stores before any thread's loads
-            cand = tl.load(cand_row + idx, mask=idx < n, other=float("-inf"))
-            tl.debug_barrier()  # and the loads before the next pass's stores
-            lo_v = _from_key(lo)
-            inside = (idx < n) & (cand >= lo_v) & (cand < _from_key(hi))
-            final = (collect & (n <= CANDIDATES)
-                     & (tl.sum(inside.to(tl.int32), axis=0) <= LANES)).to(tl.int32)
-            rank = tl.cumsum(inside.to(tl.int32), axis=0) - 1
-            picked = tl.zeros((LANES,), tl.float32)
-            for j in tl.static_range(LANES):
-                c_j = tl.max(tl.where(inside & (rank == j), cand, float("-inf")), axis=0)
-                # + 0.0 turns -0.0 into +0.0: the CPU's cut is the largest key of a value
-                picked = tl.where(lanes == j, tl.where(c_j > float("-inf"), c_j + 0.0, lo_v),
-                                  picked)
-            span = hi - lo
-            split = _from_key(lo + (span * (lanes + 1).to(tl.int64)) // (LANES + 1))
-            probes = tl.where(final != 0, picked, split)
-
-    v_p = _from_key(lo)
-    v_lo = tl.maximum(v_p, v_min_p)
-    # The logprob's normaliser over the finally kept tokens (>= 1: the max token's term is 1).
-    norm = tl.where(v_p >= v_min_p, lo_mass, mass_min_p)
-    tl.store(m_ptr + row, m_safe)
-    tl.store(vlo_ptr + row, v_lo)
-    tl.store(logs_ptr + row, bik_log(tl.where(is_bad, 1.0, norm)))
-    tl.store(bad_ptr + row, is_bad.to(tl.int32))
-    tl.store(passes_ptr + row, passes)
+    idx = tl.arange(0, G * CANDIDATES)
+    n_g = tl.load(count_ptr + idx // CANDIDATES, cache_modifier=".cg")
+    held = idx % CANDIDATES < n_g
+    cand = tl.load(cand_ptr + idx, mask=held, other=float("-inf"), cache_modifier=".cg")
+    lo_v = _from_key(lo)
+    inside = held & (cand >= lo_v) & (cand < _from_key(hi))
+    all_held = tl.max(n_g, axis=0) <= CANDIDATES
+    final = (collect & all_held & (tl.sum(inside.to(tl.int32), axis=0) <= LANES)).to(tl.int32)
+    rank = tl.cumsum(inside.to(tl.int32), axis=0) - 1
+    picked = tl.zeros((LANES,), tl.float32)
+    for j in tl.static_range(LANES):
+        c_j = tl.max(tl.where(inside & (rank == j), cand, float("-inf")), axis=0)
+        # + 0.0 turns -0.0 into +0.0: the CPU's cut is the largest key of a value
+        picked = tl.where(lanes == j, tl.where(c_j > float("-inf"), c_j + 0.0, lo_v), picked)
+    span = hi - lo
+    split = _from_key(lo + (span * (lanes + 1).to(tl.int64)) // (LANES + 1))
+    return tl.where(final != 0, picked, split), final
 
 
-def launch_top_p_stats(logits, temperature, vk, ik, top_p, log_min_p, m, v_lo, log_s, bad, *,
-                       groups: int, chunk: int, nch: int, block: int, num_warps: int,
+@triton.jit(do_not_specialize=["it"])
+def top_p_pass_kernel(x_ptr, stride_x, V, GROUP_LEN, it, temp_ptr, vk_ptr, ik_ptr, top_p_ptr,
+                      log_min_p_ptr, gmax_ptr, gbad_ptr, probe_ptr, fstate_ptr, istate_ptr,
+                      gmass_ptr, cand_ptr, count_ptr, ticket_ptr, m_ptr, vlo_ptr, logs_ptr,
+                      bad_ptr, passes_ptr, G: tl.constexpr, CHUNK: tl.constexpr,
+                      LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr, LANES: tl.constexpr,
+                      CANDIDATES: tl.constexpr):
+    """Pass ``it`` of a top-p row's search, one program per (row, normaliser group). Each
+    program probes its group and buffers its group's bracket tokens; the row's last program to
+    arrive (a ticket) folds the G group masses in ascending order, narrows the bracket, picks
+    the next probes and writes the row's state and results. A settled row returns at once."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    top_p = tl.load(top_p_ptr + row)
+    if top_p >= 1.0:  # triton_groups' group_mass_kernel takes rows without top-p
+        return
+    lanes = tl.arange(0, LANES)
+    m = tl.max(tl.load(gmax_ptr + row * G + tl.arange(0, G)), axis=0)
+    is_bad = (tl.max(tl.load(gbad_ptr + row * G + tl.arange(0, G)), axis=0) > 0) | (
+        m == float("-inf"))
+    m_safe = tl.where(is_bad, 0.0, m)
+    v_min_p = m_safe + tl.load(log_min_p_ptr + row)
+    if it == 0:
+        step = (lanes + 1).to(tl.float32)
+        probes = tl.where(lanes < LANES - 2, m_safe - 0.45 * (step * step),
+                          tl.where(lanes == LANES - 2, v_min_p, float("-inf")))
+        lo = _key(tl.full((), float("-inf"), tl.float32))  # M(lo) >= target > M(hi)
+        hi = _key(m_safe) + 1
+    else:
+        probes = tl.load(probe_ptr + row * LANES + lanes)
+        lo = tl.load(istate_ptr + row * 3)
+        hi = tl.load(istate_ptr + row * 3 + 1)
+    if lo + 1 >= hi:
+        return
+    collect = (it > 0) | (GROUP_LEN <= CANDIDATES)
+    g0 = g.to(tl.int64) * GROUP_LEN
+    group_row = row * G + g
+    masses_g, n_g = _group_probe_masses(
+        x_ptr + row * stride_x, g0, g0 + GROUP_LEN, tl.load(temp_ptr + row),
+        tl.load(vk_ptr + row), tl.load(ik_ptr + row), m_safe, probes, _from_key(lo),
+        _from_key(hi), collect, cand_ptr + group_row * CANDIDATES, LANES, CANDIDATES, CHUNK,
+        LOG2_CHUNK, NCH)
+    tl.store(gmass_ptr + group_row * LANES + lanes, masses_g)
+    tl.store(count_ptr + group_row, n_g)
+    # Every thread's stores, then one release / acquire ticket per program: the row's last
+    # program of this pass sees every group's masses and candidates.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel", scope="gpu")
+    if ticket == (it + 1) * G - 1:
+        tl.debug_barrier()
+        masses = tl.zeros((LANES,), tl.float32)
+        for k in range(G):  # group totals in ascending order from +0
+            masses = masses + tl.load(gmass_ptr + (row * G + k) * LANES + lanes,
+                                      cache_modifier=".cg")
+        if it == 0:
+            s_all = _lane(masses, lanes, LANES - 1, float("-inf"))  # M(-inf) = S
+            target = top_p * s_all
+            lo_mass = s_all
+            mass_min_p = _lane(masses, lanes, LANES - 2, float("-inf"))
+            final = tl.full((), 0, tl.int32)
+        else:
+            target = tl.load(fstate_ptr + row * 3)
+            lo_mass = tl.load(fstate_ptr + row * 3 + 1)
+            mass_min_p = tl.load(fstate_ptr + row * 3 + 2)
+            final = tl.load(istate_ptr + row * 3 + 2).to(tl.int32)
+        keys = _key(probes)
+        ok = masses >= target
+        new_lo = tl.maximum(lo, tl.max(tl.where(ok, keys, lo), axis=0))
+        lo_mass = tl.where(new_lo > lo,
+                           tl.max(tl.where(ok & (keys == new_lo), masses, 0.0), axis=0),
+                           lo_mass)
+        lo = new_lo
+        hi = tl.minimum(hi, tl.min(tl.where(ok, hi, keys), axis=0))
+        hi = tl.where(final != 0, lo + 1, hi)
+        probes, final = _next_probes(cand_ptr + row * G * CANDIDATES, count_ptr + row * G, lo,
+                                     hi, collect, G, LANES, CANDIDATES)
+        tl.store(probe_ptr + row * LANES + lanes, probes)
+        tl.store(istate_ptr + row * 3, lo)
+        tl.store(istate_ptr + row * 3 + 1, hi)
+        tl.store(istate_ptr + row * 3 + 2, final.to(tl.int64))
+        tl.store(fstate_ptr + row * 3, target)
+        tl.store(fstate_ptr + row * 3 + 1, lo_mass)
+        tl.store(fstate_ptr + row * 3 + 2, mass_min_p)
+        # The results so far (final once the bracket is one key: no later pass runs).
+        v_p = _from_key(lo)
+        # The logprob's normaliser over the finally kept tokens (>= 1: the max's term is 1).
+        norm = tl.where(v_p >= v_min_p, lo_mass, mass_min_p)
+        tl.store(m_ptr + row, m_safe)
+        tl.store(vlo_ptr + row, tl.maximum(v_p, v_min_p))
+        tl.store(logs_ptr + row, bik_log(tl.where(is_bad, 1.0, norm)))
+        tl.store(bad_ptr + row, is_bad.to(tl.int32))
+        tl.store(passes_ptr + row, it + 1)
+
+
+def launch_top_p_stats(logits, temperature, vk, ik, top_p, log_min_p, gmax, gbad, m, v_lo,
+                       log_s, bad, *, groups: int, chunk: int, nch: int, num_warps: int,
                        options: dict, passes: int = TOP_P_PASSES) -> torch.Tensor:
-    """The kernel over every row (rows without top-p return at once); m, v_lo, log_s and bad
-    are written for the top-p rows. Returns the probe passes each took (int32 [B]; 0 for the
-    others), which tests and benchmarks read."""
+    """``passes`` launches of the pass kernel over every (row, group) (rows without top-p and
+    settled rows return at once: no host sync, CUDA-graph safe), after triton_groups'
+    group_max_kernel wrote gmax / gbad for every row; m, v_lo, log_s and bad are written for
+    the top-p rows. Returns the probe passes each took (int32 [B]; 0 for the others), which
+    tests and benchmarks read."""
     b, v = logits.shape
-    candidates = torch.empty(b, TOP_P_CANDIDATES, dtype=torch.float32, device=logits.device)
-    taken = torch.zeros(b, dtype=torch.int32, device=logits.device)
-    top_p_stats_kernel[(b,)](logits, logits.stride(0), v, v // groups, temperature, vk, ik,
-                             top_p, log_min_p, candidates, m, v_lo, log_s, bad, taken,
-                             BLOCK=block, CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1,
-                             NCH=nch, LANES=TOP_P_LANES, CANDIDATES=TOP_P_CANDIDATES,
-                             PASSES=passes, num_warps=num_warps, **options)
+    dev = logits.device
+    probes = torch.empty(b, TOP_P_LANES, dtype=torch.float32, device=dev)
+    fstate = torch.empty(b, 3, dtype=torch.float32, device=dev)
+    istate = torch.empty(b, 3, dtype=torch.int64, device=dev)
+    gmass = torch.empty(b, groups, TOP_P_LANES, dtype=torch.float32, device=dev)
+    cand = torch.empty(b, groups, TOP_P_CANDIDATES, dtype=torch.float32, device=dev)
+    count = torch.zeros(b, groups, dtype=torch.int32, device=dev)
+    tickets = torch.zeros(b, dtype=torch.int32, device=dev)
+    taken = torch.zeros(b, dtype=torch.int32, device=dev)
+    for it in range(passes):
+        top_p_pass_kernel[(b, groups)](
+            logits, logits.stride(0), v, v // groups, it, temperature, vk, ik, top_p, log_min_p,
+            gmax, gbad, probes, fstate, istate, gmass, cand, count, tickets, m, v_lo, log_s, bad,
+            taken, G=groups, CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, NCH=nch,
+            LANES=TOP_P_LANES, CANDIDATES=TOP_P_CANDIDATES, num_warps=num_warps, **options)
     return taken
 
 
@@ -227,6 +275,7 @@ def top_p_cut(logits: torch.Tensor, top_p: float, *, passes: int = TOP_P_PASSES)
     from bik._arch import device_arch
     from bik.configs import sampler_chunks, sampling_config
     from bik.ops.sampling.triton import NO_FUSION, _chunks_per_tile
+    from bik.ops.sampling.triton_groups import launch_group_max
 
     b, v = logits.shape
     dev = logits.device
@@ -235,10 +284,13 @@ def top_p_cut(logits: torch.Tensor, top_p: float, *, passes: int = TOP_P_PASSES)
     m, v_p, log_s = (torch.empty(b, dtype=torch.float32, device=dev) for _ in range(3))
     bad = torch.empty(b, dtype=torch.int32, device=dev)
     ones = torch.ones(b, dtype=torch.float32, device=dev)
-    taken = launch_top_p_stats(logits, ones, torch.full_like(ones, float("-inf")),
-                               torch.full((b,), v, dtype=torch.int32, device=dev),
-                               ones * top_p, torch.full_like(ones, float("-inf")), m, v_p,
+    temp, vk = ones, torch.full_like(ones, float("-inf"))
+    ik = torch.full((b,), v, dtype=torch.int32, device=dev)
+    gmax, gbad = launch_group_max(logits, temp, vk, ik, groups=groups, block=cfg.block,
+                                  num_warps=cfg.num_warps, options=NO_FUSION)
+    taken = launch_top_p_stats(logits, temp, vk, ik, ones * top_p,
+                               torch.full_like(ones, float("-inf")), gmax, gbad, m, v_p,
                                log_s, bad, groups=groups, chunk=chunk,
-                               nch=_chunks_per_tile(device_arch(dev), chunk), block=cfg.block,
+                               nch=_chunks_per_tile(device_arch(dev), chunk),
                                num_warps=cfg.num_warps, options=NO_FUSION, passes=passes)
     return v_p, log_s, taken
