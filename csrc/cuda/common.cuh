@@ -155,10 +155,10 @@ struct F16 {
   static BIK_HD u16 store(float v) { return f32_to_f16(v); }
 };
 
+constexpr u32 kFullMask = 0xFFFFFFFFu;  // every lane of a warp (shuffles, votes)
+
 // ---- fixed-order reductions (device) ---------------------------------------------------------
 #if defined(__CUDACC__)
-
-constexpr u32 kFullMask = 0xFFFFFFFFu;
 
 // Sum over `width` consecutive lanes (a power of two <= 32) by the fold w = width/2, ..., 2, 1:
 // lane l < w takes s[l] + s[l + w]. Lane 0 of each group ends with the sum; every lane of the

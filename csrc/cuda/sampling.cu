@@ -1,13 +1,16 @@
 // bik's Gumbel-max sampler on CUDA: the same specification as csrc/cpu/sampling.h and the
 // Triton kernels (docs/design.md#sampler), in the Triton backend's three steps:
 //
-// * bik_sample_stats_<t> (one 512-thread block per row): row max m over the top-k-kept tokens
-//   (exact), the invalid flag, top-p's threshold by the probe search (sampling.cuh row_cut: a
-//   few passes of 16 exact masses each, not 32 bisection passes), min-p's threshold
-//   m + log_min_p (one rounded add), and bik_log of the kept mass for the
-//   logprob. Every mass is the normaliser's sum (vocab_mass: bik_exp(z - m) over vocabulary
-//   chunks of 1024, a chunk per warp in the contract's pairwise fold, chunk sums then group
-//   totals ascending): exactly rounded ops only, so the CPU path's bits.
+// * bik_sample_group_max_<t> (a 512-thread block per (row, normaliser group)): each group's max
+//   over the top-k-kept tokens (exact) and invalid flag; the row's m is the max of its groups'.
+// * bik_sample_pass_<t> (a block per (row, group), one launch per pass of top-p's probe search,
+//   sampling.cuh cut_step: a few passes of 16 exact masses each, not 32 bisection passes): each
+//   block sums its group; the row's last block folds the group totals, steps the search and
+//   writes min-p's threshold m + log_min_p (one rounded add), the cut and bik_log of the kept
+//   mass for the logprob. Rows without top-p take pass 0 only: the mass at min-p's bound. Every
+//   mass is the normaliser's sum (bik_exp(z - m) over vocabulary chunks of 1024, a chunk per
+//   warp in the contract's pairwise fold, chunk sums then group totals ascending): exactly
+//   rounded ops only, so the CPU path's bits.
 // * bik_gumbel_pick_<t> (blocks of rows x vocabulary splits): z = x / T (correctly rounded), the
 //   keep mask from exact thresholds, score z + g with g from sampling.cuh (bit-identical to the
 //   CPU noise), and the split's winner under (value desc, index asc). Only exactly rounded ops:
@@ -44,22 +47,23 @@ __device__ __forceinline__ float z_at(const typename T::storage* xr, i64 j, floa
   return tempered(T::load(xr[j]), temperature);
 }
 
-constexpr int kMaxChunks = 2048;  // normaliser chunks per row (the launcher checks)
+constexpr int kMaxChunks = 2048;  // normaliser chunks per group (the launcher checks)
 
-// The normaliser's sum over the top-k-kept tokens with z >= threshold of bik_exp(z - m): warp w
-// takes chunks w, w + warps, ... (sampling.cuh: lane l holds tokens l + 32 i); thread g < G
-// adds group g's chunk sums in ascending order; thread 0 adds the G group totals in ascending
-// order. Every thread of the block calls it and gets the total.
+// The normaliser's sum over the top-k-kept tokens with z >= threshold of bik_exp(z - m) in groups
+// [g_lo, g_hi) of group_len tokens: warp w takes chunks w, w + warps, ... (sampling.cuh: lane l
+// holds tokens l + 32 i); thread g adds group g_lo + g's chunk sums in ascending order; thread 0
+// adds the group totals in ascending order. Every thread of the block calls it and gets the
+// total.
 template <class T>
-__device__ float vocab_mass(const typename T::storage* xr, i64 V, i64 group_len,
+__device__ float vocab_mass(const typename T::storage* xr, i64 g_lo, i64 g_hi, i64 group_len,
                             float temperature, float vk, i64 ik, float threshold, float m,
                             float* sums, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const i64 per_group = cdiv(group_len, kSamplerChunk), groups = V / group_len;
+  const i64 per_group = cdiv(group_len, kSamplerChunk), groups = g_hi - g_lo;
   __syncthreads();  // sums and scratch may still be read by the previous call
   for (i64 q = warp; q < groups * per_group; q += warps) {
-    const i64 g_end = (q / per_group + 1) * group_len;
-    const i64 c0 = (q / per_group) * group_len + (q % per_group) * kSamplerChunk;
+    const i64 g = g_lo + q / per_group, g_end = (g + 1) * group_len;
+    const i64 c0 = g * group_len + (q % per_group) * kSamplerChunk;
     // The fold's first step (registers i and i + 16) is taken as the second half arrives, so
     // only half the chunk is live at once: the same pairs in the same order.
     float s[kChunkRegs];
@@ -104,8 +108,10 @@ struct ProbeShared {
   float cand[kTopPCandidates];
   int count;
 };
+// A row without top-p sums its group with chunk_sums as vocab_mass's buffer.
+static_assert(kProbeRound * kProbeLanes >= kMaxChunks, "chunk_sums holds a group's chunk sums");
 
-// One probe pass (row_cut's probe). The row's chunks go by rounds of kProbeRound: in a round,
+// One probe pass over groups [g_lo, g_hi). Their chunks go by rounds of kProbeRound: in a round,
 // warp w takes chunks w, w + warps, ... in the normaliser's layout (sampling.cuh: lane l holds
 // tokens l + 32 i) and writes each probe's chunk sum; then thread g * kProbeLanes + k adds
 // group g's chunk sums of the round for probe k to its running group total, in ascending
@@ -115,12 +121,12 @@ struct ProbeShared {
 // tokens are counted and the first kTopPCandidates stored (in whatever order the atomics give:
 // the search needs the set only).
 template <class T>
-__device__ i64 probe_masses(const typename T::storage* xr, i64 V, i64 group_len,
+__device__ i64 probe_masses(const typename T::storage* xr, i64 g_lo, i64 g_hi, i64 group_len,
                             float temperature, float vk, i64 ik, float m,
                             const float (&probes)[kProbeLanes], float lo_v, float hi_v,
                             bool collect, float (&masses)[kProbeLanes], ProbeShared& sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const i64 per_group = cdiv(group_len, kSamplerChunk), groups = V / group_len;
+  const i64 per_group = cdiv(group_len, kSamplerChunk), groups = g_hi - g_lo;
   const i64 chunks = groups * per_group;
   const i64 slot = threadIdx.x, slot_g = slot / kProbeLanes;
   float lowest = probes[0];
@@ -132,8 +138,8 @@ __device__ i64 probe_masses(const typename T::storage* xr, i64 V, i64 group_len,
   for (i64 r0 = 0; r0 < chunks; r0 += kProbeRound) {
     const i64 r_end = r0 + kProbeRound < chunks ? r0 + kProbeRound : chunks;
     for (i64 q = r0 + warp; q < r_end; q += warps) {
-      const i64 g_end = (q / per_group + 1) * group_len;
-      const i64 c0 = (q / per_group) * group_len + (q % per_group) * kSamplerChunk;
+      const i64 g = g_lo + q / per_group, g_end = (g + 1) * group_len;
+      const i64 c0 = g * group_len + (q % per_group) * kSamplerChunk;
       float z[kChunkRegs], s[kChunkRegs];
       float z_hi = -inf_f32();
 #pragma unroll
@@ -194,43 +200,111 @@ __device__ i64 probe_masses(const typename T::storage* xr, i64 V, i64 group_len,
   return sh.count;
 }
 
+// Group g's max over the top-k-kept tokens and its invalid flag (NaN or +inf in z): grid
+// (rows, G). A max is exact in any order, so the row's m is the max of its groups'.
 template <class T>
-__device__ void sample_stats(const typename T::storage* x, i64 sx, i64 V, i64 group_len,
-                             const float* temperature, const float* vk_in, const i32* ik_in,
-                             const float* top_p_in, const float* log_min_p_in, float* m_out,
-                             float* vlo_out, float* logs_out, i32* bad_out) {
+__device__ void group_max(const typename T::storage* x, i64 sx, i64 group_len,
+                          const float* temperature, const float* vk, const i32* ik, float* gmax,
+                          i32* gbad) {
   __shared__ float scratch[32];
-  __shared__ float sums[kMaxChunks];
-  const i64 row = blockIdx.x;
+  const i64 row = blockIdx.x, g = blockIdx.y, at = row * gridDim.y + g;
+  const typename T::storage* xr = x + row * sx;
+  float mx = -inf_f32();
+  bool bad = false;
+  for (i64 j = g * group_len + threadIdx.x; j < (g + 1) * group_len; j += blockDim.x)
+    stats_consider(z_at<T>(xr, j, temperature[row]), j, vk[row], ik[row], mx, bad);
+  const float m = block_max(mx, scratch);
+  const float any_bad = block_max(bad ? 1.0f : 0.0f, scratch);
+  if (threadIdx.x == 0) {
+    gmax[at] = m;
+    gbad[at] = any_bad > 0.0f ? 1 : 0;
+  }
+}
+
+// Pass `it` of the row statistics, one block per (row, normaliser group g), grid (rows, G).
+// Each block sums its group in the contract's order: a row without top-p (pass 0 only) its mass
+// at min-p's bound; a top-p row the masses at the search's kProbeLanes probes, collecting its
+// group's bracket tokens (sampling.cuh cut_step). Then a ticket per row (atomicAdd after
+// __threadfence); the row's last block of the pass folds the G group masses in ascending order
+// from +0 -- the contract's fold of group totals, so the single-block sums -- steps the search
+// (state kept in global memory between launches) and writes the row's results. A settled row
+// returns at once, so kTopPPasses launches serve every row without a host sync.
+template <class T>
+__device__ void sample_pass(const typename T::storage* x, i64 sx, i64 group_len, int it,
+                            const float* temperature, const float* vk_in, const i32* ik_in,
+                            const float* top_p_in, const float* log_min_p_in, const float* gmax,
+                            const i32* gbad, CutState* state, float* gmass, float* cand,
+                            i64* counts, i32* tickets, float* m_out, float* vlo_out,
+                            float* logs_out, i32* bad_out) {
+  __shared__ float scratch[32];
+  __shared__ ProbeShared sh;
+  __shared__ int last;
+  const i64 row = blockIdx.x, g = blockIdx.y, groups = gridDim.y, at = row * groups + g;
+  const float top_p = top_p_in[row];
+  const bool plain = !(top_p < 1.0f);
+  if (plain && it > 0) return;
+  float m = -inf_f32();
+  bool bad = false;
+  for (i64 k = 0; k < groups; ++k) {
+    m = fmaxf(m, gmax[row * groups + k]);
+    bad = bad || gbad[row * groups + k] != 0;
+  }
+  const bool is_bad = bad || m == -inf_f32();
+  const float m_safe = is_bad ? 0.0f : m;
+  const float v_m = add_rn(m_safe, log_min_p_in[row]);
+  CutState st;
+  if (!plain) {
+    if (it == 0)
+      cut_start(st, m_safe, v_m);
+    else
+      st = state[row];
+    if (!cut_open(st)) return;
+  }
   const typename T::storage* xr = x + row * sx;
   const float temp = temperature[row], vk = vk_in[row];
   const i64 ik = ik_in[row];
-  float mx = -inf_f32();
-  bool bad = false;
-  for (i64 j = threadIdx.x; j < V; j += blockDim.x) {
-    stats_consider(z_at<T>(xr, j, temp), j, vk, ik, mx, bad);
+  const bool collect = !plain && cut_collects(it, group_len);
+  float masses[kProbeLanes];
+  i64 n = 0;
+  if (plain) {  // the chunk sums go to the probe round's buffer (kMaxChunks floats)
+    masses[0] = vocab_mass<T>(xr, g, g + 1, group_len, temp, vk, ik, v_m, m_safe,
+                              sh.chunk_sums, scratch);
+  } else {
+    n = probe_masses<T>(xr, g, g + 1, group_len, temp, vk, ik, m_safe, st.probes,
+                        from_order_key(st.lo), from_order_key(st.hi), collect, masses, sh);
   }
-  const float m = block_max(mx, scratch);
-  const bool is_bad = block_max(bad ? 1.0f : 0.0f, scratch) > 0.0f || m == -inf_f32();
-  const float m_safe = is_bad ? 0.0f : m;
-  auto mass = [=](float threshold) {
-    return vocab_mass<T>(xr, V, group_len, temp, vk, ik, threshold, m_safe, sums, scratch);
-  };
-  __shared__ ProbeShared probe_shared;
-  auto probe = [&](const float (&probes)[kProbeLanes], float lo_v, float hi_v, bool collect,
-                   float (&masses)[kProbeLanes]) {
-    return probe_masses<T>(xr, V, group_len, temp, vk, ik, m_safe, probes, lo_v, hi_v, collect,
-                           masses, probe_shared);
-  };
-  float v_lo, norm;
-  row_cut(mass, probe, V, m_safe, top_p_in[row], log_min_p_in[row], probe_shared.cand, v_lo,
-          norm);
   if (threadIdx.x == 0) {
-    m_out[row] = m_safe;
-    vlo_out[row] = v_lo;
-    logs_out[row] = bik_log(is_bad ? 1.0f : norm);  // norm >= 1: the max token's term is 1
-    bad_out[row] = is_bad ? 1 : 0;
+    for (int k = 0; k < kProbeLanes; ++k) gmass[at * kProbeLanes + k] = plain && k ? 0.0f : masses[k];
+    counts[at] = n;
   }
+  const i64 stored = n < kTopPCandidates ? n : kTopPCandidates;
+  for (i64 i = threadIdx.x; i < stored; i += blockDim.x) cand[at * kTopPCandidates + i] = sh.cand[i];
+  __threadfence();  // this block's masses and candidates, before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&tickets[row], 1) == (it + 1) * int(groups) - 1;
+  __syncthreads();
+  if (!last || threadIdx.x != 0) return;
+  __threadfence();
+  float total[kProbeLanes];
+  for (int k = 0; k < kProbeLanes; ++k) total[k] = 0.0f;
+  for (i64 q = 0; q < groups; ++q)  // group totals in ascending order from +0
+    for (int k = 0; k < kProbeLanes; ++k)
+      total[k] = add_rn(total[k], __ldcg(gmass + (row * groups + q) * kProbeLanes + k));
+  float v_lo, norm;
+  if (plain) {
+    v_lo = v_m;
+    norm = total[0];
+  } else {
+    // cut_step reads the other blocks' candidates and counts past L1 (read_cg).
+    cut_step(st, it, top_p, total, collect, cand + row * groups * kTopPCandidates,
+             counts + row * groups, int(groups));
+    state[row] = st;
+    cut_result(st, v_m, v_lo, norm);
+  }
+  m_out[row] = m_safe;
+  vlo_out[row] = v_lo;
+  logs_out[row] = bik_log(is_bad ? 1.0f : norm);  // norm >= 1: the max token's term is 1
+  bad_out[row] = is_bad ? 1 : 0;
 }
 
 constexpr i32 kNoIndex = 0x7FFFFFFF;
@@ -298,20 +372,33 @@ __device__ void gumbel_pick(const typename T::storage* x, i64 sx, i64 V, const i
 }  // namespace sampling
 }  // namespace bik
 
-// bik_sample_stats_<t>(x, stride_x, V, group_len, temperature, vk, ik, top_p, log_min_p, m_out,
-//                      v_lo_out, log_s_out, bad_out): grid (rows), block 512; group_len = V / G
-//                      (bik.configs.sampler_chunks), at most kMaxChunks chunks and 31 groups.
+// bik_sample_group_max_<t>(x, stride_x, group_len, temperature, vk, ik, gmax [rows, G] fp32,
+//                          gbad [rows, G] int32): grid (rows, G), block 512; group_len = V / G
+//                          (bik.configs.sampler_chunks), at most kMaxChunks chunks a group.
+// bik_sample_pass_<t>(x, stride_x, group_len, it, temperature, vk, ik, top_p, log_min_p, gmax,
+//                     gbad, state [rows, kCutStateBytes], gmass [rows, G, kProbeLanes] fp32,
+//                     cand [rows, G, kTopPCandidates] fp32, counts [rows, G] int64 (zeroed),
+//                     tickets [rows] int32 (zeroed), m_out, v_lo_out, log_s_out, bad_out):
+//                     grid (rows, G), block 512, launched for it = 0 .. kTopPPasses - 1.
 // bik_gumbel_pick_<t>(x, stride_x, V, key [rows, 5] int64, temperature, vk, ik, v_lo, m,
 //                     part_val [rows, n_splits], part_idx, n_splits, split_size):
 //                     grid (rows, n_splits), block 512.
 #define BIK_SAMPLING_KERNELS(TN, TT)                                                            \
-  extern "C" __global__ void __launch_bounds__(512) bik_sample_stats_##TN(                     \
-      const TT::storage* x, bik::i64 sx, bik::i64 V, bik::i64 group_len,                        \
-      const float* temperature, const float* vk, const bik::i32* ik, const float* top_p,       \
-      const float* log_min_p, float* m_out, float* vlo_out, float* logs_out,                   \
+  extern "C" __global__ void __launch_bounds__(512) bik_sample_group_max_##TN(                 \
+      const TT::storage* x, bik::i64 sx, bik::i64 group_len, const float* temperature,         \
+      const float* vk, const bik::i32* ik, float* gmax, bik::i32* gbad) {                       \
+    bik::sampling::group_max<TT>(x, sx, group_len, temperature, vk, ik, gmax, gbad);           \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(512) bik_sample_pass_##TN(                      \
+      const TT::storage* x, bik::i64 sx, bik::i64 group_len, int it, const float* temperature, \
+      const float* vk, const bik::i32* ik, const float* top_p, const float* log_min_p,         \
+      const float* gmax, const bik::i32* gbad, void* state, float* gmass, float* cand,         \
+      bik::i64* counts, bik::i32* tickets, float* m_out, float* vlo_out, float* logs_out,      \
       bik::i32* bad_out) {                                                                      \
-    bik::sampling::sample_stats<TT>(x, sx, V, group_len, temperature, vk, ik, top_p,           \
-                                    log_min_p, m_out, vlo_out, logs_out, bad_out);             \
+    bik::sampling::sample_pass<TT>(x, sx, group_len, it, temperature, vk, ik, top_p,           \
+                                   log_min_p, gmax, gbad,                                      \
+                                   static_cast<bik::sampling::CutState*>(state), gmass, cand,  \
+                                   counts, tickets, m_out, vlo_out, logs_out, bad_out);        \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(512) bik_gumbel_pick_##TN(                      \
       const TT::storage* x, bik::i64 sx, bik::i64 V, const bik::i64* key,                       \

@@ -181,12 +181,119 @@ constexpr i64 kTopPCandidates = 256;
 // candidates pass.
 constexpr int kTopPPasses = 10;
 
-// The row's cut v_lo (top-p's v_p, then min-p's bound) and the kept mass norm. mass(v): the
-// normaliser's sum over the top-k-kept tokens with z >= v. probe(probes, lo_v, hi_v, collect,
-// masses): each probe's mass(v) into masses, and, when collect, the number of kept finite tokens
-// with z in [lo_v, hi_v), the first kTopPCandidates of them (any order) in cand. The kernel
-// passes block-wide functions, the host emulation (tests) sequential ones in the kernel's
-// layout. passes < kTopPPasses cuts the search short (a test's control).
+// The search's state between passes. The multi-CTA kernel keeps it in global memory between
+// its launches (bik_sample_pass_<t>), row_cut in registers.
+struct CutState {
+  float probes[kProbeLanes];  // the thresholds the next pass probes
+  i64 lo, hi;                 // the key bracket: M(lo) >= target > M(hi)
+  float target, lo_mass, mass_min_p;
+  i32 final;   // the probes are every kept token of the bracket: the next pass ends the search
+  i32 passes;  // passes taken
+};
+constexpr i64 kCutStateBytes = 128;  // per row in the launcher's buffer
+static_assert(sizeof(CutState) <= kCutStateBytes, "CutState outgrew its buffer");
+
+// A value another block may have written during this launch: read past L1 on the device.
+template <class V>
+BIK_HD V read_cg(const V* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+
+// Before pass 0: a grid below m, min-p's bound v_m and -inf (whose mass is S).
+BIK_HD void cut_start(CutState& st, float m_safe, float v_m) {
+  for (int k = 0; k < kProbeLanes - 2; ++k)
+    st.probes[k] = sub_rn(m_safe, mul_rn(0.45f, float((k + 1) * (k + 1))));
+  st.probes[kProbeLanes - 2] = v_m;
+  st.probes[kProbeLanes - 1] = -inf_f32();
+  st.lo = order_key(-inf_f32());
+  st.hi = order_key(m_safe) + 1;
+  st.target = st.lo_mass = st.mass_min_p = 0.0f;
+  st.final = 0;
+  st.passes = 0;
+}
+
+BIK_HD bool cut_open(const CutState& st) { return st.lo + 1 < st.hi; }
+
+// Collect the bracket's tokens in pass `it` when a buffer of kTopPCandidates can hold a whole
+// share (group_len tokens each) of pass 0's bracket, the whole row.
+BIK_HD bool cut_collects(int it, i64 share) { return it > 0 || share <= kTopPCandidates; }
+
+// After pass it: masses[k] = M(probes[k]); the pass collected (when collect) the bracket's kept
+// finite tokens into `buffers` buffers, buffer b holding counts[b] of them, its first
+// kTopPCandidates at cand + b * kTopPCandidates (any order: the set matters; on the device
+// other blocks wrote them, so they are read past L1). Narrows the bracket and chooses the next
+// probes.
+BIK_HD void cut_step(CutState& st, int it, float top_p, const float (&masses)[kProbeLanes],
+                     bool collect, const float* cand, const i64* counts, int buffers) {
+  if (it == 0) {
+    st.target = mul_rn(top_p, masses[kProbeLanes - 1]);
+    st.lo_mass = masses[kProbeLanes - 1];  // M(-inf) = S
+    st.mass_min_p = masses[kProbeLanes - 2];
+  }
+  st.passes = it + 1;
+  for (int k = 0; k < kProbeLanes; ++k) {
+    const i64 key = order_key(st.probes[k]);
+    if (masses[k] >= st.target) {
+      if (key > st.lo) {
+        st.lo = key;
+        st.lo_mass = masses[k];
+      }
+    } else if (key < st.hi) {
+      st.hi = key;
+    }
+  }
+  if (st.final) st.hi = st.lo + 1;
+  const float lo_v = from_order_key(st.lo), hi_v = from_order_key(st.hi);
+  auto in_bracket = [=](float c) { return c >= lo_v && c < hi_v; };
+  bool held = true;
+  i64 inside = 0;
+  for (int b = 0; b < buffers; ++b) {
+    const i64 count = read_cg(counts + b);
+    held = held && count <= kTopPCandidates;
+    const i64 stored = count < kTopPCandidates ? count : kTopPCandidates;
+    for (i64 i = 0; i < stored; ++i)
+      inside += in_bracket(read_cg(cand + b * kTopPCandidates + i)) ? 1 : 0;
+  }
+  st.final = collect && held && inside <= kProbeLanes ? 1 : 0;
+  if (st.final) {  // probe k: the bracket's k-th candidate (constant indices: registers)
+    for (int k = 0; k < kProbeLanes; ++k) st.probes[k] = lo_v;
+    int rank = 0;
+    for (int b = 0; b < buffers; ++b) {
+      const i64 count = read_cg(counts + b);
+      const i64 stored = count < kTopPCandidates ? count : kTopPCandidates;
+      for (i64 i = 0; i < stored; ++i) {
+        const float c_i = read_cg(cand + b * kTopPCandidates + i);
+        if (!in_bracket(c_i)) continue;
+        const float c = add_rn(c_i, 0.0f);  // -0 becomes +0 (the bisection's largest key)
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+        for (int k = 0; k < kProbeLanes; ++k) st.probes[k] = rank == k ? c : st.probes[k];
+        ++rank;
+      }
+    }
+  } else {
+    for (int k = 0; k < kProbeLanes; ++k)
+      st.probes[k] = from_order_key(st.lo + (st.hi - st.lo) * (k + 1) / (kProbeLanes + 1));
+  }
+}
+
+// The row's cut v_lo (top-p's v_p, then min-p's bound v_m) and the kept mass norm.
+BIK_HD void cut_result(const CutState& st, float v_m, float& v_lo, float& norm) {
+  const float v_p = from_order_key(st.lo);
+  norm = v_p >= v_m ? st.lo_mass : st.mass_min_p;
+  v_lo = v_m > v_p ? v_m : v_p;
+}
+
+// The whole search in one place (the host emulation in tests): mass(v): the normaliser's sum
+// over the top-k-kept tokens with z >= v. probe(probes, lo_v, hi_v, collect, masses): each
+// probe's mass(v) into masses, and, when collect, the number of kept finite tokens with z in
+// [lo_v, hi_v), the first kTopPCandidates of them (any order) in cand. passes < kTopPPasses
+// cuts the search short (a test's control).
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
@@ -200,59 +307,15 @@ BIK_HD void row_cut(const Mass& mass, const Probe& probe, i64 V, float m_safe, f
     norm = mass(v_lo);
     return;
   }
-  float probes[kProbeLanes], masses[kProbeLanes];
-  for (int k = 0; k < kProbeLanes - 2; ++k)
-    probes[k] = sub_rn(m_safe, mul_rn(0.45f, float((k + 1) * (k + 1))));
-  probes[kProbeLanes - 2] = v_m;
-  probes[kProbeLanes - 1] = -inf_f32();
-  i64 lo = order_key(-inf_f32()), hi = order_key(m_safe) + 1;
-  float target = 0.0f, lo_mass = 0.0f, mass_min_p = 0.0f;
-  bool final = false;  // the probes are every kept token of the bracket
-  for (int it = 0; it < passes && lo + 1 < hi; ++it) {
-    const bool collect = it > 0 || V <= kTopPCandidates;
-    const i64 n = probe(probes, from_order_key(lo), from_order_key(hi), collect, masses);
-    if (it == 0) {
-      target = mul_rn(top_p, masses[kProbeLanes - 1]);
-      lo_mass = masses[kProbeLanes - 1];  // M(-inf) = S
-      mass_min_p = masses[kProbeLanes - 2];
-    }
-    for (int k = 0; k < kProbeLanes; ++k) {
-      const i64 key = order_key(probes[k]);
-      if (masses[k] >= target) {
-        if (key > lo) {
-          lo = key;
-          lo_mass = masses[k];
-        }
-      } else if (key < hi) {
-        hi = key;
-      }
-    }
-    if (final) hi = lo + 1;
-    const float lo_v = from_order_key(lo), hi_v = from_order_key(hi);
-    const i64 stored = n < kTopPCandidates ? n : kTopPCandidates;
-    i64 inside = 0;
-    for (i64 i = 0; i < stored; ++i) inside += cand[i] >= lo_v && cand[i] < hi_v ? 1 : 0;
-    final = collect && n <= kTopPCandidates && inside <= kProbeLanes;
-    if (final) {  // probe k: the bracket's k-th candidate (constant indices: registers)
-      for (int k = 0; k < kProbeLanes; ++k) probes[k] = lo_v;
-      int rank = 0;
-      for (i64 i = 0; i < stored; ++i) {
-        if (!(cand[i] >= lo_v && cand[i] < hi_v)) continue;
-        const float c = add_rn(cand[i], 0.0f);  // -0 becomes +0 (the bisection's largest key)
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-        for (int k = 0; k < kProbeLanes; ++k) probes[k] = rank == k ? c : probes[k];
-        ++rank;
-      }
-    } else {
-      for (int k = 0; k < kProbeLanes; ++k)
-        probes[k] = from_order_key(lo + (hi - lo) * (k + 1) / (kProbeLanes + 1));
-    }
+  CutState st;
+  cut_start(st, m_safe, v_m);
+  float masses[kProbeLanes];
+  for (int it = 0; it < passes && cut_open(st); ++it) {
+    const bool collect = cut_collects(it, V);
+    const i64 n = probe(st.probes, from_order_key(st.lo), from_order_key(st.hi), collect, masses);
+    cut_step(st, it, top_p, masses, collect, cand, &n, 1);
   }
-  const float v_p = from_order_key(lo);
-  norm = v_p >= v_m ? lo_mass : mass_min_p;
-  v_lo = v_m > v_p ? v_m : v_p;
+  cut_result(st, v_m, v_lo, norm);
 }
 
 #if !defined(__CUDACC_RTC__) && !defined(__CUDA_ARCH__)
@@ -283,7 +346,7 @@ inline float vocab_mass_host(const Term& term, i64 V, i64 group_len) {
 }
 #endif
 
-// Pass 1 of the stats kernel for one token: the invalid flag (NaN or +inf in z) and the max over
+// The group max kernel's step for one token: the invalid flag (NaN or +inf in z) and the max over
 // the top-k-kept tokens (exact; NaN never compares greater).
 BIK_HD void stats_consider(float z, i64 j, float vk, i64 ik, float& mx, bool& bad) {
   if (is_nan(z) || z == inf_f32()) bad = true;

@@ -42,7 +42,9 @@ def host(host_lib, monkeypatch):
     def launch(kernel, grid, block, shared_bytes, *args, device=None):
         source = ("matmul_sm90" if kernel.startswith("bik_matmul_sm90")
                   else "matmul" if kernel.startswith("bik_matmul")
-                  else "rms_norm" if kernel.startswith("bik_rms_norm") else "attention")
+                  else "rms_norm" if kernel.startswith("bik_rms_norm")
+                  else "sampling" if kernel.startswith(("bik_sample", "bik_gumbel"))
+                  else "attention")
         kinds = kernel_signature(source, kernel)
         assert [arg_kind(a) for a in args] == kinds, kernel
         assert shared_bytes == 0 and 0 < block[0] <= 1024 and block[1:] == (1, 1)

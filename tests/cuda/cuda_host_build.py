@@ -49,13 +49,17 @@ def kernel_signature(source: str, kernel: str) -> list[str]:
     elif kernel.startswith("bik_attention_"):
         match = re.search(r"#define BIK_ATTENTION_ENTRY\(NAME, KIND, D\).*?NAME\((.*?)\)\s*\{",
                           text, re.DOTALL)
+    elif source == "sampling":  # BIK_SAMPLING_KERNELS(TN, TT) defines NAME_##TN per dtype
+        base = kernel.rsplit("_", 1)[0]
+        match = re.search(rf"\b{base}_##TN\((.*?)\)\s*\{{", text, re.DOTALL)
     else:
         match = re.search(rf"\b{kernel}\((.*?)\)\s*\{{", text, re.DOTALL)
     assert match, kernel
+    scalars = {"int": "i32", "i32": "i32", "i64": "i64", "float": "f32"}
     kinds = []
     for param in match.group(1).split(","):
         decl = " ".join(param.split())
-        kinds.append("ptr" if "*" in decl else {"int": "i32", "i64": "i64", "float": "f32"}[
+        kinds.append("ptr" if "*" in decl else scalars[
             decl.rsplit(" ", 1)[0].replace("const ", "").replace("bik::", "")])
     return kinds
 

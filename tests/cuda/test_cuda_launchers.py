@@ -98,7 +98,8 @@ def test_rms_norm_launcher_matches_kernel_abi(recorder, dtype, wdtype, hidden):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_sampler_launcher_matches_kernel_abi(recorder, dtype):
-    from bik.ops.sampling.cuda import SPLIT, launch_sample
+    """The group max, PASSES launches of the pass kernel over (row, normaliser group), the pick."""
+    from bik.ops.sampling.cuda import PASSES, SPLIT, launch_sample
 
     b, v = 5, 40000
     logits = torch.randn(b, v).to(dtype)
@@ -106,10 +107,12 @@ def test_sampler_launcher_matches_kernel_abi(recorder, dtype):
     f = torch.ones(b)
     outs = launch_sample(logits, key, f, f, torch.zeros(b, dtype=torch.int32), f, f)
     assert outs[3].shape == (b, -(-v // SPLIT))
-    assert len(recorder.launches) == 2
+    names = [launch[0][1].rsplit("_", 1)[0] for launch in recorder.launches]
+    assert names == ["bik_sample_group_max"] + ["bik_sample_pass"] * PASSES + ["bik_gumbel_pick"]
     for launch in recorder.launches:
         _check(launch)
-    assert recorder.launches[1][1] == (b, -(-v // SPLIT), 1)
+    assert {launch[1] for launch in recorder.launches[:-1]} == {(b, 8, 1)}  # V % 8 == 0
+    assert recorder.launches[-1][1] == (b, -(-v // SPLIT), 1)
     with pytest.raises(ValueError, match="ik"):
         launch_sample(logits, key, f, f, torch.zeros(b, dtype=torch.int64), f, f)
 

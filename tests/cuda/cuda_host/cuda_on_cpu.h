@@ -160,6 +160,19 @@ inline void __syncwarp(unsigned = 0xffffffffu) {
   host_cuda::wait(host_cuda::warp_barriers[threadIdx.x / 32]);
 }
 
+// Lane l reads lane l + delta of its width-lane segment (its own value past the segment's end).
+inline float __shfl_down_sync(unsigned, float v, int delta, int width = 32) {
+  const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* buf = &host_cuda::shuffle_buffer[warp * 32];
+  buf[lane] = v;
+  __syncwarp();
+  const unsigned src = lane + static_cast<unsigned>(delta);
+  const unsigned seg = lane / static_cast<unsigned>(width);
+  const float r = src / static_cast<unsigned>(width) == seg ? buf[src] : v;
+  __syncwarp();
+  return r;
+}
+
 inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
   const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* buf = &host_cuda::shuffle_buffer[warp * 32];

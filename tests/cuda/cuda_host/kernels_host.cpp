@@ -2,9 +2,9 @@
 // behind one entry point shaped like cuLaunchKernel: run_kernel(name, grid, block, args) where
 // args[i] points at the i-th parameter's value. tests/test_cuda_kernels_host.py routes
 // bik.runtime.cuda_jit.launch here, so the real launchers and ops run these kernels on CPU
-// tensors. Every matmul, attention and RMSNorm kernel runs; the 16-bit matmul's mma.sync is emulated by
-// cuda_on_cpu.h (fp64 sum, not the tensor core's bits) and its cp.async is a synchronous copy;
-// likewise the sm_90a kernels' wgmma (matmul_sm90.cu).
+// tensors. Every matmul, attention, RMSNorm and sampler kernel runs; the 16-bit matmul's
+// mma.sync is emulated by cuda_on_cpu.h (fp64 sum, not the tensor core's bits) and its cp.async
+// is a synchronous copy; likewise the sm_90a kernels' wgmma (matmul_sm90.cu).
 // Built with g++ -std=c++20 -ffp-contract=off.
 #include <cstring>
 #include <utility>
@@ -15,6 +15,7 @@
 #include "../../../csrc/cuda/matmul.cu"
 #include "../../../csrc/cuda/matmul_sm90.cu"
 #include "../../../csrc/cuda/rms_norm.cu"
+#include "../../../csrc/cuda/sampling.cu"
 
 namespace {
 
@@ -59,6 +60,14 @@ extern "C" int run_kernel(const char* name, unsigned gx, unsigned gy, unsigned g
   BIK_HOST_RMS_NORM_FOR_X(f32)
   BIK_HOST_RMS_NORM_FOR_X(bf16)
   BIK_HOST_RMS_NORM_FOR_X(f16)
+#define BIK_HOST_SAMPLER(TN)           \
+  BIK_HOST_KERNEL(bik_sample_group_max_##TN) \
+  BIK_HOST_KERNEL(bik_sample_pass_##TN)      \
+  BIK_HOST_KERNEL(bik_gumbel_pick_##TN)
+  BIK_HOST_SAMPLER(f32)
+  BIK_HOST_SAMPLER(bf16)
+  BIK_HOST_SAMPLER(f16)
+#undef BIK_HOST_SAMPLER
 #undef BIK_HOST_RMS_NORM_FOR_X
 #undef BIK_HOST_RMS_NORM
 #undef BIK_HOST_KERNEL

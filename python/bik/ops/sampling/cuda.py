@@ -21,14 +21,20 @@ __all__ = ["SPLIT", "THREADS", "launch_sample", "sample_rows"]
 
 THREADS = 512
 SPLIT = 16384  # vocabulary entries per pick block
-COMPILED_CHUNK = 1024  # kSamplerChunk in csrc/cuda/sampling.cuh
-MAX_CHUNKS = 2048  # kMaxChunks in csrc/cuda/sampling.cu: normaliser chunks per row
+# The kernels' compiled constants (csrc/cuda/sampling.cuh / .cu; a test reads them there).
+COMPILED_CHUNK = 1024  # kSamplerChunk
+MAX_CHUNKS = 2048  # kMaxChunks: normaliser chunks per group
+PROBE_LANES = 16  # kProbeLanes
+CANDIDATES = 256  # kTopPCandidates
+PASSES = 10  # kTopPPasses: launches of the pass kernel (settled rows return at once)
+CUT_STATE_BYTES = 128  # kCutStateBytes
 
 
 def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
                   vk: torch.Tensor, ik: torch.Tensor, top_p: torch.Tensor,
                   log_min_p: torch.Tensor):
-    """Run the stats and pick kernels. logits [B, V] (unit stride along V); key int64 [B, 5]
+    """Run the group max, the pass kernel's PASSES launches (the row statistics, one block per
+    (row, normaliser group)) and the pick. logits [B, V] (unit stride along V); key int64 [B, 5]
     (seed lo, seed hi, position lo, position hi, stream); per-row fp32 temperature, top-k
     threshold (vk fp32, ik int32), top_p and log_min_p, all contiguous. Returns (m, log_s, bad,
     part_val, part_idx) like the Triton launcher."""
@@ -57,16 +63,27 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
     if chunk != COMPILED_CHUNK:
         raise ValueError(f"cuda sample: the kernels are compiled for normaliser chunks of "
                          f"{COMPILED_CHUNK}; bik.configs.SAMPLER_CHUNK is {chunk}")
-    if groups * -(-(v // groups) // chunk) > MAX_CHUNKS or groups > 31:
+    if -(-(v // groups) // chunk) > MAX_CHUNKS:
         raise ValueError(f"cuda sample: V = {v} needs more than {MAX_CHUNKS} normaliser chunks "
-                         f"of {chunk}")
+                         f"of {chunk} per group")
     suffix = info(logits.dtype).cuda
-    stats = cuda_jit.get_kernel("sampling", f"bik_sample_stats_{suffix}", dev)
+    group_max = cuda_jit.get_kernel("sampling", f"bik_sample_group_max_{suffix}", dev)
+    step = cuda_jit.get_kernel("sampling", f"bik_sample_pass_{suffix}", dev)
     pick = cuda_jit.get_kernel("sampling", f"bik_gumbel_pick_{suffix}", dev)
-    stride = i64(logits.stride(0))
-    cuda_jit.launch(stats, (b, 1, 1), (THREADS, 1, 1), 0, logits, stride, i64(v),
-                    i64(v // groups), temperature, vk, ik, top_p, log_min_p, m, v_lo, log_s, bad,
-                    device=dev)
+    stride, glen = i64(logits.stride(0)), i64(v // groups)
+    gmax = torch.empty(b, groups, dtype=torch.float32, device=dev)
+    gbad = torch.empty(b, groups, dtype=torch.int32, device=dev)
+    cuda_jit.launch(group_max, (b, groups, 1), (THREADS, 1, 1), 0, logits, stride, glen,
+                    temperature, vk, ik, gmax, gbad, device=dev)
+    state = torch.empty(b, CUT_STATE_BYTES, dtype=torch.uint8, device=dev)
+    gmass = torch.empty(b, groups, PROBE_LANES, dtype=torch.float32, device=dev)
+    cand = torch.empty(b, groups, CANDIDATES, dtype=torch.float32, device=dev)
+    counts = torch.zeros(b, groups, dtype=torch.int64, device=dev)
+    tickets = torch.zeros(b, dtype=torch.int32, device=dev)
+    for it in range(PASSES):
+        cuda_jit.launch(step, (b, groups, 1), (THREADS, 1, 1), 0, logits, stride, glen, i32(it),
+                        temperature, vk, ik, top_p, log_min_p, gmax, gbad, state, gmass, cand,
+                        counts, tickets, m, v_lo, log_s, bad, device=dev)
     cuda_jit.launch(pick, (b, n_splits, 1), (THREADS, 1, 1), 0, logits, stride, i64(v), key,
                     temperature, vk, ik, v_lo, m, part_val, part_idx, i32(n_splits), i32(SPLIT),
                     device=dev)

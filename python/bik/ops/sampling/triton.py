@@ -292,8 +292,8 @@ def _chunks_per_tile(arch: str, chunk: int) -> int:
 def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
                   vk: torch.Tensor, ik: torch.Tensor, top_p: torch.Tensor,
                   log_min_p: torch.Tensor):
-    """Run the stats and pick kernels. logits [B, V] with unit stride along V; key int64 [B, 5]
-    (seed lo, seed hi, position lo, position hi, stream; each in [0, 2^32)); per-row fp32
+    """Run the statistics kernels and the pick. logits [B, V] with unit stride along V; key
+    int64 [B, 5] (seed lo, seed hi, position lo, position hi, stream; each in [0, 2^32)); per-row fp32
     temperature, top-k threshold (vk fp32, ik int32), top_p, log_min_p. Returns (m, log_s, bad,
     part_val, part_idx) for the ops layer to merge."""
     b, v = logits.shape
