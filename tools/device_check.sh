@@ -82,6 +82,10 @@ if part triton; then
   stage gpu_tests 90 env BIK_GPU_RECORD="$RAW/torch_mm_variance.json" \
     $PY -m pytest -q tests/matmul/test_matmul_gpu.py tests/rms_norm/test_rms_norm_gpu.py \
       tests/reductions/test_reductions.py -m gpu --junitxml "$RAW/gpu_tests.xml"
+  # The samplers (Triton and CUDA C++) against the CPU's bits: the (row, group) programs of a
+  # top-p pass and the row tickets under real concurrency, up to Llama-3's vocabulary.
+  stage gpu_sampler_tests 90 $PY -m pytest -q tests/sampling/test_sampling_vs_cpu.py \
+    tests/sampling/test_sampling_top_p_search.py -m gpu --junitxml "$RAW/gpu_sampler_tests.xml"
   stage gpu_attention_tests 180 env BIK_GPU_RECORD_ATTN="$RAW/sdpa_variance.json" \
     $PY -m pytest -q tests/attention/test_attention_gpu.py --junitxml "$RAW/gpu_attention_tests.xml"
   # A decode step captured in a CUDA graph with host metadata (Triton and CUDA C++ backends),
