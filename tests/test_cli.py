@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from bik.cli.demo import demo_rows
 from bik.cli.main import main
 from bik.runtime import cpu_ext
@@ -86,7 +87,26 @@ def test_bench_generate_quick(tmp_path):
     assert all(r["min_s"] <= r["median_s"] <= r["max_s"] for r in recs)
 
 
-@pytest.mark.parametrize("name", ["boundary", "sample", "dvr", "generate"])
+def test_bench_layer_quick(tmp_path):
+    """A decode step of one (tiny) decoder layer at batch 1 and 3, bik and stock kernels: op
+    times with their spread, sequence 0's logits the same bits at both batches on bik. On the
+    CPU there is no device time or graph replay to record."""
+    out = tmp_path / "layer.json"
+    assert main(["bench", "layer", "--quick", "--device", "cpu", "--json", str(out)]) == 0
+    recs = json.loads(out.read_text())["records"]
+    assert [r["batch"] for r in recs] == [1, 3]
+    assert all(r["bik_rows_identical"] for r in recs)
+    assert all(set(r[f"{s}_ms"]) == {"p20", "p50", "p80"} for r in recs for s in ("bik", "torch"))
+    assert not any(k.endswith(("device_ms", "graph_ms")) for r in recs for k in r)
+
+
+def test_breakdown_needs_a_gpu():
+    from bik.cli.timing import breakdown_ms
+
+    assert breakdown_ms(lambda: None, torch.device("cpu")) == {}
+
+
+@pytest.mark.parametrize("name", ["boundary", "sample", "dvr", "generate", "layer"])
 def test_plot_is_refused_where_a_bench_has_none(name, tmp_path):
     with pytest.raises(SystemExit, match=f"bik bench {name}: --plot is not available"):
         main(["bench", name, "--quick", "--plot", str(tmp_path / "x.png")])

@@ -99,6 +99,7 @@ if part triton; then
   stage bench_matmul 60 $PY -m bik bench matmul --json "$RAW/bench_matmul.json" \
     --plot "$OUT/bench_matmul.png"
   stage bench_sample 60 $PY -m bik bench sample --json "$RAW/bench_sample.json"
+  stage bench_layer 60 $PY -m bik bench layer --json "$RAW/bench_layer.json"
   stage bench_boundary 10 $PY -m bik bench boundary --json "$RAW/bench_boundary.json"
 fi
 if part dvr; then

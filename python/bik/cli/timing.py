@@ -51,3 +51,40 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, budget_s: float =
             fn()
         samples.append((time.perf_counter() - t0) * 1e3 / calls_per_sample)
     return _quantiles(samples)
+
+
+def device_ms(fn: Callable[[], object], calls: int = 5) -> float:
+    """GPU time per call (ms): the device time torch.profiler records for every kernel and copy
+    ``calls`` calls launch, divided by ``calls``. Unlike a timed call it leaves out the host's
+    launch overhead and the gaps it leaves on the stream."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / calls / 1e3
+
+
+def breakdown_ms(fn: Callable[[], object], device: torch.device) -> dict:
+    """Where a call's time goes, next to :func:`time_ms` (the op time: each call launched from
+    Python, host overhead included). On CUDA: ``device_ms`` (:func:`device_ms`: the kernels'
+    own time) and
+    ``graph_ms``, p20/p50/p80 of the call replayed from a CUDA graph
+    (triton.testing.do_bench_cudagraph), or ``graph_error`` when the call cannot be captured
+    (e.g. it copies host data or synchronises). Elsewhere: {} (no device time to separate)."""
+    if device.type != "cuda":
+        return {}
+    from triton.testing import do_bench_cudagraph
+
+    out: dict = {"device_ms": device_ms(fn)}
+    try:
+        p20, p50, p80 = do_bench_cudagraph(fn, rep=20, quantiles=list(QUANTILES))
+        out["graph_ms"] = {"p20": p20, "p50": p50, "p80": p80}
+    except Exception as exc:  # noqa: BLE001 - recorded: the bench goes on without a graph time
+        out["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        torch.cuda.synchronize()
+    return out

@@ -25,6 +25,7 @@ BENCHES = {
     "generate": "bik.cli.bench.generate",
     "vllm": "bik.cli.bench.vllm",
     "tp": "bik.cli.bench.tp",
+    "layer": "bik.cli.bench.layer",
 }
 
 

@@ -19,7 +19,9 @@ Rows identical: the probe sequence (row B // 2) inside the batch against the pro
 alone (a batch of one), and, when q_len > 1, its last token against a decode step (q_len 1) of
 that token. ``torch_rows_identical`` is the same comparison for SDPA: a record, not a claim.
 ``bik_kernel_ms`` (Triton and CUDA backends) times the kernel launcher without the op's input
-checks and host reads, to show what the op boundary costs.
+checks and host reads, to show what the op boundary costs. On a GPU ``bik_device_ms`` /
+``torch_device_ms`` (the kernels' own time) and ``*_graph_ms`` (a CUDA-graph replay) come from
+bik.cli.timing.breakdown_ms.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import bik
 from bik._dtypes import dtype_name
 from bik.cli.bench.sweep import backends_for
 from bik.cli.common import print_table
-from bik.cli.timing import noisy, time_ms
+from bik.cli.timing import breakdown_ms, noisy, time_ms
 from bik.ops._registry import resolve_backend
 from bik.testing.harness import same_bits
 
@@ -215,6 +217,8 @@ def _one(w: Workload, heads, dtype, device, backend: str, seed: int) -> dict:
            "q_len": w.q_len, "Hq": hq, "Hkv": hkv, "D": d, "dtype": dtype_name(dtype),
            "page_size": PAGE, "bik_rows_identical": _bik_probe_ok(run, w, x, out)}
     rec["bik_ms"] = time_ms(lambda: run(x.q, x.seqlens, x.cu_q, x.table), device)
+    rec |= {f"bik_{k}": v for k, v in breakdown_ms(
+        lambda: run(x.q, x.seqlens, x.cu_q, x.table), device).items()}
     rec["bik_kernel_ms"] = None
     if backend in ("triton", "cuda"):
         import importlib
@@ -231,6 +235,8 @@ def _one(w: Workload, heads, dtype, device, backend: str, seed: int) -> dict:
         rec["bik_kernel_ms"] = time_ms(kernel, device)
     call, rec["torch_backend"] = _torch_call(x.q_t, x.k_t, x.v_t, on_gpu)
     rec["torch_ms"] = time_ms(call, device) if call else None
+    if call:
+        rec |= {f"torch_{k}": v for k, v in breakdown_ms(call, device).items()}
     rec["torch_rows_identical"] = _torch_probe_ok(w, x, call(), on_gpu) if call else None
     item = x.q.element_size()
     nbytes = 2 * w.batch * w.context * hkv * d * item + 2 * w.batch * w.q_len * hq * d * item

@@ -3,8 +3,10 @@
 Model: the sampler reads the logits once (B * V * itemsize bytes); ``bik_gbps`` is that over
 bik's p50 time, ``copy_gbps`` the measured bandwidth of a device copy of the same logits (read +
 write bytes over its time), and ``frac_of_copy`` their ratio (the issue's target on the H200:
->= 0.8 at B >= 64, V >= 128k, temperature-only and top-p 0.9). ``bik_rows_identical``: row 0 (the same request at every B) drew
-the same token at every B.
+>= 0.8 at B >= 64, V >= 128k, temperature-only and top-p 0.9). ``bik_rows_identical``: row 0
+(the same request at every B) drew the same token at every B. On a GPU ``bik_device_ms`` (the
+kernels' own time) and ``bik_graph_ms`` (a CUDA-graph replay) come from
+bik.cli.timing.breakdown_ms: the op time minus those is host overhead.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import bik
 from bik._dtypes import dtype_name
 from bik.cli.bench.sweep import backends_for
 from bik.cli.common import print_table
-from bik.cli.timing import noisy, time_ms
+from bik.cli.timing import breakdown_ms, noisy, time_ms
 
 __all__ = ["bench_sample", "plot", "render", "render_sample", "run"]
 
@@ -63,7 +65,7 @@ def bench_sample(device, dtype, backend, quick: bool, bs=None) -> list[dict]:
                     "frac_of_copy": bik_gbps / copy_gbps,
                     "speedup_vs_multinomial": t_mult["p50"] / t_bik["p50"],
                     "noisy": noisy(t_bik, t_mult),
-                })
+                } | {f"bik_{k}": v for k, v in breakdown_ms(run, device).items()})
             for rec in records[-len(bs):]:
                 rec["bik_rows_identical"] = len(set(first)) == 1
     return records

@@ -1,6 +1,8 @@
 """The M sweep shared by `bik bench matmul` and `bik bench rmsnorm`: time bik and torch on the
 first M rows of one pool for each M, check that row 0 keeps its bits, render one table and one
-plot. ``speedup`` is torch time / bik time (1.0 = as fast as torch)."""
+plot. ``speedup`` is torch time / bik time (1.0 = as fast as torch). On a GPU, at
+``BREAKDOWN_MS``, the records also hold each side's device time and CUDA-graph replay
+(bik.cli.timing.breakdown_ms): the op time minus those is host overhead."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bik.cli.common import print_table
-from bik.cli.timing import noisy, time_ms
+from bik.cli.timing import breakdown_ms, noisy, time_ms
 from bik.ops._registry import resolve_backend
 
 __all__ = ["CPU_MS", "GPU_MS", "backends_for", "default_ms", "plot_sweep", "render_sweep",
@@ -17,6 +19,9 @@ __all__ = ["CPU_MS", "GPU_MS", "backends_for", "default_ms", "plot_sweep", "rend
 
 GPU_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 CPU_MS = (1, 16, 64, 256)
+# The Ms whose device time and CUDA-graph replay are recorded too (on a GPU; each costs a
+# profiled run and a graph capture).
+BREAKDOWN_MS = (1, 8, 64, 512)
 
 
 def default_ms(args, device) -> tuple[int, ...]:
@@ -52,11 +57,16 @@ def sweep(device, pool, ms, bik_fn, torch_fn, work, base: dict) -> list[dict]:
         t_bik = time_ms(lambda rows=rows: bik_fn(rows), device)
         t_torch = time_ms(lambda rows=rows: torch_fn(rows), device)
         key, units = work(m)  # units per ms -> TFLOP/s or GB/s after the 1e9 / 1e6 scaling
-        records.append(base | {
+        rec = base | {
             "M": m, "bik_ms": t_bik, "torch_ms": t_torch,
             f"bik_{key}": units / t_bik["p50"], f"torch_{key}": units / t_torch["p50"],
             "speedup": t_torch["p50"] / t_bik["p50"], "noisy": noisy(t_bik, t_torch),
-        })
+        }
+        if m in BREAKDOWN_MS:
+            for name, fn in (("bik", bik_fn), ("torch", torch_fn)):
+                rec |= {f"{name}_{k}": v
+                        for k, v in breakdown_ms(lambda rows=rows, fn=fn: fn(rows), device).items()}
+        records.append(rec)
     for rec in records:
         rec["bik_rows_identical"] = _row_bits_stable(bik_out)
         rec["torch_rows_identical"] = _row_bits_stable(torch_out)
