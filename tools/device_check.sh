@@ -93,10 +93,10 @@ if part triton; then
   stage gpu_graph_tests 60 $PY -m pytest -q tests/test_cuda_graphs.py tests/test_host_metadata.py \
     -m gpu --junitxml "$RAW/gpu_graph_tests.xml"
   stage check 90 $PY -m bik check --json "$RAW/check.json"
-  stage bench_rmsnorm 20 $PY -m bik bench rmsnorm --json "$RAW/bench_rmsnorm.json"
+  stage bench_rmsnorm 40 $PY -m bik bench rmsnorm --json "$RAW/bench_rmsnorm.json"
   stage bench_attention 150 $PY -m bik bench attention --json "$RAW/bench_attention.json" \
     --plot "$OUT/bench_attention.png"
-  stage bench_matmul 60 $PY -m bik bench matmul --json "$RAW/bench_matmul.json" \
+  stage bench_matmul 90 $PY -m bik bench matmul --json "$RAW/bench_matmul.json" \
     --plot "$OUT/bench_matmul.png"
   stage bench_sample 60 $PY -m bik bench sample --json "$RAW/bench_sample.json"
   stage bench_layer 60 $PY -m bik bench layer --json "$RAW/bench_layer.json"
