@@ -100,6 +100,42 @@ def test_bench_layer_quick(tmp_path):
     assert not any(k.endswith(("device_ms", "graph_ms")) for r in recs for k in r)
 
 
+def test_a_bench_cut_short_keeps_its_finished_records(tmp_path, monkeypatch):
+    """--json PATH: each record goes to PATH.partial.jsonl as it finishes, so a bench stopped
+    mid-run (the device check's deadlines) keeps what finished; a whole run leaves PATH only."""
+    from bik.cli.bench import layer
+
+    out, partial = tmp_path / "layer.json", tmp_path / "layer.json.partial.jsonl"
+    real = layer._decode_step
+
+    def fail_at_3(model, batch, *args):
+        if batch == 3:
+            raise RuntimeError("stopped")
+        return real(model, batch, *args)
+
+    monkeypatch.setattr(layer, "_decode_step", fail_at_3)
+    with pytest.raises(RuntimeError, match="stopped"):
+        main(["bench", "layer", "--quick", "--device", "cpu", "--json", str(out)])
+    assert not out.exists()
+    assert [json.loads(line)["batch"] for line in partial.read_text().splitlines()] == [1]
+    monkeypatch.setattr(layer, "_decode_step", real)
+    assert main(["bench", "layer", "--quick", "--device", "cpu", "--json", str(out)]) == 0
+    assert out.exists() and not partial.exists()
+
+
+def test_streamed_records_carry_the_outer_loops_tags(tmp_path):
+    from bik.cli.bench.stream import emit, partial_path, streaming, tags
+
+    with streaming(tmp_path / "b.json"):
+        with tags(backend="triton", split="fixed"):
+            emit({"M": 1})
+        emit({"M": 2})
+    emit({"M": 3})  # outside the block: nowhere
+    lines = partial_path(tmp_path / "b.json").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"backend": "triton", "split": "fixed", "M": 1}, {"M": 2}]
+
+
 def test_breakdown_needs_a_gpu():
     from bik.cli.timing import breakdown_ms
 

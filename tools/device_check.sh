@@ -9,7 +9,8 @@
 # every stage's rc and seconds, and each pytest stage's counts from its junit XML: tests,
 # failures, errors, skipped), device_check_raw.tar.gz (every log, XML and bench JSON) and the
 # bench plots. Both are rewritten after every stage, so a run cut off by its time limit still
-# returns what finished. Test stages run without -x (every failure is reported), and a
+# returns what finished; a bench cut off by its stage's deadline leaves its finished cases in
+# bench_NAME.json.partial.jsonl (bik.cli.bench.stream), which the tarball carries. Test stages run without -x (every failure is reported), and a
 # preflight stage fails loudly when the CUDA C++ toolchain (cuda-core / NVRTC) is missing, since
 # its tests would otherwise all skip and read as a pass.
 #

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 
+from bik.cli.bench.stream import partial_path, streaming
 from bik.cli.common import DTYPES, make_console, pick_device, run_metadata, write_json
 from bik.ops._registry import BackendUnavailableError, resolve_backend
 
@@ -65,10 +66,12 @@ def run_bench(args) -> int:
     device = pick_device(args.device)
     _check_backend(args.op, args.backend, device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    records = bench.run(device, dtype, args)
+    with streaming(args.json):
+        records = bench.run(device, dtype, args)
     bench.render(records, console)
     if args.json:
         write_json(args.json, {"meta": run_metadata(device), "records": records})
+        partial_path(args.json).unlink(missing_ok=True)  # the whole run is in args.json
     if args.plot and records:
         _save_plot(bench, records, args.plot)
     stable = all(r.get("bik_rows_identical", True) for r in records)

@@ -36,6 +36,7 @@ from rich.table import Table
 
 import bik
 from bik._dtypes import dtype_name
+from bik.cli.bench.stream import emit, tags
 from bik.cli.bench.sweep import backends_for
 from bik.cli.common import print_table
 from bik.cli.timing import breakdown_ms, noisy, time_ms
@@ -263,7 +264,7 @@ def bench_attention(device, dtype, backend, quick: bool, batches=None) -> list[d
         rec = _one(w, heads, dtype, device, backend, seed=i)
         rec["copy_gbps"] = copy
         rec["bik_bw_fraction"] = rec["bik_gbps"] / copy
-        records.append(rec)
+        records.append(emit(rec))
         if on_gpu:
             torch.cuda.empty_cache()
     return records
@@ -329,8 +330,12 @@ def plot_attention(records: list[dict], plt, path: str) -> None:
 
 
 def run(device, dtype, args) -> list[dict]:
-    return [r | {"backend": be} for be in backends_for("attention", args.backend, device)
-            for r in bench_attention(device, dtype, be, args.quick, args.ms)]
+    records = []
+    for be in backends_for("attention", args.backend, device):
+        with tags(backend=be):
+            records += [r | {"backend": be}
+                        for r in bench_attention(device, dtype, be, args.quick, args.ms)]
+    return records
 
 
 render = render_attention

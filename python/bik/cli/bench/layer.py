@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bik._dtypes import dtype_name
+from bik.cli.bench.stream import emit
 from bik.cli.common import print_table, progress
 from bik.cli.timing import breakdown_ms, noisy, time_ms
 from bik.dvr.config import LlamaConfig
@@ -83,7 +84,7 @@ def bench_layer(device, dtype, shape: dict, batches, context: int) -> list[dict]
                 rec |= {f"{name}_{k}": v for k, v in breakdown_ms(call, device).items()}
             rec["speedup"] = rec["torch_ms"]["p50"] / rec["bik_ms"]["p50"]
             rec["noisy"] = noisy(rec["bik_ms"], rec["torch_ms"])
-            records.append(rec)
+            records.append(emit(rec))
             advance()
     for rec in records:
         rec["bik_rows_identical"] = all(torch.equal(first_rows[0], r) for r in first_rows)

@@ -16,6 +16,7 @@ from rich.progress import track
 
 import bik
 from bik._dtypes import dtype_name
+from bik.cli.bench.stream import tags
 from bik.cli.bench.sweep import backends_for, default_ms, plot_sweep, render_sweep, sweep
 from bik.configs import MATMUL_SPLIT_ENV
 
@@ -64,7 +65,7 @@ def run(device, dtype, args) -> list[dict]:
     records = []
     for be in backends_for("matmul", args.backend, device):
         for mode in SPLIT_MODES:
-            with split_mode(mode):
+            with split_mode(mode), tags(backend=be, split=mode):
                 records += [r | {"backend": be, "split": mode}
                             for r in bench_matmul(device, dtype, be, ms, shapes)]
     return records

@@ -18,6 +18,7 @@ from rich.table import Table
 
 import bik
 from bik._dtypes import dtype_name
+from bik.cli.bench.stream import emit, tags
 from bik.cli.bench.sweep import backends_for
 from bik.cli.common import print_table
 from bik.cli.timing import breakdown_ms, noisy, time_ms
@@ -58,14 +59,14 @@ def bench_sample(device, dtype, backend, quick: bool, bs=None) -> list[dict]:
                 nbytes = x.numel() * x.element_size()
                 bik_gbps = nbytes / t_bik["p50"] / 1e6
                 copy_gbps = 2 * nbytes / t_copy["p50"] / 1e6
-                records.append({
+                records.append(emit({
                     "op": "sample", "B": b, "V": v, "top_p": top_p, "dtype": dtype_name(dtype),
                     "bik_ms": t_bik, "multinomial_ms": t_mult, "argmax_ms": t_argmax,
                     "copy_ms": t_copy, "bik_gbps": bik_gbps, "copy_gbps": copy_gbps,
                     "frac_of_copy": bik_gbps / copy_gbps,
                     "speedup_vs_multinomial": t_mult["p50"] / t_bik["p50"],
                     "noisy": noisy(t_bik, t_mult),
-                } | {f"bik_{k}": v for k, v in breakdown_ms(run, device).items()})
+                } | {f"bik_{k}": v for k, v in breakdown_ms(run, device).items()}))
             for rec in records[-len(bs):]:
                 rec["bik_rows_identical"] = len(set(first)) == 1
     return records
@@ -91,8 +92,12 @@ def render_sample(records: list[dict], console: Console) -> None:
 
 
 def run(device, dtype, args) -> list[dict]:
-    return [r | {"backend": be} for be in backends_for("sample", args.backend, device)
-            for r in bench_sample(device, dtype, be, args.quick, args.ms)]
+    records = []
+    for be in backends_for("sample", args.backend, device):
+        with tags(backend=be):
+            records += [r | {"backend": be}
+                        for r in bench_sample(device, dtype, be, args.quick, args.ms)]
+    return records
 
 
 render = render_sample

@@ -10,6 +10,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bik.cli.bench.stream import emit
 from bik.cli.common import print_table
 from bik.cli.timing import breakdown_ms, noisy, time_ms
 from bik.ops._registry import resolve_backend
@@ -66,7 +67,7 @@ def sweep(device, pool, ms, bik_fn, torch_fn, work, base: dict) -> list[dict]:
             for name, fn in (("bik", bik_fn), ("torch", torch_fn)):
                 rec |= {f"{name}_{k}": v
                         for k, v in breakdown_ms(lambda rows=rows, fn=fn: fn(rows), device).items()}
-        records.append(rec)
+        records.append(emit(rec))
     for rec in records:
         rec["bik_rows_identical"] = _row_bits_stable(bik_out)
         rec["torch_rows_identical"] = _row_bits_stable(torch_out)
