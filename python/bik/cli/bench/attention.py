@@ -36,8 +36,8 @@ from rich.table import Table
 
 import bik
 from bik._dtypes import dtype_name
-from bik.cli.bench.stream import emit, tags
-from bik.cli.bench.sweep import backends_for
+from bik.cli.bench.stream import emit
+from bik.cli.bench.sweep import per_backend
 from bik.cli.common import print_table
 from bik.cli.timing import breakdown_ms, noisy, time_ms
 from bik.ops._registry import resolve_backend
@@ -330,12 +330,8 @@ def plot_attention(records: list[dict], plt, path: str) -> None:
 
 
 def run(device, dtype, args) -> list[dict]:
-    records = []
-    for be in backends_for("attention", args.backend, device):
-        with tags(backend=be):
-            records += [r | {"backend": be}
-                        for r in bench_attention(device, dtype, be, args.quick, args.ms)]
-    return records
+    return per_backend("attention", args.backend, device,
+                       lambda be: bench_attention(device, dtype, be, args.quick, args.ms))
 
 
 render = render_attention

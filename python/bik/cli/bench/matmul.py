@@ -17,7 +17,7 @@ from rich.progress import track
 import bik
 from bik._dtypes import dtype_name
 from bik.cli.bench.stream import tags
-from bik.cli.bench.sweep import backends_for, default_ms, plot_sweep, render_sweep, sweep
+from bik.cli.bench.sweep import default_ms, per_backend, plot_sweep, render_sweep, sweep
 from bik.configs import MATMUL_SPLIT_ENV
 
 __all__ = ["bench_matmul", "plot", "render", "run"]
@@ -62,13 +62,14 @@ def run(device, dtype, args) -> list[dict]:
     on_gpu = device.type == "cuda"
     shapes = ((256, 128), (96, 33)) if args.quick else (LLAMA_MATMUL if on_gpu else CPU_MATMUL)
     ms = default_ms(args, device)
-    records = []
-    for be in backends_for("matmul", args.backend, device):
+    def both_splits(be: str) -> list[dict]:
+        records = []
         for mode in SPLIT_MODES:
-            with split_mode(mode), tags(backend=be, split=mode):
-                records += [r | {"backend": be, "split": mode}
-                            for r in bench_matmul(device, dtype, be, ms, shapes)]
-    return records
+            with split_mode(mode), tags(split=mode):
+                records += [r | {"split": mode} for r in bench_matmul(device, dtype, be, ms, shapes)]
+        return records
+
+    return per_backend("matmul", args.backend, device, both_splits)
 
 
 render = render_sweep

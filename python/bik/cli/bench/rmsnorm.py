@@ -9,8 +9,7 @@ from rich.progress import track
 
 import bik
 from bik._dtypes import dtype_name
-from bik.cli.bench.stream import tags
-from bik.cli.bench.sweep import backends_for, default_ms, plot_sweep, render_sweep, sweep
+from bik.cli.bench.sweep import default_ms, per_backend, plot_sweep, render_sweep, sweep
 
 __all__ = ["bench_rms_norm", "plot", "render", "run"]
 
@@ -35,11 +34,8 @@ def bench_rms_norm(device, dtype, backend, ms, hiddens) -> list[dict]:
 def run(device, dtype, args) -> list[dict]:
     hiddens = (111, 256) if args.quick else LLAMA_HIDDEN
     ms = default_ms(args, device)
-    records = []
-    for be in backends_for("rms_norm", args.backend, device):
-        with tags(backend=be):
-            records += [r | {"backend": be} for r in bench_rms_norm(device, dtype, be, ms, hiddens)]
-    return records
+    return per_backend("rms_norm", args.backend, device,
+                       lambda be: bench_rms_norm(device, dtype, be, ms, hiddens))
 
 
 render = render_sweep

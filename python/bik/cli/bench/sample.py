@@ -18,8 +18,8 @@ from rich.table import Table
 
 import bik
 from bik._dtypes import dtype_name
-from bik.cli.bench.stream import emit, tags
-from bik.cli.bench.sweep import backends_for
+from bik.cli.bench.stream import emit
+from bik.cli.bench.sweep import per_backend
 from bik.cli.common import print_table
 from bik.cli.timing import breakdown_ms, noisy, time_ms
 
@@ -92,12 +92,8 @@ def render_sample(records: list[dict], console: Console) -> None:
 
 
 def run(device, dtype, args) -> list[dict]:
-    records = []
-    for be in backends_for("sample", args.backend, device):
-        with tags(backend=be):
-            records += [r | {"backend": be}
-                        for r in bench_sample(device, dtype, be, args.quick, args.ms)]
-    return records
+    return per_backend("sample", args.backend, device,
+                       lambda be: bench_sample(device, dtype, be, args.quick, args.ms))
 
 
 render = render_sample

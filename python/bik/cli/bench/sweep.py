@@ -10,13 +10,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bik.cli.bench.stream import emit
+from bik.cli.bench.stream import emit, tags
 from bik.cli.common import print_table
 from bik.cli.timing import breakdown_ms, noisy, time_ms
 from bik.ops._registry import resolve_backend
 
-__all__ = ["CPU_MS", "GPU_MS", "backends_for", "default_ms", "plot_sweep", "render_sweep",
-           "sweep"]
+__all__ = ["CPU_MS", "GPU_MS", "backends_for", "default_ms", "per_backend", "plot_sweep",
+           "render_sweep", "sweep"]
 
 GPU_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 CPU_MS = (1, 16, 64, 256)
@@ -41,6 +41,16 @@ def backends_for(op: str, backend: str | None, device) -> list[str]:
     except Exception:  # noqa: BLE001 - not built, no driver, not implemented: compare Triton only
         return ["triton"]
     return ["triton", "cuda"]
+
+
+def per_backend(op: str, backend: str | None, device, bench) -> list[dict]:
+    """``bench(be)``'s records for each backend :func:`backends_for` picks, each tagged with
+    its backend (and so are the records it streams meanwhile: bik.cli.bench.stream)."""
+    records = []
+    for be in backends_for(op, backend, device):
+        with tags(backend=be):
+            records += [r | {"backend": be} for r in bench(be)]
+    return records
 
 
 def _row_bits_stable(outputs: list[torch.Tensor]) -> bool:
