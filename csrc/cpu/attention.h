@@ -1,9 +1,9 @@
 // CPU attention with a fixed KV split (bik::attention / bik::attention_varlen, backend "cpu").
 //
 // The spec is the Python reference, bik.ops.attention.reference.attention_cpu_reference; this
-// kernel gives its bits (tests/test_cpu_attention_kernel.py checks it bitwise). Per query row
-// (token at absolute position P of sequence b, query head h, KV head h / G) and per split
-// [lo, hi) = [j*SPLIT, min((j+1)*SPLIT, L)), j ascending, from a fresh state:
+// kernel gives its bits (tests/attention/test_attention_cpu_kernel.py checks it bitwise). Per
+// query row (token at absolute position P of sequence b, query head h, KV head h / G) and per
+// split [lo, hi) = [j*SPLIT, min((j+1)*SPLIT, L)), j ascending, from a fresh state:
 //     s[c]  = (sum_d q[d]*k[c,d], d ascending, the matmul contract's sequence) * sl2e
 //             sl2e = fp32(scale * log2 e);  s[c] = -inf where causal and c > P
 //     m_j   = max_c s[c] (NaN if any s is NaN);  ms = m_j == -inf ? 0 : m_j

@@ -471,8 +471,8 @@ PYBIND11_MODULE(_cpu_kernels, m) {
 #define BIK_CPU_SOURCE_HASH "unknown"
 #endif
   m.attr("SOURCE_HASH") = BIK_CPU_SOURCE_HASH;  // of csrc/cpu, computed by setup.py
-  // 2: + softmax, log_softmax, mean; 3: + sampler; 4: + attention; 5: matmul K splits;
-  // 6: the sampler's normaliser (vocabulary chunks, bik_exp, bik_log)
+  // The numerics contract's revision (in bik.fingerprint): raised whenever a kernel's bits
+  // change or a kernel is added, so fingerprints of different contracts never match.
   m.attr("CONTRACT_VERSION") = 6;
   m.def("matmul_f32", &bik_cpu::matmul_f32, py::arg("a"), py::arg("sam"), py::arg("sak"),
         py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),

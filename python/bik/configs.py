@@ -411,10 +411,10 @@ _CUDA_MATMUL_TILE = {  # (kernel, block_m, block_n, block_k, threads) per dtype
 }
 _CUDA_ATTENTION_SPLIT = {"sm90": 256, "sm80": 256}
 # The opt-in sm_90a path (csrc/cuda/matmul_sm90.cu: wgmma, one warpgroup per 64 x 128 tile),
-# for 16-bit inputs on compute capability 9.0 only, and only with BIK_CUDA_SM90A=1. Untested
-# on a GPU so far: it stays off by default until tests/matmul/test_matmul_cuda_gpu.py has passed
-# with the switch on on an H200. Its bits are its own (not the mma.sync kernel's); the switch is
-# part of cuda_config_table(), hence of bik.fingerprint().
+# for 16-bit inputs on compute capability 9.0 only, and only with BIK_CUDA_SM90A=1 (off by
+# default: docs/design.md "sm_90a matmul" says when it may be turned on). Its bits are its own
+# (not the mma.sync kernel's), so the switch is part of cuda_config_table(), hence of
+# bik.fingerprint().
 SM90A_MATMUL_ENV = "BIK_CUDA_SM90A"
 _CUDA_MATMUL_TILE_SM90A = {
     "bf16": ("bik_matmul_sm90_bf16", 64, 128, 32, 128),

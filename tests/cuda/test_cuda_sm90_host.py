@@ -16,7 +16,8 @@
   GPU the two instructions need not agree.)
 * The sm_90a build contains HGMMA instructions (NVRTC and nvcc); the sm_80 build only traps.
 * Selection: off by default; on only for sm90 with the switch, for bf16/fp16.
-The tensor core's own bits, TMA and performance need the H200 (tests/test_cuda_matmul_gpu.py).
+The tensor core's own bits, TMA and performance need the H200
+(tests/matmul/test_matmul_cuda_gpu.py).
 """
 
 from __future__ import annotations

@@ -158,4 +158,4 @@ def test_left_padding_keeps_the_bits_with_positions_from_the_mask():
     assert bik.mode_stats().fallbacks == {}
 
 
-# Forward and backward under grad through the mode: tests/test_hf_llama_backward.py.
+# Forward and backward under grad through the mode: tests/mode/test_hf_llama_backward.py.

@@ -64,7 +64,7 @@ def test_batch_dependent_softmax_grad_is_caught(gen):
     assert not rep.ok, rep.summary()
 
 
-# Accuracy against fp64 autograd (normalised max error, as tests/test_backward.py): at most
+# Accuracy against fp64 autograd (normalised max error, as tests/checks.py): at most
 # RATIO x stock torch's error in the same dtype, or FLOOR x eps. Measured (CPU, these shapes):
 # bik 0.0-1.3 eps, at most 1.6x stock's error (log_softmax fp32, 0.92 vs 0.59 eps); bf16/fp16
 # at most 1.2x (the output rounding dominates).

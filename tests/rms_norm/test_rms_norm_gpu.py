@@ -1,7 +1,7 @@
 """bik.rms_norm (plain and fused with a residual add) on a GPU with the device's default backend
 (Triton; skipped without CUDA): every row at every M up to 4096 equals its M = 1 result, bit
 for bit; the fused form's (out, h) likewise for M up to 256. The CUDA C++ backend's rms_norm
-checks are in tests/test_cuda_gpu.py."""
+checks are in tests/cuda/test_cuda_gpu.py."""
 
 import bik
 import pytest

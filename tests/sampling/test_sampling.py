@@ -1,7 +1,7 @@
 """bik.sample's promises on each backend: batch invariance, greedy, invalid rows, the filters.
 
 Targets: the CPU backend and the Triton kernels run on the CPU by TRITON_INTERPRET=1 (their own
-process; see tests/test_triton_interpreter.py for what the interpreter can and cannot prove),
+process; see tests/matmul/test_matmul.py for what the interpreter can and cannot prove),
 each at the sizes it affords. A row's token and logprob bits are the same alone and inside any
 batch (the M sweep, a probe at every position among neighbours with other filters and
 temperatures, any permutation), on random and on near-tie logits; the same harness rejects a

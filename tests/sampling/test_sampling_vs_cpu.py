@@ -2,7 +2,7 @@
 filter (greedy, temperature, top-k, top-p, min-p).
 
 Targets: the Triton kernels run on the CPU by TRITON_INTERPRET=1 (their own process; see
-tests/test_triton_interpreter.py for what the interpreter can and cannot prove), compared with
+tests/matmul/test_matmul.py for what the interpreter can and cannot prove), compared with
 the CPU backend on random and near-tie logits, vocabularies of 1 to 2000, and by hypothesis;
 on a GPU (where there is one) the Triton and CUDA C++ kernels, up to Llama-3's vocabulary.
 The normaliser (top-p masses, the logprob) is bik_exp summed in the contract's written order

@@ -8,7 +8,7 @@ fallbacks (a generated call to the aten op) and turns Inductor's and AOTAutograd
 caches off (a graph compiled before would come back with its own reductions); the returned
 function restores every table entry and flag exactly. These are Inductor internals
 (torch._inductor.lowering / decomposition), checked against the pinned torch by
-tests/mode/test_enable_compile.py.
+tests/mode/test_compile.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 // The CPU path's sampler math (csrc/cpu/sampling.h) against the CUDA kernels' (host_cuda.cpp,
-// another translation unit), for tests/test_cuda_host.py (loaded with ctypes).
+// another translation unit), for tests/cuda/test_cuda_host.py (loaded with ctypes).
 #include <cstdint>
 #include <cstring>
 

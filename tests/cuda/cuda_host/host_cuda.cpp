@@ -1,6 +1,6 @@
 // Host build of the CUDA kernels' __host__ __device__ element math (csrc/cuda/*.cuh) for
-// tests/test_cuda_host.py. A separate translation unit from host_check.cpp (which holds the CPU
-// path's math), so the compiler cannot fold the two sides of a comparison into one.
+// tests/cuda/test_cuda_host.py. A separate translation unit from host_check.cpp (which holds
+// the CPU path's math), so the compiler cannot fold the two sides of a comparison into one.
 #include <cstdint>
 
 #include "rms_norm.cuh"

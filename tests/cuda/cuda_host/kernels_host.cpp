@@ -1,6 +1,6 @@
 // bik's real CUDA kernel sources compiled for the CPU (cuda_on_cpu.h's fiber execution model),
 // behind one entry point shaped like cuLaunchKernel: run_kernel(name, grid, block, args) where
-// args[i] points at the i-th parameter's value. tests/test_cuda_kernels_host.py routes
+// args[i] points at the i-th parameter's value. tests/cuda/test_cuda_kernels_host.py routes
 // bik.runtime.cuda_jit.launch here, so the real launchers and ops run these kernels on CPU
 // tensors. Every matmul, attention, RMSNorm and sampler kernel runs; the 16-bit matmul's
 // mma.sync is emulated by cuda_on_cpu.h (fp64 sum, not the tensor core's bits) and its cp.async

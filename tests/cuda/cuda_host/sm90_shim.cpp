@@ -1,6 +1,6 @@
 // Host build of csrc/cuda/matmul_sm90_plan.cuh (the sm_90a matmul's shared-memory layout,
-// wgmma descriptors and accumulator map) for tests/test_cuda_sm90_host.py, plus a replay of the
-// kernel's loops (csrc/cuda/matmul_sm90.cu: grid walk, split loop, BLOCK_K steps, k16
+// wgmma descriptors and accumulator map) for tests/cuda/test_cuda_sm90_host.py, plus a replay of
+// the kernel's loops (csrc/cuda/matmul_sm90.cu: grid walk, split loop, BLOCK_K steps, k16
 // instructions) that records the k sequence one output element meets.
 #include "../../../csrc/cuda/matmul_sm90_plan.cuh"
 

@@ -8,7 +8,7 @@ size only and never changes a bit: SPREAD (few output tiles, i.e. decode-sized M
 per (tile, split) writes fp32 partials, ``bik_matmul_reduce`` folds them) or FOLD (one program
 per tile computes the splits one after another, each into a fresh accumulator).
 On compute capability 9.0 with ``BIK_CUDA_SM90A=1`` the 16-bit kernels are the opt-in wgmma
-ones of csrc/cuda/matmul_sm90.cu (same contract, same plan, same reduce; not yet GPU-tested).
+ones of csrc/cuda/matmul_sm90.cu (same contract, same plan, same reduce).
 """
 
 from __future__ import annotations

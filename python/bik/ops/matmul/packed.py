@@ -5,7 +5,7 @@ The CPU kernel runs SIMD lanes across N, so it reads B in panels of ``nrw`` colu
 every call. At decode sizes that transpose costs more than the product. :class:`PackedWeight`
 writes the panels once (csrc/cpu ``matmul_pack_b``, the kernel's own packing routine) and the
 kernel reads them in place: the micro kernel sees the same values in the same order, so the
-result is ``bik.linear(x, weight, bias)`` bit for bit (tests/ops/test_packed_weight.py).
+result is ``bik.linear(x, weight, bias)`` bit for bit (tests/matmul/test_packed_weight.py).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def _checks_values(max_top_k) -> bool:
     return max_top_k is None or debug_checks()
 
 
-# ---- the two backends ------------------------------------------------------------------------
+# ---- the impls: each backend (triton, cpu, cuda) through the (op, backend) table ----------
 
 def greedy_limit(temperature: torch.Tensor) -> torch.Tensor:
     """The contract's greedy limit: a temperature below SAMPLER_GREEDY_BELOW becomes 0, for every
