@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from bik.mode import _native
+from bik.ops.matmul import native as _native
 from bik.ops._direct import direct_ok
 from bik.ops._registry import launcher
 from bik.ops.matmul.op import run_bmm, run_matmul

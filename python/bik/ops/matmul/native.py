@@ -1,7 +1,9 @@
-"""bik's C++ dispatcher kernels (csrc/aten/dispatch_cpu.cpp, ``torch.ops.bik_aten``), made
-ready once per process for the front ends: loaded (built at first use by
+"""bik's C++ dispatcher kernels for mm / addmm / bmm on the CPU (csrc/aten/dispatch_cpu.cpp,
+``torch.ops.bik_aten``), made ready once per process: loaded (built at first use by
 bik.runtime.aten_ext), handed bik._cpu_kernels' matmul entry point, and given the fake kernels
-torch.compile traces the compiled mode's ops with.
+torch.compile traces them with. ``bik.enable()`` installs them over aten's CPU kernels; a graph
+compiled with grad off calls :func:`matmul` / :func:`bmm`'s op where it would call bik::matmul /
+bmm on the CPU backend (the route chooser, ops/_call.py).
 
 ``BIK_ENABLE_NATIVE=0`` keeps every front end on its Python kernels: ``bik.enable()`` reads it
 when called; a graph compiled with grad off reads it when traced (a graph compiled earlier keeps
@@ -20,7 +22,7 @@ import torch
 from bik import configs
 from bik.runtime import aten_ext, cpu_ext
 
-__all__ = ["ready"]
+__all__ = ["bmm", "matmul", "ready"]
 
 
 @torch.compiler.assume_constant_result  # asked while Dynamo traces a handler: a constant
@@ -63,3 +65,13 @@ def _register_fakes() -> None:
     @torch.library.register_fake("bik_aten::bmm")
     def _bmm(a, b, out_dtype):
         return torch.ops.bik.bmm(a, b, out_dtype, "cpu")
+
+
+def matmul():
+    """``bik_aten::matmul`` (bik::matmul's arguments without the backend) when ready."""
+    return torch.ops.bik_aten.matmul if ready() else None
+
+
+def bmm():
+    """``bik_aten::bmm`` when ready."""
+    return torch.ops.bik_aten.bmm if ready() else None
