@@ -3,7 +3,7 @@
 bik.runtime.aten_ext), handed bik._cpu_kernels' matmul entry point, and given the fake kernels
 torch.compile traces them with. ``bik.enable()`` installs them over aten's CPU kernels; a graph
 compiled with grad off calls :func:`matmul` / :func:`bmm`'s op where it would call bik::matmul /
-bmm on the CPU backend (the route chooser, ops/_call.py).
+bmm on the CPU backend.
 
 ``BIK_ENABLE_NATIVE=0`` keeps every front end on its Python kernels: ``bik.enable()`` reads it
 when called; a graph compiled with grad off reads it when traced (a graph compiled earlier keeps
