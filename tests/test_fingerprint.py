@@ -1,7 +1,11 @@
-"""bik.fingerprint(): stable for unchanged inputs, changed by any config-table change."""
+"""bik.fingerprint(): stable for unchanged inputs, changed by any config-table change and by
+any edit to a package file that is not excluded with its reason (fingerprint.EXCLUDED)."""
 
 import dataclasses
+import functools
 import importlib
+import shutil
+from pathlib import Path
 
 import bik
 import pytest
@@ -43,29 +47,84 @@ def test_configs_never_see_m():
                                                                            "arch"]
 
 
-def test_every_kernel_and_op_source_is_hashed():
-    fp_mod = importlib.import_module("bik.fingerprint")  # bik.fingerprint is the function
+def _fp_module():
+    return importlib.import_module("bik.fingerprint")  # bik.fingerprint is the function
 
-    hashed = {p.relative_to(fp_mod._PKG).as_posix() for p in fp_mod.numeric_sources()}
+
+def _package_copy(tmp_path: Path) -> Path:
+    """The package's .py files under tmp_path/bik: a tree the tests may edit (the real package
+    stays untouched, so parallel test processes never see a stray module)."""
+    pkg = _fp_module()._PKG
+    root = tmp_path / "bik"
+    for src in pkg.rglob("*.py"):
+        if "__pycache__" not in src.parts:
+            dst = root / src.relative_to(pkg)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+    return root
+
+
+def test_every_package_file_is_hashed_or_excluded_with_a_reason():
+    """Read from the disk, not from numeric_sources: a module in neither set fails here."""
+    fp_mod = _fp_module()
     pkg = fp_mod._PKG
-    expected = {p.relative_to(pkg).as_posix() for p in
-                [*pkg.glob("ops/*/*.py"), *pkg.glob("ops/*.py"), *pkg.glob("runtime/*.py"),
-                 pkg / "configs.py", pkg / "_dtypes.py", pkg / "_arch.py"]
-                if p.name != "reference.py"}  # the contract for tests: runs no kernel
-    assert expected <= hashed
-    assert not any(p.endswith("reference.py") for p in hashed)
+
+    def rel(paths):
+        return {p.relative_to(pkg).as_posix() for p in paths}
+
+    on_disk = rel(p for p in pkg.rglob("*.py") if "__pycache__" not in p.parts)
+    hashed, excluded = rel(fp_mod.numeric_sources()), rel(fp_mod.excluded_sources())
+    assert not hashed & excluded
+    assert on_disk - hashed - excluded == set(), "neither hashed nor excluded"
+    for pattern, reason in fp_mod.EXCLUDED.items():
+        assert reason.strip() and list(pkg.glob(pattern)), f"{pattern}: stale or unexplained"
+    for must in ("configs.py", "_arch.py", "_dtypes.py", "ops/_pointwise.py",
+                 "ops/matmul/cpu.py", "runtime/cpu_ext.py", "mode/_routes.py",
+                 "mode/_grad_routes.py", "distributed/sampling.py", "dvr/model.py",
+                 "dvr/reference.py", "integrations/vllm/sampler.py", "models/smollm2.py"):
+        assert must in hashed, must
+    assert not any(p.startswith(("cli/", "testing/")) for p in hashed)
+    assert not any(p.startswith("ops/") and p.endswith("/reference.py") for p in hashed)
 
 
-def test_source_change_changes_fingerprint(monkeypatch, tmp_path):
-    fp_mod = importlib.import_module("bik.fingerprint")  # bik.fingerprint is the function
+def test_the_hash_follows_the_package_tree(tmp_path):
+    """Paths are relative to the package root: a copy of the package hashes the same."""
+    fp_mod = _fp_module()
+    assert fp_mod.source_hash(_package_copy(tmp_path)) == fp_mod.source_hash()
 
-    src = tmp_path / "kernel.py"
-    src.write_text("BLOCK = 64\n")
-    monkeypatch.setattr(fp_mod, "numeric_sources", lambda: [src])
-    monkeypatch.setattr(fp_mod, "_PKG", tmp_path)
-    before = bik.fingerprint("cpu").digest
-    src.write_text("BLOCK = 32\n")
-    assert bik.fingerprint("cpu").digest != before
+
+def test_a_new_module_under_mode_changes_the_hash_and_the_digest(tmp_path, monkeypatch):
+    """Negative control: mode/ was not hashed once; any new module anywhere that is not
+    excluded changes the source hash, and through it the digest."""
+    fp_mod = _fp_module()
+    root = _package_copy(tmp_path)
+    monkeypatch.setattr(fp_mod, "source_hash", functools.partial(fp_mod.source_hash, root))
+    before = bik.fingerprint("cpu")
+    (root / "mode" / "_new_route.py").write_text("SCALE = 2.0\n")
+    after = bik.fingerprint("cpu")
+    assert after.source_hash != before.source_hash and after.digest != before.digest
+
+
+@pytest.mark.parametrize("edit", ["dvr/model.py", "distributed/sampling.py",
+                                  "integrations/vllm/sampler.py", "ops/_pointwise.py"])
+def test_an_edit_outside_ops_changes_the_hash(tmp_path, edit):
+    fp_mod = _fp_module()
+    root = _package_copy(tmp_path)
+    before = fp_mod.source_hash(root)
+    with (root / edit).open("a") as f:
+        f.write("# edited\n")
+    assert fp_mod.source_hash(root) != before
+
+
+@pytest.mark.parametrize("edit", ["cli/main.py", "cli/bench/new_bench.py", "testing/harness.py",
+                                  "ops/matmul/reference.py", "__main__.py"])
+def test_an_excluded_file_changes_nothing(tmp_path, edit):
+    fp_mod = _fp_module()
+    root = _package_copy(tmp_path)
+    before = fp_mod.source_hash(root)
+    with (root / edit).open("a") as f:
+        f.write("# edited\n")
+    assert fp_mod.source_hash(root) == before
 
 
 def test_cpu_extension_carries_its_source_hash():

@@ -2,6 +2,9 @@
 
 * Imports point down: cli -> dvr, testing, integrations -> models -> distributed -> bik -> mode -> ops/<op>/op.py -> ops/<op>/<backend>.py
   -> configs, runtime -> _arch, _dtypes. Lazy imports inside functions count.
+* No import cycles, within a layer too (lazy imports count: a lazy import hides a cycle from
+  Python's loader, not from the reader). Modules that need each other's helpers share a module
+  below both instead.
 * runtime/ knows no op: it imports nothing of bik but _arch and _dtypes.
 * An op's slice never imports another op's modules (it calls the public torch.ops.bik op).
 * An op's reference.py (its contract in torch) is imported by tests only.
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+from collections import deque
 from pathlib import Path
 
 import bik
@@ -23,7 +27,8 @@ PKG = Path(bik.__file__).resolve().parent
 LAYERS = [
     ("bik._arch", "bik._dtypes", "bik._cpu_kernels"),
     ("bik.configs", "bik.runtime"),
-    ("bik.ops._registry", "bik.ops._checks", "bik.ops._pointwise"),
+    ("bik.ops._registry", "bik.ops._checks", "bik.ops._pointwise", "bik.ops._define",
+     "bik.ops._call"),
     ("bik.ops.*.<backend>",),  # an op's backend modules and their private helpers
     ("bik.ops.*.op", "bik.ops.*.backward", "bik.ops.*", "bik.ops", "bik.fingerprint"),
     ("bik.mode",),
@@ -33,7 +38,7 @@ LAYERS = [
     ("bik.dvr", "bik.testing", "bik.integrations"),
     ("bik.cli", "bik.__main__"),
 ]
-_OP_TOP = {"op", "backward"}  # the modules of a slice that define and register the op
+_OP_TOP = {"op", "backward", "kv_cache"}  # the modules of a slice that declare its ops
 
 
 def _module_name(path: Path) -> str:
@@ -92,6 +97,120 @@ def test_imports_point_down(name):
     upward = [f"line {line}: {target}" for src, line, target in EDGES
               if src == name and _layer(target) > _layer(name)]
     assert not upward, f"{name} imports upward: {upward}"
+
+
+def _import_graph(edges) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for src, _, target in edges:
+        graph.setdefault(src, set()).add(target)
+    return graph
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules start imports through one or more edges (itself if it is on a cycle)."""
+    seen: set[str] = set()
+    todo = list(graph.get(start, ()))
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += graph.get(name, ())
+    return seen
+
+
+def _shortest_cycle(graph: dict[str, set[str]], start: str) -> list[str]:
+    """A shortest import path from start back to start (breadth first): [start, ..., start]."""
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        name = queue.popleft()
+        for target in sorted(graph.get(name, ())):
+            if target == start:
+                path = [name]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return [*reversed(path), start]
+            if target not in parent:
+                parent[target] = name
+                queue.append(target)
+    raise AssertionError(f"{start} is on no cycle")
+
+
+def import_cycles(edges) -> list[tuple[frozenset[str], list[str]]]:
+    """Each group of modules that import each other (a strongly connected component of the
+    import graph, by mutual reachability: the graph is small) with a shortest cycle through
+    its first module, written [a, b, ..., a]."""
+    graph = _import_graph(edges)
+    reach = {name: _reachable(graph, name) for name in graph}
+    found, covered = [], set()
+    for name in sorted(graph):
+        if name in reach[name] and name not in covered:
+            group = frozenset(other for other in reach[name] if name in reach.get(other, ()))
+            covered |= group
+            found.append((group, _shortest_cycle(graph, name)))
+    return found
+
+
+def _describe(group: frozenset[str], cycle: list[str], edges) -> str:
+    line = {(src, target): n for src, n, target in edges}
+    steps = [f"{a} (line {line[a, b]})" for a, b in zip(cycle, cycle[1:])]
+    return " -> ".join([*steps, cycle[-1]]) + f"  [the group: {', '.join(sorted(group))}]"
+
+
+# Cycles that predate the check, each to be broken (then deleted here: the test below fails
+# once one is gone). vllm/attention.py's install() imports attention_cuda.py, which imports
+# attention.py's mixin.
+KNOWN_CYCLES = {frozenset({"bik.integrations.vllm.attention",
+                           "bik.integrations.vllm.attention_cuda"})}
+
+
+def test_no_import_cycles():
+    cycles = [(g, c) for g, c in import_cycles(EDGES) if g not in KNOWN_CYCLES]
+    assert not cycles, "import cycles:\n" + "\n".join(_describe(g, c, EDGES) for g, c in cycles)
+
+
+def test_known_cycles_are_still_cycles():
+    found = {group for group, _ in import_cycles(EDGES)}
+    assert KNOWN_CYCLES <= found, f"broken, delete from KNOWN_CYCLES: {KNOWN_CYCLES - found}"
+
+
+def test_the_cycle_check_sees_a_cycle_through_lazy_imports():
+    """The Triton sampler's old layout: triton.py imported its two statistics modules inside a
+    function, and both imported triton.py's helpers at their top."""
+    pkg = "bik.ops.sampling"
+    edges = [(f"{pkg}.triton", 311, f"{pkg}.triton_groups"),
+             (f"{pkg}.triton", 316, f"{pkg}.triton_top_p"),
+             (f"{pkg}.triton_groups", 27, f"{pkg}.triton"),
+             (f"{pkg}.triton_top_p", 44, f"{pkg}.triton"),
+             (f"{pkg}.triton_top_p", 278, f"{pkg}.triton_groups"),
+             (f"{pkg}.op", 20, f"{pkg}.noise")]
+    [(group, cycle)] = import_cycles(edges)
+    assert group == {f"{pkg}.triton", f"{pkg}.triton_groups", f"{pkg}.triton_top_p"}
+    assert _describe(group, cycle, edges).startswith(
+        f"{pkg}.triton (line 311) -> {pkg}.triton_groups (line 27) -> {pkg}.triton  [the group")
+    assert import_cycles([e for e in edges if e[0] != f"{pkg}.triton"]) == []
+
+
+_BACKEND_MODULES = {"triton", "cpu", "cuda"}
+
+
+def test_only_ops_reach_a_backend():
+    """Every front end (the public functions, the mode, bik.enable(), distributed, the vLLM
+    plugin, the CLI) reaches a kernel through ops/_call.py or an op's own function, so a route
+    is chosen in one place: nothing outside bik.ops imports a backend module of a slice or the
+    table's launcher / implementation."""
+    bad = [(src, line, target) for src, line, target in EDGES
+           if not src.startswith("bik.ops") and target.startswith("bik.ops.")
+           and target.split(".")[-1] in _BACKEND_MODULES]
+    for path in PKG.rglob("*.py"):
+        name = _module_name(path)
+        if name.startswith("bik.ops"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "bik.ops._registry":
+                bad += [(name, node.lineno, f"_registry.{a.name}") for a in node.names
+                        if a.name in ("launcher", "implementation")]
+    assert not bad, f"front ends reaching past the route chooser: {bad}"
 
 
 def test_runtime_knows_no_op():

@@ -13,11 +13,13 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import bik
 import pytest
 import torch
 import torch.nn.functional as F
+from bik.ops._define import DECLARED
 from bik.ops._registry import BACKENDS, TABLE, BackendUnavailableError, backend_doc
 from bik.runtime import cpu_ext
 
@@ -33,13 +35,56 @@ def test_every_registered_op_has_a_row_and_every_row_is_registered():
     assert registered == set(TABLE)
 
 
+def test_every_op_is_declared_once_with_its_schema():
+    """ops/_define.py's record is what the route chooser reads: one per row, its argument names
+    the registered schema's."""
+    assert set(DECLARED) == set(TABLE)
+    for op, decl in DECLARED.items():
+        schema = getattr(torch.ops.bik, op).default._schema
+        assert decl.arguments == tuple(a.name for a in schema.arguments), op
+        assert (decl.backend_at is None) == (not TABLE[op].backends), op
+
+
+def _signature(fn) -> tuple[tuple, dict]:
+    """(the positional parameters and the required keyword-only ones, {optional keyword-only
+    parameter: its default})."""
+    params = inspect.signature(fn).parameters.values()
+    required = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY,
+                     p.POSITIONAL_OR_KEYWORD) or (p.kind == p.KEYWORD_ONLY
+                                                  and p.default is p.empty))
+    optional = {p.name: p.default for p in params
+                if p.kind == p.KEYWORD_ONLY and p.default is not p.empty}
+    return required, optional
+
+
 @pytest.mark.parametrize("op", WITH_BACKEND)
 def test_every_listed_pair_has_its_entry_point(op):
+    """Each backend's entry takes the same required arguments (the op's comment in op.py
+    declares them); optional keyword-only knobs (a layer's tables, a split, speed) default to
+    None."""
     row = TABLE[op]
     assert set(row.backends) <= set(BACKENDS)
+    signatures = {}
     for backend, module in row.backends.items():
         entry = getattr(importlib.import_module(module), row.entry, None)
         assert callable(entry), f"{module}.{row.entry} ({op}, {backend})"
+        required, optional = _signature(entry)
+        signatures[backend] = required
+        assert all(default is None for default in optional.values()), \
+            f"{module}.{row.entry}: optional keywords {optional} must default to None"
+    assert len(set(signatures.values())) == 1, signatures
+
+
+def test_the_signature_check_sees_a_mismatch():
+    def launch_a(x, out, *, log, split=None):
+        pass
+
+    def launch_b(x, out, log):
+        pass
+
+    assert _signature(launch_a) == (("x", "out", "log"), {"split": None})
+    assert _signature(launch_b)[0] == ("x", "out", "log")
+    assert _signature(lambda x, out, *, log=False: None)[1] == {"log": False}
 
 
 @pytest.mark.parametrize("op", WITH_BACKEND)

@@ -6,6 +6,9 @@ is the GPU's. On a CPU machine run it with TRITON_INTERPRET=1 (about a minute a 
     TRITON_INTERPRET=1 .venv/bin/python tools/top_p_passes.py OUT.json [--rows-per-prompt N]
 
 Each row's cut is also checked against reference.top_p_cut (the contract read literally).
+:func:`top_p_cut` (the search alone, on given logits) is also what
+tests/sampling/test_sampling_top_p_search.py runs; it lives here, not in the shipped package,
+because only this tool and the tests call it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ import platform
 import time
 
 import torch
+from bik._arch import device_arch
+from bik.configs import sampler_chunks, sampling_config
+from bik.ops.sampling.triton_common import NO_FUSION, _chunks_per_tile
+from bik.ops.sampling.triton_groups import launch_group_max
+from bik.ops.sampling.triton_top_p import TOP_P_PASSES, launch_top_p_stats
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a small village,", "The three laws of thermodynamics state that",
@@ -23,11 +31,31 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):",
 SETTINGS = ((0.7, 0.9), (1.0, 0.9), (1.0, 0.95))  # (temperature, top_p)
 
 
+def top_p_cut(logits: torch.Tensor, top_p: float, *, passes: int = TOP_P_PASSES):
+    """(v_p, bik_log of the kept mass, passes taken) per row of fp32 logits [B, V] at T = 1,
+    top-k and min-p off; ``passes`` below TOP_P_PASSES cuts the search short (a control)."""
+    b, v = logits.shape
+    dev = logits.device
+    cfg = sampling_config(device_arch(dev))
+    groups, chunk = sampler_chunks(v)
+    m, v_p, log_s = (torch.empty(b, dtype=torch.float32, device=dev) for _ in range(3))
+    bad = torch.empty(b, dtype=torch.int32, device=dev)
+    ones = torch.ones(b, dtype=torch.float32, device=dev)
+    temp, vk = ones, torch.full_like(ones, float("-inf"))
+    ik = torch.full((b,), v, dtype=torch.int32, device=dev)
+    gmax, gbad = launch_group_max(logits, temp, vk, ik, groups=groups, block=cfg.block,
+                                  num_warps=cfg.num_warps, options=NO_FUSION)
+    taken = launch_top_p_stats(logits, temp, vk, ik, ones * top_p,
+                               torch.full_like(ones, float("-inf")), gmax, gbad, m, v_p,
+                               log_s, bad, groups=groups, chunk=chunk,
+                               nch=_chunks_per_tile(device_arch(dev), chunk),
+                               num_warps=cfg.num_warps, options=NO_FUSION, passes=passes)
+    return v_p, log_s, taken
+
+
 def main() -> None:
-    from bik.configs import sampler_chunks
     from bik.models.smollm2 import load
     from bik.ops.sampling import reference
-    from bik.ops.sampling.triton_top_p import TOP_P_PASSES, top_p_cut
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")

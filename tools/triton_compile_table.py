@@ -183,7 +183,8 @@ def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
     every logits dtype and vocabulary, compiled exactly as launched (no fp fusion), so their PTX
     can be checked for approximations."""
     from bik.configs import sampler_chunks, sampling_config
-    from bik.ops.sampling.triton import NO_FUSION, _chunks_per_tile, gumbel_pick_kernel
+    from bik.ops.sampling.triton import gumbel_pick_kernel
+    from bik.ops.sampling.triton_common import NO_FUSION, _chunks_per_tile
     from bik.ops.sampling.triton_groups import group_mass_kernel, group_max_kernel
     from bik.ops.sampling.triton_top_p import (
         TOP_P_CANDIDATES,

@@ -7,7 +7,7 @@
 //   the shapes torch accepts, nonempty, no dispatch mode to observe the call) and hands every
 //   other call to the Python kernel bik.enable() registered on bik_enable::<op> (aten's
 //   schema), which serves it or gives it to the original kernel, with torch's own errors.
-// * batch_invariant_mode() under torch.compile with grad off (mode/_kernels.py) puts
+// * batch_invariant_mode() under torch.compile with grad off (ops/_call.py) puts
 //   bik_aten::matmul / bik_aten::bmm in the graph: bik::matmul / bik::bmm on the CPU backend
 //   without their Python impl and autograd wrapper; any call they do not serve is bik's op.
 //

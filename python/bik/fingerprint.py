@@ -1,9 +1,10 @@
 """bik.fingerprint(): everything that decides the bits bik produces, and one digest of it.
 
 Promise: for an unchanged fingerprint digest, every bik op returns the same bits for the same
-inputs. The digest covers the kernel config tables, the source of every kernel and config
-file, the backend each op takes on the device, the device arch and the bik / torch / triton
-versions. Pin it in RL and evaluation runs: when it changes, re-baseline.
+inputs. The digest covers the kernel config tables, the source of every module of the package
+that can decide a bit (all of them but the few :data:`EXCLUDED` names with their reason), the
+backend each op takes on the device, the device arch and the bik / torch / triton versions.
+Pin it in RL and evaluation runs: when it changes, re-baseline.
 """
 
 from __future__ import annotations
@@ -20,24 +21,57 @@ from bik._arch import device_arch
 from bik.configs import config_table
 from bik.ops._registry import TABLE, resolve_backend
 
-__all__ = ["OPS", "Fingerprint", "fingerprint"]
+__all__ = ["EXCLUDED", "OPS", "Fingerprint", "excluded_sources", "fingerprint",
+           "numeric_sources", "source_hash"]
 
 # Every op of the (op, backend) table that takes a backend: the one it resolves to is hashed.
 OPS = tuple(op for op, row in TABLE.items() if row.backends)
 
 _PKG = Path(__file__).resolve().parent
-# Everything whose content can decide numerics: configs, backend choice, the ops layer (upcasts,
-# bias and residual rounding) and every kernel launcher. The C++ sources are covered by the
-# hash the extension was compiled with (setup.py), so installed wheels are covered too; the CUDA
-# C++ sources (csrc/cuda, shipped as bik/_cuda_src) by their own hash.
-_NUMERIC_GLOBS = ("configs.py", "_arch.py", "_dtypes.py", "ops/*.py", "ops/*/*.py",
-                  "runtime/*.py")
+
+# Every .py file of the package is hashed unless it is named here: a new module is covered the
+# day it is written (mode/, dvr/, distributed/, integrations/ and models/ all decide bits of
+# what their users get back). A file is left out only when no result a user keeps can depend
+# on it; the reason says why. Patterns are globs relative to the package root.
+EXCLUDED = {
+    "__main__.py": "runs the command line (cli/)",
+    "cli/**/*.py": "the `bik` command: prints, benches and demos; the numbers it shows come "
+                   "from the hashed modules",
+    "testing/**/*.py": "the invariance harness, its suites and its batch-dependent controls: "
+                       "it judges bits and returns none a user's run keeps",
+    "ops/*/reference.py": "each op's contract written literally in torch, imported by the "
+                          "tests only (tests/test_house_rules.py)",
+    "fingerprint.py": "this module: it describes the bits and decides none",
+}
+# The C++ sources are covered by the hash the extension was compiled with (setup.py), so
+# installed wheels are covered too; the CUDA C++ sources (csrc/cuda, shipped as bik/_cuda_src)
+# and the dispatcher kernels (csrc/aten) by their own hashes.
 
 
-def numeric_sources() -> list[Path]:
-    """The files hashed; an op's reference.py (the contract for tests) runs no kernel."""
-    return sorted({p for pattern in _NUMERIC_GLOBS for p in _PKG.glob(pattern)
-                   if p.name != "reference.py"})
+def _package_files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*.py") if "__pycache__" not in p.parts}
+
+
+def excluded_sources(root: Path = _PKG) -> list[Path]:
+    """The package's .py files that :data:`EXCLUDED` leaves out of the hash."""
+    return sorted({p for pattern in EXCLUDED for p in root.glob(pattern)} & _package_files(root))
+
+
+def numeric_sources(root: Path = _PKG) -> list[Path]:
+    """The files hashed: every .py file under ``root`` (the package) but the excluded ones."""
+    return sorted(_package_files(root) - set(excluded_sources(root)))
+
+
+def source_hash(root: Path = _PKG) -> str:
+    """Hash of the Python sources under ``root``, each under its path relative to ``root``:
+    moving a file changes it, though no bit changes."""
+    h = hashlib.sha256()
+    for path in numeric_sources(root):
+        data = path.read_bytes()
+        # path and length first: no file's end can pass for the next file's start
+        h.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
 
 
 class Fingerprint(NamedTuple):
@@ -59,20 +93,14 @@ def _version(dist: str) -> str:
         return "absent"
 
 
-def _source_hash() -> str:
-    from bik.runtime import cpu_ext
+def _all_sources_hash() -> str:
+    """The Python sources and the compiled C++ sources, as one hash."""
+    from bik.runtime import aten_ext, cpu_ext, cuda_jit
 
-    h = hashlib.sha256()
-    for path in numeric_sources():
-        h.update(path.relative_to(_PKG).as_posix().encode())
-        h.update(path.read_bytes())
+    h = hashlib.sha256(source_hash().encode())
     h.update(str(cpu_ext.source_hash()).encode())
-    from bik.runtime import cuda_jit  # the CUDA C++ sources (csrc/cuda), as the JIT sees them
-
-    h.update(cuda_jit.sources_hash().encode())
-    from bik.runtime import aten_ext  # bik.enable()'s C++ kernels (csrc/aten)
-
-    h.update(aten_ext.source_hash().encode())
+    h.update(cuda_jit.sources_hash().encode())  # csrc/cuda, as the JIT sees them
+    h.update(aten_ext.source_hash().encode())  # bik.enable()'s C++ kernels (csrc/aten)
     return h.hexdigest()[:16]
 
 
@@ -102,12 +130,13 @@ def fingerprint(device: torch.device | str | None = None) -> Fingerprint:
 
     versions = {"bik": _version("bik"), "torch": torch.__version__, "triton": _version("triton"),
                 "cpu_contract": cpu_ext.contract_version()}
-    payload = json.dumps([arch, backends, config_hash, _source_hash(), versions], sort_keys=True)
+    sources = _all_sources_hash()
+    payload = json.dumps([arch, backends, config_hash, sources, versions], sort_keys=True)
     return Fingerprint(
         digest=hashlib.sha256(payload.encode()).hexdigest()[:16],
         arch=arch,
         backends=backends,
         config_hash=config_hash,
-        source_hash=_source_hash(),
+        source_hash=sources,
         versions=versions,
     )

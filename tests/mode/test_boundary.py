@@ -1,11 +1,11 @@
-"""When the front ends and bik's public functions skip torch.ops.bik (ops/_direct.py), and that
+"""When the front ends and bik's public functions skip torch.ops.bik (ops/_call.py), and that
 they stay correct when they do not: the direct path must never hide an op from a tracer, a
 fake tensor, another dispatch mode, or autograd."""
 
 import bik
 import pytest
 import torch
-from bik.ops._direct import direct_ok
+from bik.ops._call import direct_ok
 from bik.runtime import cpu_ext
 from bik.testing import same_bits
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -59,7 +59,7 @@ def test_below_an_override_requires_grad_inputs_go_direct(gen):
 
     x = torch.randn(3, 8, generator=gen)
     w = torch.randn(5, 8, generator=gen, requires_grad=True)
-    import bik.mode._kernels as kernels
+    import bik.ops._call as kernels
 
     kernels.direct_ok, saved = spy, kernels.direct_ok
     try:

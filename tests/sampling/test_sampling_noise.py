@@ -2,8 +2,9 @@
 
 Targets: the CPU backend (csrc/cpu/sampling.h, elementwise through bik/ops/sampling/cpu.py) and
 the Triton kernels run on the CPU by TRITON_INTERPRET=1 (their own process), through the
-elementwise test kernel ``run_noise_part``. On each: Philox4x32-10 gives Random123's published
-known answers (Triton also the CPU's words on random inputs); the Gumbel map over all 2^23 u the
+elementwise test kernel ``run_noise_part`` (sampling_test_kernels.py). On each: Philox4x32-10
+gives Random123's published known answers (Triton also the CPU's words on random inputs); the
+Gumbel map over all 2^23 u the
 sampler can draw is finite, monotone, within [G_MIN, G_MAX] and within 1e-6 of fp64 (Triton:
 bit-identical to the CPU's); bik_log is within 2 ulp of fp64 and gives the bits of its torch
 replica bik_log_torch, which min-p uses on every backend (Triton: and the CPU's). The pick skips
@@ -48,7 +49,7 @@ def _noise_part(target, fn: str, x: torch.Tensor) -> torch.Tensor:
         if fn == "philox":
             return cpu_sampling.philox4x32_10(x[:, :4], x[:, 4:])
         return {"log": cpu_sampling.bik_log, "gumbel": cpu_sampling.gumbel_from_unit}[fn](x)
-    from bik.ops.sampling.triton import run_noise_part
+    from sampling_test_kernels import run_noise_part
 
     return run_noise_part(fn, x, x.shape[0])
 

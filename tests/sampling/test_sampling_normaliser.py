@@ -3,14 +3,14 @@ vocabulary-chunk summation order, on each backend this machine runs.
 
 Targets: the CPU backend (csrc/cpu/sampling.h through bik/ops/sampling/cpu.py) and the Triton
 kernels under TRITON_INTERPRET=1 (their own process), through test entry points that run the
-kernels' own code: ``run_noise_part("exp")`` and ``vocab_sum`` (the stats kernel's
-``_vocab_mass`` on given terms). On each: bik_exp is within 1 ulp of fp64, 0 below -86, and gives
-the bits of its torch replica; vocab_sum gives the bits of the literal transcription in
-bik/ops/sampling/reference.py for vocabularies with one group and with TP_max groups, with whole
-and ragged chunks, and a rank holding whole groups computes their totals alone. A flat sum and
-torch.sum give other bits on the same terms (the order is what the tests pin). The sampler's
-logprobs are the literal contract's bits (reference.logprob), and a top-p row's kept set is
-the largest v whose mass, in this order, reaches top_p * S.
+kernels' own code (sampling_test_kernels.py): ``run_noise_part("exp")`` and ``vocab_sum`` (the
+stats kernels' ``group_mass`` on given terms). On each: bik_exp is within 1 ulp of fp64, 0 below
+-86, and gives the bits of its torch replica; vocab_sum gives the bits of the literal
+transcription in bik/ops/sampling/reference.py for vocabularies with one group and with TP_max
+groups, with whole and ragged chunks, and a rank holding whole groups computes their totals
+alone. A flat sum and torch.sum give other bits on the same terms (the order is what the tests
+pin). The sampler's logprobs are the literal contract's bits (reference.logprob), and a top-p
+row's kept set is the largest v whose mass, in this order, reaches top_p * S.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 def _exp(target, x: torch.Tensor) -> torch.Tensor:
     if target.backend == "cpu":
         return cpu_sampling.bik_exp(x)
-    from bik.ops.sampling.triton import run_noise_part
+    from sampling_test_kernels import run_noise_part
 
     return run_noise_part("exp", x, x.shape[0])
 
@@ -40,9 +40,9 @@ def _exp(target, x: torch.Tensor) -> torch.Tensor:
 def _vocab_sum(target, terms: torch.Tensor) -> torch.Tensor:
     if target.backend == "cpu":
         return cpu_sampling.vocab_sum(terms)
-    from bik.ops.sampling import triton as triton_sampling
+    from sampling_test_kernels import vocab_sum
 
-    return triton_sampling.vocab_sum(terms)
+    return vocab_sum(terms)
 
 
 def _spread_terms(gen, rows: int, v: int) -> torch.Tensor:

@@ -25,7 +25,8 @@ V = 2000  # 8 normaliser groups of 250 tokens
 
 def _search(target, logits: torch.Tensor, top_p: float, passes: int | None = None):
     """(v_p, log of the kept mass, passes taken) from the kernel on the target's device."""
-    from bik.ops.sampling.triton_top_p import TOP_P_PASSES, top_p_cut
+    from bik.ops.sampling.triton_top_p import TOP_P_PASSES
+    from top_p_passes import top_p_cut  # tools/: the search alone, on given logits
 
     out = top_p_cut(logits.to(target.device), top_p, passes=passes or TOP_P_PASSES)
     return tuple(t.cpu() for t in out)

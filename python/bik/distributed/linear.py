@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from bik.configs import MATMUL_GROUP_ALIGN, MATMUL_TP_MAX, matmul_split
 from bik.distributed._meta import describe, gather_and_check, group_size_rank
-from bik.ops._registry import launcher, resolve_backend
+from bik.ops._registry import resolve_backend
+from bik.ops.matmul.op import matmul_shard
 
 __all__ = ["column_parallel_linear", "row_parallel_linear"]
 
@@ -73,7 +74,7 @@ def _product_fp32(backend, x2, weight, layer, groups: int) -> torch.Tensor:
     a = x2.unflatten(1, (groups, glen)).permute(1, 0, 2)  # [groups, rows, glen]
     b = weight.unflatten(1, (groups, glen)).permute(1, 2, 0)  # [groups, glen, N]
     out = torch.empty(groups, rows, weight.shape[0], dtype=torch.float32, device=x2.device)
-    launcher("matmul", backend, x2.device)(a, b, None, out, layer=layer)
+    matmul_shard(a, b, None, out, layer=layer, backend=backend)
     return out
 
 
@@ -153,8 +154,8 @@ def column_parallel_linear(x: torch.Tensor, weight_shard: torch.Tensor,
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     out = torch.empty(1, x2.shape[0], n_shard, dtype=out_dtype, device=x.device)
-    launcher("matmul", backend, x.device)(x2[None], weight_shard.t()[None], bias_shard, out,
-                                          layer=layer)
+    matmul_shard(x2[None], weight_shard.t()[None], bias_shard, out, layer=layer,
+                 backend=backend)
     out = out[0]
     if gather_output and size > 1:
         parts = [torch.empty_like(out) for _ in range(size)]

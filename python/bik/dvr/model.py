@@ -5,10 +5,10 @@ windows of several sequences, described by a :class:`~bik.dvr.step.Step`) and wr
 tokens' K/V into a paged :class:`~bik.dvr.step.KVCache`. Reductions (matmuls, RMSNorm,
 attention) go through ``kernels``; everything else is elementwise or a gather, chosen so that a
 token's bits never depend on its batch: the embedding is a gather, RoPE reads a position-indexed
-table (bik.dvr.rope), and SwiGLU is built from exp (vectorised on every element, tail included)
-and correctly rounded arithmetic instead of torch's silu (whose scalar tail rounds differently
-from its vector body on the CPU). With :class:`~bik.dvr.kernels.BikKernels` a token's logits are
-therefore bitwise independent of the batch, the chunking and the cache layout.
+table (bik.dvr.rope), and SwiGLU's silu is bik's (ops/_pointwise.py) instead of torch's
+(whose scalar tail rounds differently from its vector body on the CPU). With
+:class:`~bik.dvr.kernels.BikKernels` a token's logits are therefore bitwise independent of the
+batch, the chunking and the cache layout.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from bik.dvr.config import LlamaConfig, llama_1b_config
 from bik.dvr.kernels import Kernels
 from bik.dvr.rope import RopeTable, apply_rope
 from bik.dvr.step import KVCache, Step
+from bik.ops._pointwise import silu_f32
 
 __all__ = [
     "LlamaConfig",
@@ -50,13 +51,11 @@ class LayerWeights:
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [T, 2I] = [gate | up], computed in fp32, returned in the
-    input dtype. silu(g) = g / (1 + exp(-g)): exp is vectorised on every element (a partial
-    vector for the tail) and the rest is correctly rounded, so each element's bits are a pure
-    function of its inputs -- unlike torch.nn.functional.silu on the CPU."""
+    input dtype; each element's bits a pure function of its gate and up values."""
     i = gate_up.shape[-1] // 2
     g = gate_up[:, :i].float().contiguous()
     u = gate_up[:, i:].float()
-    return (g / (1.0 + torch.exp(-g)) * u).to(gate_up.dtype)
+    return (silu_f32(g) * u).to(gate_up.dtype)
 
 
 class LlamaModel:

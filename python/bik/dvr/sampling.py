@@ -10,6 +10,7 @@ import torch
 
 import bik
 from bik.dvr.requests import SamplingParams
+from bik.ops.sampling.noise import seed_int64
 
 __all__ = ["sample_rows", "verify_windows"]
 
@@ -19,9 +20,8 @@ def _param_tensors(params: Sequence[SamplingParams], positions: Sequence[int], d
     on the host, so the op need not read them back to check them again."""
     return {
         "max_top_k": max((max(p.top_k, 0) for p in params), default=0),
-        # A 64-bit seed as the int64 of the same bits (what bik.sample does with an int).
-        "seed": torch.tensor([p.seed - 2**64 if p.seed >= 2**63 else p.seed for p in params],
-                             dtype=torch.int64, device=device),
+        "seed": torch.tensor([seed_int64(p.seed) for p in params], dtype=torch.int64,
+                             device=device),
         "position": torch.tensor(list(positions), dtype=torch.int64, device=device),
         "temperature": torch.tensor([p.temperature for p in params], dtype=torch.float32,
                                  device=device),

@@ -14,9 +14,9 @@ from typing import NamedTuple
 import torch
 
 from bik.configs import TRITON_ATTENTION_HEAD_DIMS as TRITON_HEAD_DIMS
-from bik.mode._kernels import bik_ops
 from bik.mode._masks import MaskNotServed, padded_spans
 from bik.mode._routes import Fallback, WarnedFallback, _prepare, handler_table
+from bik.ops._call import call
 
 __all__ = ["ATTENTION_HANDLERS", "AttentionLayout", "attention_layout"]
 
@@ -109,7 +109,8 @@ def _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, sto
         cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32,
                             device=q.device)
         scale_f = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        o, s = bik_ops(q, k, v).attention_varlen(
+        o, s = call(
+            "attention_varlen",
             pack(q, spans.qa, spans.qb), pack(k, spans.lo, his), pack(v, spans.lo, his),
             cu_q, cu_k, scale_f, spans.causal, backend, max(lens_q), max(lens_k))
         for i, b in enumerate(seqs):
@@ -131,7 +132,8 @@ def _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, stoc
         return _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, stock)
     lay = attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale)
     lq, lk = q.shape[2], k.shape[2]
-    out, lse = bik_ops(q, k, v).attention_varlen(
+    out, lse = call(
+        "attention_varlen",
         lay.pack(q), lay.pack(k), lay.pack(v), lay.cu_q, lay.cu_k, lay.scale, lay.causal,
         lay.backend, lq, lk)  # every sequence has lq queries and lk keys: host metadata
     return lay.unpack(out, lq).contiguous(), lay.unpack(lse, lq)

@@ -35,7 +35,7 @@ def _is_composite(func) -> bool:
 
 
 class BikDispatchMode(TorchDispatchMode):
-    bik_layer = True  # _kernels.bik_ops: bik's ops may skip this mode (it passes them through)
+    bik_layer = True  # ops/_call.py: bik's ops may skip this mode (it passes them through)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

@@ -19,7 +19,6 @@ import math
 import torch
 
 from bik.mode._attention_routes import attention_layout
-from bik.mode._kernels import bik_ops
 from bik.mode._routes import (
     Fallback,
     _cast_first,
@@ -27,13 +26,19 @@ from bik.mode._routes import (
     handler_table,
     reduced_dims,
 )
+from bik.ops._call import call
 from bik.ops._checks import SUPPORTED_DTYPES
-from bik.ops._pointwise import exp_f32
+from bik.ops._pointwise import exp_f32, sigmoid_f32
 
 __all__ = ["GRAD_HANDLERS", "ones_sum"]
 
 aten = torch.ops.aten
 _F32 = torch.float32
+
+
+def _matmul(*args):
+    """bik::matmul on operands this module has shaped (ops/_call.py picks the route)."""
+    return call("matmul", *args, validated=True)
 
 
 def ones_sum(x: torch.Tensor, dims: list[int], backend: str, out_dtype=None) -> torch.Tensor:
@@ -47,7 +52,7 @@ def ones_sum(x: torch.Tensor, dims: list[int], backend: str, out_dtype=None) -> 
     kept = [d for d in range(x.dim()) if d not in dims]
     n = math.prod([x.shape[d] for d in dims])  # a list: Dynamo traces no genexpr here
     m = math.prod([x.shape[d] for d in kept])
-    mm = bik_ops(x).matmul
+    mm = _matmul
     if dims == list(range(len(dims))):
         ones = torch.ones((1, n), dtype=x.dtype, device=x.device)
         r = mm(ones, x.reshape(n, m), None, out_dtype, backend)
@@ -89,7 +94,7 @@ def _softmax_backward_like(log: bool):
         dim = dim % out.dim()
         g, y = _rows_last(grad, dim), _rows_last(out, dim)
         ones = g.new_ones((g.shape[1], 1))
-        mm = bik_ops(g, y).matmul
+        mm = _matmul
         if log:  # d x = g - exp(y) * sum(g)
             r = g - exp_f32(y) * mm(g, ones, None, _F32, backend)
         else:  # d x = y * (g - sum(g * y))
@@ -113,7 +118,7 @@ def _fused_rms_norm_backward(func, grad, x, normalized_shape, rstd, weight, outp
     grad_x = grad_w = None
     if output_mask[0]:  # rstd * (g*w - xhat * mean(g*w*xhat)), every term the row's own
         gw = g2 if weight is None else g2 * weight.float()
-        dot = bik_ops(gw).mean(gw * xhat, [1], True, _F32, backend)
+        dot = call("mean", gw * xhat, [1], True, _F32, backend, validated=True)
         grad_x = (rstd.reshape(rows, 1).float() * (gw - xhat * dot)).to(x.dtype).reshape(x.shape)
     if output_mask[1] and weight is not None:
         grad_w = ones_sum(g2 * xhat, [0], backend, weight.dtype).reshape(weight.shape)
@@ -125,7 +130,7 @@ def _silu_backward(func, grad, x):
     in fp32 from the same position-independent exp as the forward route."""
     _prepare(func, grad, x)
     x32 = x.float()
-    s = 1.0 / (1.0 + torch.exp(-x32))
+    s = sigmoid_f32(x32)
     return (grad.float() * (s * (1.0 + x32 * (1.0 - s)))).to(x.dtype)
 
 
@@ -133,7 +138,8 @@ def _sdpa_flash_cpu_backward(func, grad_out, q, k, v, out, lse, dropout_p, is_ca
                              attn_mask=None, scale=None):
     lay = attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale)
     _prepare(func, q, grad_out, out)
-    dq, dk, dv = bik_ops(q, k, v).attention_varlen_backward(
+    dq, dk, dv = call(
+        "attention_varlen_backward",
         lay.pack(grad_out), None, lay.pack(q), lay.pack(k), lay.pack(v), lay.pack(out),
         lay.pack(lse).float(), lay.cu_q, lay.cu_k, lay.scale, lay.causal, lay.backend)
     lq, lk = q.shape[2], k.shape[2]

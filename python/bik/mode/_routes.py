@@ -1,7 +1,7 @@
 """The aten ops bik's mode routes, one handler each (docs/api.md#bikbatch_invariant_mode).
 
 A handler gets ``(func, *args, **kwargs)`` as aten passes them and returns what ``func`` would,
-computed by bik's ops (``torch.ops.bik.*`` or their direct launch: _kernels.py); it raises
+computed by bik's ops (through the route chooser, ops/_call.py); it raises
 :class:`Fallback` to hand the call to the original kernel (counted, and warned once where
 ``warn``), which also gives input torch rejects torch's own error. Every front end runs these
 handlers (bik/mode/__init__.py). The handlers of the ops that backward formulas call are in
@@ -16,12 +16,12 @@ import torch
 
 import bik.ops  # noqa: F401  (registers torch.ops.bik.*)
 from bik._dtypes import dtype_name
-from bik.mode._kernels import bik_ops
+from bik.ops._call import call
 from bik.ops._checks import SUPPORTED_DTYPES
+from bik.ops._pointwise import silu_f32
 from bik.ops._registry import default_backend
 
-__all__ = ["HANDLERS", "Fallback", "WarnedFallback", "handler_table", "reduced_dims",
-           "silu_f32"]
+__all__ = ["HANDLERS", "Fallback", "WarnedFallback", "handler_table", "reduced_dims"]
 
 aten = torch.ops.aten
 
@@ -128,8 +128,13 @@ def _need(ok: bool, what: str) -> None:
 def _matmul_rows(a: torch.Tensor, b: torch.Tensor, bias, backend: str, out_dtype=None):
     """a [..., K] @ b [K, N] (+ bias [N]) on bik::matmul, every leading dim of a a row."""
     rows = math.prod(a.shape[:-1])
-    out = bik_ops(a, b, bias).matmul(a.reshape(rows, a.shape[-1]), b, bias, out_dtype, backend)
+    out = _call("matmul", a.reshape(rows, a.shape[-1]), b, bias, out_dtype, backend)
     return out.reshape(*a.shape[:-1], b.shape[-1])
+
+
+def _call(op: str, *args):
+    """bik::<op> on arguments this module has checked (ops/_call.py picks the route)."""
+    return call(op, *args, validated=True)
 
 
 def _write_out(func, out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -149,7 +154,7 @@ def _check_mm(a, b, rank: int = 2) -> None:
 def _mm(func, a, b, out=None):
     backend = _prepare(func, a, b)
     _check_mm(a, b)
-    r = bik_ops(a, b).matmul(a, b, None, None, backend)
+    r = _call("matmul", a, b, None, None, backend)
     return r if out is None else _write_out(func, out, r)
 
 
@@ -160,15 +165,14 @@ def _addmm(func, bias, a, b, *, beta=1, alpha=1, out=None):
     # torch's broadcasting rule: bias must expand to [M, N]
     _need(bias.dim() <= 2 and _broadcast(tuple(bias.shape), (m, n)) == (m, n),
           "a bias that does not broadcast to [M, N]")
-    ops = bik_ops(bias, a, b)
     if beta == 1 and alpha == 1 and bias.dim() >= 1 and bias.numel() == n \
             and bias.shape[-1] == n and (bias.dim() < 2 or bias.shape[0] == 1):
-        r = ops.matmul(a, b, bias.reshape(n), None, backend)  # bias added in fp32
+        r = _call("matmul", a, b, bias.reshape(n), None, backend)  # bias added in fp32
     else:  # alpha/beta honoured elementwise on bik's fp32 product (elementwise is invariant)
         if alpha == 0:  # BLAS semantics, as torch: a @ b is ignored (inf/NaN included)
             r = torch.zeros((m, n), dtype=torch.float32, device=a.device)
         else:
-            r = ops.matmul(a, b, None, torch.float32, backend)
+            r = _call("matmul", a, b, None, torch.float32, backend)
             if alpha != 1:
                 r = r * alpha
         if beta != 0:  # beta == 0 ignores bias, NaN included, as torch does
@@ -182,7 +186,7 @@ def _mv(func, a, v, out=None):  # [M, K] @ [K]: each output element is one row o
     backend = _prepare(func, a, v)
     _need(a.dim() == 2 and v.dim() == 1 and a.shape[1] == v.shape[0],
           "operand shapes")
-    r = bik_ops(a, v).matmul(a, v.unsqueeze(1), None, None, backend).squeeze(1)
+    r = _call("matmul", a, v.unsqueeze(1), None, None, backend).squeeze(1)
     return r if out is None else _write_out(func, out, r)
 
 
@@ -190,7 +194,7 @@ def _dot(func, a, b, out=None):
     backend = _prepare(func, a, b)
     _need(a.dim() == 1 and b.dim() == 1 and a.shape == b.shape,
           "operand shapes")
-    r = bik_ops(a, b).matmul(a.unsqueeze(0), b.unsqueeze(1), None, None, backend).reshape(())
+    r = _call("matmul", a.unsqueeze(0), b.unsqueeze(1), None, None, backend).reshape(())
     return r if out is None else _write_out(func, out, r)
 
 
@@ -201,7 +205,7 @@ def _not_routed(func, *args, **kwargs):
 def _bmm(func, a, b, out=None):
     backend = _prepare(func, a, b)
     _check_mm(a, b, rank=3)
-    r = bik_ops(a, b).bmm(a, b, None, backend)
+    r = _call("bmm", a, b, None, backend)
     return r if out is None else _write_out(func, out, r)
 
 
@@ -220,7 +224,7 @@ def _matmul(func, a, b):
     nb = math.prod(batch)  # not -1: a tensor with no elements makes -1 ambiguous
     a3 = a2.expand(*batch, m, k).reshape(nb, m, k)
     b3 = b.expand(*batch, k, n).reshape(nb, k, n)
-    r = bik_ops(a, b).bmm(a3, b3, None, backend).reshape(*batch, m, n)
+    r = _call("bmm", a3, b3, None, backend).reshape(*batch, m, n)
     return r.squeeze(-2) if a.dim() == 1 else r
 
 
@@ -250,14 +254,14 @@ def _softmax_like(log: bool):
 
     def internal(func, x, dim, half_to_float):  # aten::_softmax / _log_softmax
         backend = _prepare(func, x)
-        op = getattr(bik_ops(x), name)
-        return op(x, checked(x, dim), torch.float32 if half_to_float else None, backend)
+        return _call(name, x, checked(x, dim), torch.float32 if half_to_float else None,
+                     backend)
 
     def public(func, x, dim, dtype=None):  # aten::softmax.int / log_softmax.int
         d = checked(x, dim)
         x = _cast_first(x, dtype)
         backend = _prepare(func, x)
-        return getattr(bik_ops(x), name)(x, d, None, backend)
+        return _call(name, x, d, None, backend)
 
     return internal, public
 
@@ -268,7 +272,7 @@ def _mean(func, x, dim=None, keepdim=False, *, dtype=None):
     backend = _prepare(func, x)
     if x.dim() == 0:
         raise Fallback("0-D input")
-    return bik_ops(x).mean(x, dims, bool(keepdim), None, backend)
+    return _call("mean", x, dims, bool(keepdim), None, backend)
 
 
 def _rms_norm_args(func, x, normalized_shape, weight, eps):
@@ -285,7 +289,7 @@ def _rms_norm_args(func, x, normalized_shape, weight, eps):
     # Stock rms_norm defaults to the fp32 epsilon for every input dtype (bf16's would be 0.0078).
     eps = torch.finfo(torch.float32).eps if eps is None else float(eps)
     x2 = x.reshape(math.prod(x.shape[:-1]), h)
-    out = bik_ops(x2, weight).rms_norm(x2, weight, eps, backend)
+    out = _call("rms_norm", x2, weight, eps, backend)
     return out.reshape(x.shape), x2, eps, backend
 
 
@@ -296,20 +300,14 @@ def _rms_norm(func, x, normalized_shape, weight=None, eps=None):
 def _fused_rms_norm(func, x, normalized_shape, weight=None, eps=None):
     out, x2, eps, backend = _rms_norm_args(func, x, normalized_shape, weight, eps)
     x32 = x2.float()
-    ms = bik_ops(x32).mean(x32 * x32, [1], True, None, backend)
+    ms = _call("mean", x32 * x32, [1], True, None, backend)
     return out, torch.rsqrt(ms + eps).reshape(*x.shape[:-1], 1)
 
 
-def silu_f32(x: torch.Tensor) -> torch.Tensor:
-    """silu(x) = x / (1 + exp(-x)) in fp32: torch.exp is vectorised on every element (a partial
-    vector for the tail) and the rest is correctly rounded, so each output is a pure function
-    of its input. Stock CPU silu rounds its SIMD body and scalar tail differently, so an
-    element's bits moved with its position in the tensor (measured: an intermediate size of
-    176 in a batch of 8)."""
-    return x / (1.0 + torch.exp(-x))
-
-
 def _silu(func, x):
+    """Stock CPU silu moves an element's bits with its position in the tensor (its SIMD body
+    and scalar tail round differently; tests/mode/test_silu.py measures it); bik's silu_f32
+    does not."""
     _prepare(func, x)
     return silu_f32(x.float()).to(x.dtype)
 

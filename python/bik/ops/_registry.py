@@ -3,8 +3,8 @@
 One row per registered op. A row lists the backends that implement the op (each a module of the
 op's slice, imported at first use so that bik imports without triton and TRITON_INTERPRET is
 read when a Triton kernel first runs) and the op's gradient status: a batch-invariant backward
-(registered by the op's op.py) or an explicit refusal (registered here, so ``.backward()`` raises
-NotImplementedError naming the op instead of leaving ``.grad`` at None).
+(declared with the op, ops/_define.py) or an explicit refusal (:func:`register_refusal`, so
+``.backward()`` raises NotImplementedError naming the op instead of leaving ``.grad`` at None).
 
 Nothing falls back silently: a backend the row does not list raises
 :class:`BackendUnavailableError` naming the op and the backends it has; a listed backend that
@@ -30,10 +30,10 @@ __all__ = [
     "OpRow",
     "backend_doc",
     "default_backend",
-    "define",
     "documented",
     "implementation",
     "launcher",
+    "register_refusal",
     "require_backend",
     "resolve_backend",
 ]
@@ -99,15 +99,7 @@ TABLE: dict[str, OpRow] = {
 
 # ---- registration ------------------------------------------------------------------------------
 
-def define(op: str, schema: str) -> None:
-    """torch.library.define ``bik::<op>``; a row whose backward is refused gets its refusal."""
-    row = TABLE[op]  # KeyError here: an op without a row cannot be defined
-    torch.library.define(f"bik::{op}", schema)
-    if not row.backward and row.backends:
-        _register_refusal(op, row.refusal)
-
-
-def _register_refusal(op: str, hint: str) -> None:
+def register_refusal(op: str, hint: str) -> None:
     def setup_context(ctx, inputs, output):
         del ctx, inputs, output
 

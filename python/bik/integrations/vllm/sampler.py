@@ -23,17 +23,12 @@ import torch
 from vllm.v1.sample.sampler import _SAMPLING_EPS, Sampler
 
 import bik
+from bik.ops.sampling.noise import seed_int64
 
-__all__ = ["CALLS", "BikSampler", "install", "int64_seed"]
+__all__ = ["CALLS", "BikSampler", "install"]
 
 CALLS = [0]  # bik.sample calls from vLLM's sampler in this process
 _RAW_MODES = ("raw_logprobs", "raw_logits")
-
-
-def int64_seed(seed: int) -> int:
-    """A 64-bit seed as the int64 of the same bits (what bik.sample does with an int)."""
-    seed %= 2**64
-    return seed - 2**64 if seed >= 2**63 else seed
 
 
 class BikSampler(Sampler):
@@ -99,8 +94,9 @@ def _keys(runner) -> tuple[torch.Tensor, torch.Tensor]:
         state = runner.requests[req_id]
         if getattr(state, "bik_seed", None) is None:
             generator = batch.generators.get(row)
-            state.bik_seed = int64_seed(generator.initial_seed() if generator is not None
-                                        else int(torch.randint(0, 2**62, ()).item()))
+            state.bik_seed = seed_int64(generator.initial_seed() if generator is not None
+                                        else int(torch.randint(0, 2**62, ()).item()),
+                                        "bik.integrations.vllm")
         seeds.append(state.bik_seed)
     position = torch.from_numpy(batch.num_tokens_no_spec[:rows].astype("int64"))
     return torch.tensor(seeds, dtype=torch.int64), position

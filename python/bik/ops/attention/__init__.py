@@ -1,7 +1,8 @@
-"""bik::attention, bik::attention_varlen, bik::write_kv_cache (op.py) and the varlen backward
-(backward.py), their plan_* checks; the GPU KV writer kv_cache_triton.py; backends triton.py, cuda.py, cpu.py; the CPU spec in torch: reference.py."""
+"""bik::attention and bik::attention_varlen (op.py) with the varlen backward (backward.py),
+bik::write_kv_cache (kv_cache.py; its GPU writer kv_cache_triton.py), their checks and plan_*
+(checks.py); backends triton.py, cuda.py, cpu.py; the CPU spec in torch: reference.py."""
 
-from bik.ops.attention import backward as _backward  # noqa: F401  (registers the backward op)
+from bik.ops.attention.kv_cache import write_kv_cache
 from bik.ops.attention.op import (
     AttentionOutput,
     AttentionPlan,
@@ -9,7 +10,6 @@ from bik.ops.attention.op import (
     attention_varlen,
     plan_attention,
     plan_attention_varlen,
-    write_kv_cache,
 )
 
 __all__ = ["AttentionOutput", "AttentionPlan", "attention", "attention_varlen", "plan_attention",

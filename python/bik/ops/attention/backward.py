@@ -22,34 +22,30 @@ import torch
 
 from bik.ops._checks import check_same_device, check_tensor
 from bik.ops._pointwise import exp_f32
-from bik.ops._registry import define, require_backend
-from bik.ops.attention.op import _check_qkv, _int_vector, check_cu_seqlens
+from bik.ops._define import define
+from bik.ops.attention.checks import check_cu_seqlens, check_qkv, int_vector
 
-__all__ = ["attention_varlen_grads"]
-
-define("attention_varlen_backward",
-       "(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
-       "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal, "
-       "str backend) -> (Tensor, Tensor, Tensor)")
+__all__ = ["AUTOGRAD", "attention_varlen_grads"]
 
 _OP = "bik.attention_varlen_backward"
 
 
-def _check(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k):
-    _check_qkv(_OP, q, k, v, 3)
-    check_same_device(_OP, q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out,
+def _check(op, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, scale, causal):
+    check_qkv(op, q, k, v, 3)
+    check_same_device(op, q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out,
                       grad_lse=grad_lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     for name, t, shape in (("out", out, q.shape), ("grad_out", grad_out, q.shape),
                            ("lse", lse, q.shape[:2]), ("grad_lse", grad_lse, q.shape[:2])):
         if t is None:
             continue
-        check_tensor(_OP, name, t)
+        check_tensor(op, name, t)
         if t.shape != shape:
-            raise ValueError(f"{_OP}: {name} {list(t.shape)} must be {list(shape)}")
+            raise ValueError(f"{op}: {name} {list(t.shape)} must be {list(shape)}")
         if not t.dtype.is_floating_point:
-            raise TypeError(f"{_OP}: {name} must be floating point, got {t.dtype}")
-    _int_vector(_OP, "cu_seqlens_k", cu_k)
-    _int_vector(_OP, "cu_seqlens_q", cu_q, cu_k.shape[0])
+            raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
+    int_vector(op, "cu_seqlens_k", cu_k)
+    int_vector(op, "cu_seqlens_q", cu_q, cu_k.shape[0])
+    return grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, scale, causal
 
 
 def _lengths(cu_q, cu_k, total_q: int, total_k: int) -> tuple[list, list]:
@@ -108,11 +104,9 @@ def sequence_grads(q, k, v, out, lse, grad_out, grad_lse, scale, causal, backend
     return _unrows(dq, t), dk.transpose(0, 1), None if dv is None else dv.transpose(0, 1)
 
 
-@torch.library.impl("bik::attention_varlen_backward", ("cpu", "cuda"))
-def _backward_impl(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale,
-                   causal, backend):
-    _check(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-    require_backend("attention_varlen_backward", backend, q.device, label=_OP)
+def _run(launch, grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale,
+         causal, *, backend):
+    """``launch`` is :func:`sequence_grads` (the row's entry): one sequence at a time."""
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
@@ -123,7 +117,7 @@ def _backward_impl(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqle
         qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
         if qs.stop == qs.start:
             continue  # no queries: this sequence's keys get zero gradients
-        g_q, g_k, g_v = sequence_grads(
+        g_q, g_k, g_v = launch(
             q[qs], k[ks], v[ks], out[qs], lse[qs], None if grad_out is None else grad_out[qs],
             None if grad_lse is None else grad_lse[qs], scale, causal, backend)
         dq[qs], dk[ks] = g_q.to(q.dtype), g_k.to(k.dtype)
@@ -132,13 +126,17 @@ def _backward_impl(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqle
     return dq, dk, dv
 
 
-@torch.library.register_fake("bik::attention_varlen_backward")
-def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale,
-                   causal, backend):
-    _check(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+def _fake(grad_out, grad_lse, q, k, v, *rest):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
+
+
+define("attention_varlen_backward",
+       "(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
+       "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal, "
+       "str backend) -> (Tensor, Tensor, Tensor)",
+       check=_check, run=_run, fake=_fake)
 
 
 def attention_varlen_grads(grad_out, grad_lse, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k,
@@ -167,4 +165,4 @@ def _backward(ctx, grad_out, grad_lse):
     return (*(g if n else None for g, n in zip(grads, need)), *(None,) * 7)
 
 
-torch.library.register_autograd("bik::attention_varlen", _backward, setup_context=_setup)
+AUTOGRAD = (_backward, _setup)  # bik::attention_varlen's (ops/attention/op.py declares it)

@@ -14,12 +14,11 @@ import torch
 
 from bik.configs import CPU_ATTENTION_SPLIT
 from bik.ops._checks import require, require_cpu
+from bik.ops._pointwise import LOG2E
 from bik.ops.attention._layout import Problem
 from bik.runtime import cpu_ext
 
 __all__ = ["attention_cpu", "attention_f32", "cpu_keys", "run_attention", "write_rows_cpu"]
-
-LOG2E = 1.4426950408889634
 
 
 def attention_f32(

@@ -15,11 +15,10 @@ import torch
 
 from bik._arch import device_arch
 from bik.configs import CUDA_ATTENTION_HEAD_DIMS, CudaAttentionConfig, cuda_attention_config
+from bik.ops._pointwise import LOG2E
 from bik.ops.attention._layout import Problem, run_on_gpu, splits_per_program
 
 __all__ = ["AttentionLaunch", "launch_attention", "plan_attention", "run_attention"]
-
-LOG2E = 1.4426950408889634
 
 
 class AttentionLaunch(NamedTuple):

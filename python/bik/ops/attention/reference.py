@@ -18,12 +18,9 @@ import math
 import torch
 
 from bik.configs import CPU_ATTENTION_SPLIT
-from bik.ops._pointwise import unary_f32
+from bik.ops._pointwise import LN2, LOG2E, unary_f32
 
 __all__ = ["attention_cpu_reference", "merge_partial", "reference_keys"]
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 def _exp2(x: torch.Tensor) -> torch.Tensor:

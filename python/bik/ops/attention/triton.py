@@ -30,12 +30,10 @@ import triton.language as tl
 
 from bik._arch import device_arch
 from bik.configs import TRITON_ATTENTION_HEAD_DIMS, attention_config
+from bik.ops._pointwise import LOG2E
 from bik.ops.attention._layout import Problem, run_on_gpu, splits_per_program
 
 __all__ = ["attention_kernel", "launch_attention", "run_attention", "use_split_mode"]
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -52,7 +50,7 @@ def merge_partial(m, l, acc, m_j, l_j, acc_j):
 def finalize(m, l, acc):
     """out = acc / l and the natural-log LSE; an empty row (l == 0) gives NaN, -inf."""
     out = acc / l[:, None]
-    lse = (m + tl.log2(l)) * 0.6931471805599453
+    lse = (m + tl.log2(l)) * 0.6931471805599453  # ln 2 (_pointwise.LN2): @jit reads no float global
     return out, lse
 
 

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from bik.ops._call import call
 from bik.ops._checks import (
     check_float_dtype,
     check_out_dtype,
@@ -18,16 +19,19 @@ from bik.ops._checks import (
     check_same_dtype,
     check_tensor,
 )
-from bik.ops._direct import direct_ok
-from bik.ops._registry import define, documented, implementation, launcher, resolve_backend
+from bik.ops._define import define
+from bik.ops._registry import documented, launcher, resolve_backend
+from bik.ops.matmul import native
 
-__all__ = ["bmm", "linear", "matmul", "run_bmm", "run_matmul"]
+__all__ = ["bmm", "linear", "matmul", "matmul_shard"]
 
-# Every backend module (triton.py, cuda.py, cpu.py) defines
-#   launch_matmul(a [B, M, K], b [B, K, N], bias [N] | None, out [B, M, N]) -> None
-# for inputs this module has validated; ``out`` (any supported dtype) is written, not read.
-define("matmul", "(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype, str backend) -> Tensor")
-define("bmm", "(Tensor a, Tensor b, ScalarType? out_dtype, str backend) -> Tensor")
+# Every backend module (triton.py, cuda.py, cpu.py) defines the row's entry point
+#   launch_matmul(a [B, M, K], b [B, K, N], bias [N] | None, out [B, M, N], *,
+#                 layer: (N, K) | None = None, split: int | None = None) -> None
+# for inputs validated here; ``out`` (any supported dtype) is written, not read. ``layer``: the
+# (N, K) of the whole layer the tables are looked up with (a shard of a sharded layer passes
+# its layer's); ``split``: an explicit K-split length (tests). A backend may add keyword-only
+# knobs that change speed only, default None (tests/test_registry.py checks the signatures).
 
 
 def _check_mm(op: str, a, b, bias, out_dtype, a_rank: int = 2) -> torch.dtype:
@@ -54,44 +58,32 @@ def _check_mm(op: str, a, b, bias, out_dtype, a_rank: int = 2) -> torch.dtype:
     return check_out_dtype(op, out_dtype, a.dtype)
 
 
-def run_matmul(launch, a, b, bias, out_dtype: torch.dtype) -> torch.Tensor:
-    """bik::matmul on validated inputs with ``launch`` (a backend's launch_matmul)."""
-    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+def _check_matmul(op, a, b, bias, out_dtype):
+    return a, b, bias, _check_mm(op, a, b, bias, out_dtype)
+
+
+def _run_matmul(launch, a, b, bias, out_dtype):
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype, device=a.device)
     launch(a.unsqueeze(0), b.unsqueeze(0), bias, out.unsqueeze(0))
     return out
 
 
-def run_bmm(launch, a, b, out_dtype: torch.dtype) -> torch.Tensor:
-    """bik::bmm on validated inputs with ``launch``."""
-    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype, device=a.device)
+def _fake_matmul(a, b, bias, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _check_bmm(op, a, b, out_dtype):
+    return a, b, _check_mm(op, a, b, None, out_dtype, a_rank=3)
+
+
+def _run_bmm(launch, a, b, out_dtype):
+    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype or a.dtype,
+                      device=a.device)
     launch(a, b, None, out)
     return out
 
 
-@torch.library.impl("bik::matmul", ("cpu", "cuda"))
-def _matmul_impl(a, b, bias, out_dtype, backend):
-    op = "bik.matmul"
-    out_dtype = _check_mm(op, a, b, bias, out_dtype)
-    return run_matmul(implementation("matmul", backend, a.device, label=op), a, b, bias,
-                      out_dtype)
-
-
-@torch.library.register_fake("bik::matmul")
-def _matmul_fake(a, b, bias, out_dtype, backend):
-    out_dtype = _check_mm("bik.matmul", a, b, bias, out_dtype)
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-@torch.library.impl("bik::bmm", ("cpu", "cuda"))
-def _bmm_impl(a, b, out_dtype, backend):
-    op = "bik.bmm"
-    out_dtype = _check_mm(op, a, b, None, out_dtype, a_rank=3)
-    return run_bmm(implementation("bmm", backend, a.device, label=op), a, b, out_dtype)
-
-
-@torch.library.register_fake("bik::bmm")
-def _bmm_fake(a, b, out_dtype, backend):
-    out_dtype = _check_mm("bik.bmm", a, b, None, out_dtype, a_rank=3)
+def _fake_bmm(a, b, out_dtype):
     return a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype)
 
 
@@ -155,8 +147,13 @@ def _bmm_backward(ctx, grad):
     return grad_a, grad_b, None, None
 
 
-torch.library.register_autograd("bik::matmul", _matmul_backward, setup_context=_matmul_setup)
-torch.library.register_autograd("bik::bmm", _bmm_backward, setup_context=_bmm_setup)
+define("matmul",
+       "(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype, str backend) -> Tensor",
+       check=_check_matmul, run=_run_matmul, fake=_fake_matmul,
+       autograd=(_matmul_backward, _matmul_setup), native=native.matmul)
+define("bmm", "(Tensor a, Tensor b, ScalarType? out_dtype, str backend) -> Tensor",
+       check=_check_bmm, run=_run_bmm, fake=_fake_bmm, autograd=(_bmm_backward, _bmm_setup),
+       native=native.bmm)
 
 
 @documented("matmul")
@@ -190,12 +187,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     backend = resolve_backend("matmul", backend, a.device, label=op)
     rows = math.prod(a.shape[:-1])  # not reshape(-1, K): K may be 0
     a2 = a if a.dim() == 2 else a.reshape(rows, a.shape[-1])
-    if direct_ok(a, b, bias):  # validated once, here; no dispatcher or autograd round trip
-        dtype = _check_mm(op, a2, b, bias, out_dtype)
-        out = run_matmul(launcher("matmul", backend, a.device), a2, b, bias, dtype)
-    else:
-        out = torch.ops.bik.matmul(a2, b, bias, out_dtype, backend)
+    out = call("matmul", a2, b, bias, out_dtype, backend)
     return out if a.dim() == 2 else out.reshape(*a.shape[:-1], b.shape[1])
+
+
+def matmul_shard(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor, *, layer: tuple[int, int], backend: str) -> None:
+    """bik::matmul's kernel into ``out`` [B, M, N] for validated a [B, M, K], b [B, K, N], with
+    the tables of the whole ``layer`` (N, K) of which this product is a shard, so a tensor-
+    parallel rank reduces each element in the unsharded layer's order (bik.distributed)."""
+    launcher("matmul", backend, a.device)(a, b, bias, out, layer=layer)
 
 
 @documented("matmul")
@@ -229,4 +230,4 @@ def bmm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = Non
     """
     check_tensor("bik.bmm", "a", a, 3)
     backend = resolve_backend("bmm", backend, a.device)
-    return torch.ops.bik.bmm(a, b, out_dtype, backend)
+    return call("bmm", a, b, out_dtype, backend)

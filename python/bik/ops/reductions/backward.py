@@ -22,9 +22,9 @@ import math
 
 import torch
 
-from bik.ops.reductions.op import _norm_dim, _norm_dims
+from bik.ops.reductions.checks import norm_dim, norm_dims
 
-__all__ = ["row_sums"]
+__all__ = ["AUTOGRAD", "row_sums"]
 
 
 def row_sums(rows: torch.Tensor, backend: str) -> torch.Tensor:
@@ -49,7 +49,7 @@ def _from_rows(r: torch.Tensor, shape: torch.Size, dtype: torch.dtype, d: int) -
 
 def _setup(ctx, x, dim, backend, saved):
     ctx.save_for_backward(saved)
-    ctx.dim = _norm_dim("bik.softmax", x, dim)
+    ctx.dim = norm_dim("bik.softmax", x, dim)
     ctx.x_dtype, ctx.x_shape, ctx.backend = x.dtype, x.shape, backend
 
 
@@ -84,7 +84,7 @@ def _log_softmax_backward(ctx, grad):
 def _mean_setup(ctx, inputs, output):
     x, dim, keepdim, _dtype, backend = inputs
     del output, backend
-    dims = _norm_dims("bik.mean", x, dim)
+    dims = norm_dims("bik.mean", x, dim)
     ctx.dims, ctx.keepdim = dims, keepdim
     ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
     ctx.n = math.prod(x.shape[d] for d in dims)
@@ -99,7 +99,7 @@ def _mean_backward(ctx, grad):
     return dx, None, None, None, None
 
 
-torch.library.register_autograd("bik::softmax", _softmax_backward, setup_context=_softmax_setup)
-torch.library.register_autograd("bik::log_softmax", _log_softmax_backward,
-                                setup_context=_log_softmax_setup)
-torch.library.register_autograd("bik::mean", _mean_backward, setup_context=_mean_setup)
+# (backward, setup_context) per op, for its declaration in op.py
+AUTOGRAD = {"softmax": (_softmax_backward, _softmax_setup),
+            "log_softmax": (_log_softmax_backward, _log_softmax_setup),
+            "mean": (_mean_backward, _mean_setup)}

@@ -11,131 +11,64 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
-from bik.ops._checks import SUPPORTED_DTYPES, check_float_dtype, check_tensor
-from bik.ops._registry import define, documented, implementation, resolve_backend
+from bik.ops._call import call
+from bik.ops._checks import check_tensor
+from bik.ops._define import define
+from bik.ops._registry import documented, resolve_backend
+from bik.ops.reductions.backward import AUTOGRAD
+from bik.ops.reductions.checks import (
+    check_x_and_dtype,
+    mean_shape,
+    norm_dim,
+    norm_dims,
+    unit_stride_rows,
+)
 
-__all__ = ["log_softmax", "mean", "run_mean", "run_softmax", "softmax"]
+__all__ = ["log_softmax", "mean", "softmax"]
 
-# Every backend module (triton.py, cpu.py) defines, for validated rows with unit stride:
+# Every backend module (triton.py, cpu.py) defines the rows' entry points, for validated rows
+# with unit stride:
 #   launch_softmax(x [M, N], out [M, N], *, log: bool) -> None
 #   launch_mean(x [M, N >= 1], out [M]) -> None
 # ``out`` is contiguous in the output dtype (written, not read).
-define("softmax", "(Tensor x, int dim, ScalarType? dtype, str backend) -> Tensor")
-define("log_softmax", "(Tensor x, int dim, ScalarType? dtype, str backend) -> Tensor")
-define("mean", "(Tensor x, int[] dim, bool keepdim, ScalarType? dtype, str backend) -> Tensor")
-
-
-# ---- checks (shared by the public functions, the kernels' impls and the fake impls) ----------
-
-def _check_x_and_dtype(op: str, x, dtype) -> torch.dtype:
-    check_tensor(op, "x", x)
-    check_float_dtype(op, "x", x)
-    if dtype is None:
-        return x.dtype
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{op}: dtype {dtype} is not supported; use bfloat16, float16 or "
-                        f"float32 (or None for x's dtype)")
-    return dtype
-
-
-def _norm_dim(op: str, x: torch.Tensor, dim) -> int:
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        raise TypeError(f"{op}: dim must be an int, got {type(dim).__name__}")
-    ndim = max(x.dim(), 1)  # a 0-D tensor has one (implicit) dim, as in torch
-    if not -ndim <= dim < ndim:
-        raise ValueError(f"{op}: dim {dim} is out of range for x of shape {list(x.shape)} "
-                         f"(expected -{ndim} <= dim < {ndim})")
-    return dim % ndim
-
-
-def _norm_dims(op: str, x: torch.Tensor, dims: Sequence[int]) -> list[int]:
-    """Reduced dims, sorted ascending; [] (or every dim) means all of x's dims."""
-    norm = [_norm_dim(op, x, d) for d in dims]
-    if len(set(norm)) != len(norm):
-        raise ValueError(f"{op}: dim {list(dims)} names a dim twice for x of shape "
-                         f"{list(x.shape)}")
-    if x.dim() == 0 or not norm:
-        return list(range(x.dim()))
-    return sorted(norm)
-
-
-def _mean_shape(x: torch.Tensor, dims: list[int], keepdim: bool) -> list[int]:
-    if keepdim:
-        return [1 if d in dims else s for d, s in enumerate(x.shape)]
-    return [s for d, s in enumerate(x.shape) if d not in dims]
-
-
-def _unit_stride_rows(x2: torch.Tensor) -> torch.Tensor:
-    return x2 if x2.shape[1] <= 1 or x2.stride(1) == 1 else x2.contiguous()
 
 
 # ---- softmax / log_softmax -------------------------------------------------------------------
 
-def _softmax(x, dim, dtype, backend, log: bool):
-    key = "log_softmax" if log else "softmax"
-    op = f"bik.{key}"
-    out_dtype = _check_x_and_dtype(op, x, dtype)
-    d = _norm_dim(op, x, dim)
-    return run_softmax(implementation(key, backend, x.device, label=op), x, d, out_dtype, log)
+def _check_softmax(op, x, dim, dtype):
+    return x, norm_dim(op, x, dim), check_x_and_dtype(op, x, dtype)
 
 
-def run_softmax(launch, x, d: int, out_dtype: torch.dtype, log: bool) -> torch.Tensor:
-    """bik::softmax / log_softmax along the normalised dim ``d`` of a validated x."""
+def _run_softmax(launch, x, d: int, out_dtype, *, log: bool) -> torch.Tensor:
+    """softmax / log_softmax along the normalised dim ``d`` of a validated x."""
     xm = x.reshape(1) if x.dim() == 0 else x.movedim(d, -1)
     n = xm.shape[-1]
     rows = math.prod(xm.shape[:-1])  # not reshape(-1, n): n may be 0
-    x2 = _unit_stride_rows(xm.reshape(rows, n))
-    out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    x2 = unit_stride_rows(xm.reshape(rows, n))
+    out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
     launch(x2, out, log=log)
     if x.dim() == 0:
         return out.reshape(())
     return out.reshape(xm.shape).movedim(-1, d).contiguous()
 
 
-def _softmax_fake(x, dim, dtype, log: bool):
-    op = "bik.log_softmax" if log else "bik.softmax"
-    out_dtype = _check_x_and_dtype(op, x, dtype)
-    _norm_dim(op, x, dim)
+def _fake_softmax(x, d, out_dtype):
     return torch.empty(x.shape, dtype=out_dtype, device=x.device)
 
 
-@torch.library.impl("bik::softmax", ("cpu", "cuda"))
-def _softmax_impl(x, dim, dtype, backend):
-    return _softmax(x, dim, dtype, backend, log=False)
+def _check_mean(op, x, dim, keepdim, dtype):
+    out_dtype = check_x_and_dtype(op, x, dtype)
+    return x, norm_dims(op, x, dim), keepdim, out_dtype
 
 
-@torch.library.register_fake("bik::softmax")
-def _softmax_fake_impl(x, dim, dtype, backend):
-    return _softmax_fake(x, dim, dtype, log=False)
-
-
-@torch.library.impl("bik::log_softmax", ("cpu", "cuda"))
-def _log_softmax_impl(x, dim, dtype, backend):
-    return _softmax(x, dim, dtype, backend, log=True)
-
-
-@torch.library.register_fake("bik::log_softmax")
-def _log_softmax_fake_impl(x, dim, dtype, backend):
-    return _softmax_fake(x, dim, dtype, log=True)
-
-
-# ---- mean ------------------------------------------------------------------------------------
-
-@torch.library.impl("bik::mean", ("cpu", "cuda"))
-def _mean_impl(x, dim, keepdim, dtype, backend):
-    op = "bik.mean"
-    out_dtype = _check_x_and_dtype(op, x, dtype)
-    dims = _norm_dims(op, x, dim)
-    return run_mean(implementation("mean", backend, x.device, label=op), x, dims, keepdim,
-                    out_dtype)
-
-
-def run_mean(launch, x, dims: list[int], keepdim: bool, out_dtype: torch.dtype) -> torch.Tensor:
-    """bik::mean over the normalised (sorted, distinct) ``dims`` of a validated x."""
-    shape = _mean_shape(x, dims, keepdim)
+def _run_mean(launch, x, dims: list[int], keepdim: bool, out_dtype) -> torch.Tensor:
+    """mean over the normalised (sorted, distinct) ``dims`` of a validated x."""
+    out_dtype = out_dtype or x.dtype
+    shape = mean_shape(x, dims, keepdim)
     kept = [d for d in range(x.dim()) if d not in dims]
     rows = math.prod([x.shape[d] for d in kept])
     n = math.prod([x.shape[d] for d in dims])
@@ -144,18 +77,25 @@ def run_mean(launch, x, dims: list[int], keepdim: bool, out_dtype: torch.dtype) 
     if n == 0:  # the mean of nothing is 0/0, as in torch
         return torch.full(shape, float("nan"), dtype=out_dtype, device=x.device)
     # Reduced dims last, in ascending order, flattened into one row of n elements.
-    x2 = _unit_stride_rows(x.permute(kept + dims).reshape(rows, n))
+    x2 = unit_stride_rows(x.permute(kept + dims).reshape(rows, n))
     out = torch.empty(rows, dtype=out_dtype, device=x.device)
     launch(x2, out)
     return out.reshape(shape)
 
 
-@torch.library.register_fake("bik::mean")
-def _mean_fake(x, dim, keepdim, dtype, backend):
-    op = "bik.mean"
-    out_dtype = _check_x_and_dtype(op, x, dtype)
-    dims = _norm_dims(op, x, dim)
-    return torch.empty(_mean_shape(x, dims, keepdim), dtype=out_dtype, device=x.device)
+def _fake_mean(x, dims, keepdim, out_dtype):
+    return torch.empty(mean_shape(x, dims, keepdim), dtype=out_dtype, device=x.device)
+
+
+define("softmax", "(Tensor x, int dim, ScalarType? dtype, str backend) -> Tensor",
+       check=_check_softmax, run=partial(_run_softmax, log=False), fake=_fake_softmax,
+       autograd=AUTOGRAD["softmax"])
+define("log_softmax", "(Tensor x, int dim, ScalarType? dtype, str backend) -> Tensor",
+       check=_check_softmax, run=partial(_run_softmax, log=True), fake=_fake_softmax,
+       autograd=AUTOGRAD["log_softmax"])
+define("mean", "(Tensor x, int[] dim, bool keepdim, ScalarType? dtype, str backend) -> Tensor",
+       check=_check_mean, run=_run_mean, fake=_fake_mean,
+       autograd=AUTOGRAD["mean"])
 
 
 # ---- the public functions --------------------------------------------------------------------
@@ -178,10 +118,10 @@ def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
         :func:`bik.fingerprint`. A row with a NaN or +inf is NaN; an all -inf row is NaN.
     """
     op = "bik.softmax"
-    _check_x_and_dtype(op, x, dtype)
-    _norm_dim(op, x, dim)
+    check_x_and_dtype(op, x, dtype)
+    norm_dim(op, x, dim)
     backend = resolve_backend("softmax", backend, x.device)
-    return torch.ops.bik.softmax(x, dim, dtype, backend)
+    return call("softmax", x, dim, dtype, backend)
 
 
 @documented("log_softmax")
@@ -193,10 +133,10 @@ def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = N
     aten's ``_log_softmax(x, dim, half_to_float=True)`` (no rounding to half on the way).
     """
     op = "bik.log_softmax"
-    _check_x_and_dtype(op, x, dtype)
-    _norm_dim(op, x, dim)
+    check_x_and_dtype(op, x, dtype)
+    norm_dim(op, x, dim)
     backend = resolve_backend("log_softmax", backend, x.device)
-    return torch.ops.bik.log_softmax(x, dim, dtype, backend)
+    return call("log_softmax", x, dim, dtype, backend)
 
 
 @documented("mean")
@@ -229,4 +169,4 @@ def mean(x: torch.Tensor, dim: int | Sequence[int] | None = None, keepdim: bool 
     else:
         raise TypeError(f"{op}: dim must be an int, a tuple/list of ints or None, got {dim!r}")
     backend = resolve_backend("mean", backend, x.device)
-    return torch.ops.bik.mean(x, dims, bool(keepdim), dtype, backend)
+    return call("mean", x, dims, bool(keepdim), dtype, backend)

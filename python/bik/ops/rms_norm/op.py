@@ -12,31 +12,22 @@ import math
 
 import torch
 
+from bik.ops._call import call
 from bik.ops._checks import (
     check_eps,
     check_float_dtype,
     check_same_device,
     check_tensor,
 )
-from bik.ops._direct import direct_ok
-from bik.ops._registry import (
-    TABLE,
-    define,
-    documented,
-    implementation,
-    launcher,
-    resolve_backend,
-)
+from bik.ops._define import define
+from bik.ops._registry import TABLE, documented, resolve_backend
 
-__all__ = ["rms_norm", "run_fused_add_rms_norm", "run_rms_norm"]
+__all__ = ["rms_norm"]
 
-# Every backend module (triton.py, cuda.py, cpu.py) defines
+# Every backend module (triton.py, cuda.py, cpu.py) defines the row's entry point
 #   launch_rms_norm(x [M, H], weight [H], eps, out [M, H], residual=None, h_out=None) -> None
 # for validated inputs with unit stride along H (weight contiguous); with a residual it also
 # writes h_out = x + residual rounded to x's dtype, and normalises h_out.
-define("rms_norm", "(Tensor x, Tensor weight, float eps, str backend) -> Tensor")
-define("fused_add_rms_norm",
-       "(Tensor x, Tensor residual, Tensor weight, float eps, str backend) -> (Tensor, Tensor)")
 
 
 def _check_norm(op: str, x, weight, eps, residual=None) -> None:
@@ -63,39 +54,28 @@ def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
 
 
-@torch.library.impl("bik::rms_norm", ("cpu", "cuda"))
-def _rms_norm_impl(x, weight, eps, backend):
-    op = "bik.rms_norm"
+def _check_rms_norm(op, x, weight, eps):
     _check_norm(op, x, weight, eps)
-    return run_rms_norm(implementation("rms_norm", backend, x.device, label=op), x, weight,
-                        eps)
+    return x, weight, eps
 
 
-def run_rms_norm(launch, x, weight, eps: float) -> torch.Tensor:
-    """bik::rms_norm on validated x [M, H] and weight [H]."""
+def _run_rms_norm(launch, x, weight, eps):
     x = _unit_stride_rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     launch(x, weight.contiguous(), float(eps), out)
     return out
 
 
-@torch.library.register_fake("bik::rms_norm")
-def _rms_norm_fake(x, weight, eps, backend):
-    _check_norm("bik.rms_norm", x, weight, eps)
+def _fake_rms_norm(x, weight, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.impl("bik::fused_add_rms_norm", ("cpu", "cuda"))
-def _fused_add_rms_norm_impl(x, residual, weight, eps, backend):
-    op = "bik.rms_norm"
+def _check_fused(op, x, residual, weight, eps):
     _check_norm(op, x, weight, eps, residual)
-    return run_fused_add_rms_norm(
-        implementation("fused_add_rms_norm", backend, x.device, label=op), x, residual, weight,
-        eps)
+    return x, residual, weight, eps
 
 
-def run_fused_add_rms_norm(launch, x, residual, weight, eps: float):
-    """bik::fused_add_rms_norm on validated x, residual [M, H] and weight [H]."""
+def _run_fused(launch, x, residual, weight, eps):
     x, residual = _unit_stride_rows(x), _unit_stride_rows(residual)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -103,9 +83,7 @@ def run_fused_add_rms_norm(launch, x, residual, weight, eps: float):
     return out, h
 
 
-@torch.library.register_fake("bik::fused_add_rms_norm")
-def _fused_add_rms_norm_fake(x, residual, weight, eps, backend):
-    _check_norm("bik.rms_norm", x, weight, eps, residual)
+def _fake_fused(x, residual, weight, eps):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
 
@@ -177,10 +155,13 @@ def _fused_backward(ctx, grad_out, grad_h):
     return grad_x, grad_r, grad_w, None, None
 
 
-torch.library.register_autograd("bik::rms_norm", _rms_norm_backward,
-                                setup_context=_rms_norm_setup)
-torch.library.register_autograd("bik::fused_add_rms_norm", _fused_backward,
-                                setup_context=_fused_setup)
+define("rms_norm", "(Tensor x, Tensor weight, float eps, str backend) -> Tensor",
+       check=_check_rms_norm, run=_run_rms_norm, fake=_fake_rms_norm,
+       autograd=(_rms_norm_backward, _rms_norm_setup))
+define("fused_add_rms_norm",
+       "(Tensor x, Tensor residual, Tensor weight, float eps, str backend) -> (Tensor, Tensor)",
+       label="bik.rms_norm", check=_check_fused, run=_run_fused, fake=_fake_fused,
+       autograd=(_fused_backward, _fused_setup))
 
 
 @documented("rms_norm")
@@ -212,24 +193,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     backend = resolve_backend("rms_norm", backend, x.device, label=op)
     rows = math.prod(x.shape[:-1])  # not reshape(-1, H): H may be 0
     x2 = x.reshape(rows, x.shape[-1])
-    # Where nothing can observe it (ops/_direct.py), skip torch.ops.bik's dispatcher and
-    # autograd wrapper: ~50 us a call, more than the kernel at decode sizes.
-    direct = direct_ok(x, weight, residual)
     if residual is None:
-        if direct:
-            _check_norm(op, x2, weight, eps)
-            out = run_rms_norm(launcher("rms_norm", backend, x.device), x2, weight, eps)
-        else:
-            out = torch.ops.bik.rms_norm(x2, weight, eps, backend)
-        return out.reshape(x.shape)
+        return call("rms_norm", x2, weight, eps, backend).reshape(x.shape)
     check_tensor(op, "residual", residual)
     if residual.shape != x.shape:
         raise ValueError(f"{op}: residual {list(residual.shape)} must match x {list(x.shape)}")
     r2 = residual.reshape(rows, x.shape[-1])
-    if direct:
-        _check_norm(op, x2, weight, eps, r2)
-        out, h = run_fused_add_rms_norm(launcher("fused_add_rms_norm", backend, x.device), x2,
-                                        r2, weight, eps)
-    else:
-        out, h = torch.ops.bik.fused_add_rms_norm(x2, r2, weight, eps, backend)
+    out, h = call("fused_add_rms_norm", x2, r2, weight, eps, backend)
     return out.reshape(x.shape), h.reshape(x.shape)

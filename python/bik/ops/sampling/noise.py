@@ -15,9 +15,19 @@ import torch
 
 __all__ = ["FLT_MIN", "GUMBEL_MAX", "GUMBEL_MIN", "STREAM_SAMPLE", "bik_exp_torch",
            "bik_log_torch", "group_totals_torch", "gumbel_torch", "log_min_p",
-           "philox4x32_10_torch"]
+           "philox4x32_10_torch", "seed_int64"]
 
 STREAM_SAMPLE = 0  # Philox counter word 3; other values are reserved for future draws
+
+
+def seed_int64(seed: int, label: str = "bik.sample") -> int:
+    """A seed in [0, 2**64) as the int64 of the same bits, which the kernels read: the noise
+    key is the seed's two 32-bit halves, so every 64-bit seed (``random.getrandbits(64)``,
+    ``torch.Generator.initial_seed()``) is its own key. ValueError (naming ``label``) outside
+    [0, 2**64)."""
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"{label}: seed must be in [0, 2**64), got {seed}")
+    return seed - 2**64 if seed >= 2**63 else seed
 FLT_MIN = 1.1754943508222875e-38
 # The noise's exact extremes over all 2^23 u (csrc/cpu/sampling.h kGumbelMin / kGumbelMax).
 GUMBEL_MIN, GUMBEL_MAX = -2.8115408420562744, 16.63553237915039
@@ -47,7 +57,10 @@ def bik_log_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 # bik_exp (csrc/cpu/sampling.h): log2(e), Cody-Waite ln 2 = C1 + C2, Cephes expf's E5 .. E0; each
-# the double equal to the fp32 constant.
+# the double equal to the fp32 constant. EXP_LOG2E is therefore not ops/_pointwise.py's LOG2E
+# (the double nearest log2(e), for products formed in fp64) but that value rounded to fp32:
+# bik_exp multiplies in fp32 on every backend, and a constant that is exactly an fp32 gives
+# the same product whether a backend reads it as a float or as a double.
 EXP_LOG2E = 1.4426950216293335
 EXP_C1, EXP_C2 = 0.693359375, -0.00021219444170128554
 EXP_COEFFS = (0.00019875691214110702, 0.001398199936375022, 0.008333452045917511,

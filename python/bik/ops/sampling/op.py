@@ -18,25 +18,20 @@ import torch
 from bik._dtypes import dtype_name
 from bik.configs import SAMPLER_GREEDY_BELOW
 from bik.ops._checks import check_float_dtype, check_same_device, check_tensor, debug_checks
-from bik.ops._registry import define, documented, implementation, resolve_backend
-from bik.ops.sampling.noise import bik_log_torch, log_min_p
+from bik.ops._call import call
+from bik.ops._define import define
+from bik.ops._registry import documented, resolve_backend
+from bik.ops.sampling.noise import bik_log_torch, log_min_p, seed_int64
 
 __all__ = ["SampleOutput", "VerifyOutput", "accept_drafts", "bik_log_torch", "check_row_params",
            "check_verify", "greedy_limit", "row_params", "sample", "verify_draft", "window_rows"]
 
-# Every backend module (triton.py, cuda.py, cpu.py) defines
+# Every backend module (triton.py, cuda.py, cpu.py) defines the row's entry point
 #   sample_rows(x [B, V], seed, position, temperature, top_k, top_p, log_min_p, max_top_k)
 #       -> (tokens int64 [B], logprobs fp32 [B])
 # for validated, contiguous per-row parameters (log_min_p from noise.log_min_p); x has unit
 # stride along V and any supported dtype. max_top_k: the caller's host bound on the rows'
 # top_k, or None; given, the backend reads nothing back from the device.
-define("sample",
-       "(Tensor logits, Tensor seed, Tensor position, Tensor temperature, Tensor top_k, "
-       "Tensor top_p, Tensor min_p, str backend, int? max_top_k=None) -> (Tensor, Tensor)")
-define("verify_draft",
-       "(Tensor draft_tokens, Tensor num_drafts, Tensor logits, Tensor seed, Tensor position, "
-       "Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, str backend, "
-       "int? max_top_k=None) -> (Tensor, Tensor, Tensor)")
 
 
 class SampleOutput(NamedTuple):
@@ -122,9 +117,8 @@ def greedy_limit(temperature: torch.Tensor) -> torch.Tensor:
     return torch.where(temperature < SAMPLER_GREEDY_BELOW, 0.0, temperature)
 
 
-def _sample_rows(op, backend, logits, seed, position, temperature, top_k, top_p, min_p,
+def _sample_rows(sample_rows, logits, seed, position, temperature, top_k, top_p, min_p,
                  max_top_k):
-    sample_rows = implementation(op, backend, logits.device)
     temperature = greedy_limit(temperature)
     x = logits
     if x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) != 1:
@@ -134,24 +128,30 @@ def _sample_rows(op, backend, logits, seed, position, temperature, top_k, top_p,
                        max_top_k)
 
 
-@torch.library.impl("bik::sample", ("cpu", "cuda"))
-def _sample_impl(logits, seed, position, temperature, top_k, top_p, min_p, backend,
-                 max_top_k=None):
-    op = "bik.sample"
+def _check_sample_call(op, logits, seed, position, temperature, top_k, top_p, min_p,
+                       max_top_k=None):
     _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p,
                   _checks_values(max_top_k), max_top_k)
-    return _sample_rows("sample", backend, logits, seed, position, temperature, top_k, top_p,
-                        min_p, max_top_k)
+    return logits, seed, position, temperature, top_k, top_p, min_p, max_top_k
 
 
-@torch.library.register_fake("bik::sample")
-def _sample_fake(logits, seed, position, temperature, top_k, top_p, min_p, backend,
-                 max_top_k=None):
-    _check_sample("bik.sample", logits, seed, position, temperature, top_k, top_p, min_p,
-                  values=False)
+def _shapes_sample(op, logits, seed, position, temperature, top_k, top_p, min_p,
+                   max_top_k=None):
+    _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p, values=False)
+    return logits, seed, position, temperature, top_k, top_p, min_p, max_top_k
+
+
+def _fake_sample(logits, *rest):
     rows = logits.shape[0]
     return (logits.new_empty(rows, dtype=torch.int64),
             logits.new_empty(rows, dtype=torch.float32))
+
+
+define("sample",
+       "(Tensor logits, Tensor seed, Tensor position, Tensor temperature, Tensor top_k, "
+       "Tensor top_p, Tensor min_p, str backend, int? max_top_k=None) -> (Tensor, Tensor)",
+       check=_check_sample_call, fake_check=_shapes_sample, run=_sample_rows,
+       fake=_fake_sample)
 
 
 def check_verify(op, draft_tokens, num_drafts, logits, params, values=True, max_top_k=None,
@@ -178,16 +178,26 @@ def check_verify(op, draft_tokens, num_drafts, logits, params, values=True, max_
                          f"{num_drafts.tolist()}")
 
 
-@torch.library.impl("bik::verify_draft", ("cpu", "cuda"))
-def _verify_impl(draft_tokens, num_drafts, logits, seed, position, temperature, top_k, top_p,
-                 min_p, backend, max_top_k=None):
-    op = "bik.verify_draft"
+def _check_verify_call(op, draft_tokens, num_drafts, logits, seed, position, temperature,
+                       top_k, top_p, min_p, max_top_k=None):
     params = (seed, position, temperature, top_k, top_p, min_p)
     check_verify(op, draft_tokens, num_drafts, logits, params, _checks_values(max_top_k),
-                  max_top_k)
+                 max_top_k)
+    return (draft_tokens, num_drafts, logits, *params, max_top_k)
+
+
+def _shapes_verify(op, draft_tokens, num_drafts, logits, seed, position, temperature, top_k,
+                   top_p, min_p, max_top_k=None):
+    params = (seed, position, temperature, top_k, top_p, min_p)
+    check_verify(op, draft_tokens, num_drafts, logits, params, values=False)
+    return (draft_tokens, num_drafts, logits, *params, max_top_k)
+
+
+def _run_verify(sample_rows, draft_tokens, num_drafts, logits, seed, position, temperature,
+                top_k, top_p, min_p, max_top_k):
+    params = (seed, position, temperature, top_k, top_p, min_p)
     rows, window, vocab = logits.shape
-    tokens, logprobs = _sample_rows("verify_draft", backend,
-                                    logits.reshape(rows * window, vocab),
+    tokens, logprobs = _sample_rows(sample_rows, logits.reshape(rows * window, vocab),
                                     *window_rows(params, window), max_top_k)
     return accept_drafts(draft_tokens, num_drafts, tokens.reshape(rows, window),
                          logprobs.reshape(rows, window))
@@ -218,15 +228,18 @@ def accept_drafts(draft_tokens, num_drafts, tokens, logprobs):
     return num_accepted, tokens, logprobs
 
 
-@torch.library.register_fake("bik::verify_draft")
-def _verify_fake(draft_tokens, num_drafts, logits, seed, position, temperature, top_k, top_p,
-                 min_p, backend, max_top_k=None):
-    params = (seed, position, temperature, top_k, top_p, min_p)
-    check_verify("bik.verify_draft", draft_tokens, num_drafts, logits, params, values=False)
+def _fake_verify(draft_tokens, num_drafts, logits, *rest):
     rows, window = logits.shape[:2]
     return (logits.new_empty(rows, dtype=torch.int64),
             logits.new_empty(rows, window, dtype=torch.int64),
             logits.new_empty(rows, window, dtype=torch.float32))
+
+
+define("verify_draft",
+       "(Tensor draft_tokens, Tensor num_drafts, Tensor logits, Tensor seed, Tensor position, "
+       "Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, str backend, "
+       "int? max_top_k=None) -> (Tensor, Tensor, Tensor)",
+       check=_check_verify_call, fake_check=_shapes_verify, run=_run_verify, fake=_fake_verify)
 
 
 # ---- public wrappers -------------------------------------------------------------------------
@@ -249,13 +262,9 @@ def _per_row(op: str, name: str, value, rows: int, device, dtype, default):
 
 
 def _int64(op: str, name: str, value: int) -> int:
-    """A Python int as the int64 the kernels read. A seed is 64 bits: one in [2**63, 2**64) is
-    stored as the int64 with the same bits (the noise key is its two 32-bit halves), so every
-    seed in [0, 2**64) works, as ``random.getrandbits(64)`` gives them."""
+    """A Python int as the int64 the kernels read; a seed is 64 bits (:func:`seed_int64`)."""
     if name == "seed":
-        if not 0 <= value < 2**64:
-            raise ValueError(f"{op}: seed must be in [0, 2**64), got {value}")
-        return value - 2**64 if value >= 2**63 else value
+        return seed_int64(value, op)
     if not -(2**63) <= value < 2**63:
         raise ValueError(f"{op}: {name} must fit in int64, got {value}")
     return value
@@ -306,7 +315,7 @@ def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None
     backend = resolve_backend("sample", backend, logits.device)
     params = row_params(op, logits.shape[0], logits.device, seed, position, temperature, top_k,
                      top_p, min_p)
-    return SampleOutput(*torch.ops.bik.sample(logits, *params, backend, max_top_k))
+    return SampleOutput(*call("sample", logits, *params, backend, max_top_k))
 
 
 @documented("verify_draft")
@@ -339,5 +348,5 @@ def verify_draft(draft_tokens: torch.Tensor, num_drafts, logits: torch.Tensor, *
         num_drafts = _per_row(op, "num_drafts", num_drafts, rows, logits.device, torch.int64,
                               None)
     params = row_params(op, rows, logits.device, seed, position, temperature, top_k, top_p, min_p)
-    return VerifyOutput(*torch.ops.bik.verify_draft(draft_tokens, num_drafts, logits, *params,
-                                                    backend, max_top_k))
+    return VerifyOutput(*call("verify_draft", draft_tokens, num_drafts, logits, *params,
+                              backend, max_top_k))

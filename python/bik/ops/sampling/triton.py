@@ -21,7 +21,10 @@ Row-local launches, each over every row (rows of the other kind return at once):
   so any split and any merge order give the same token.
 
 The noise layout, bik_log, bik_exp and the normaliser's order are specified in
-csrc/cpu/sampling.h and docs/design.md.
+csrc/cpu/sampling.h and docs/design.md. The building blocks the three kernel modules share
+(bik_log, bik_exp, the tempered load, top-k's keep test, the normaliser's fold) live in
+triton_common.py, which imports none of them: this module imports the two statistics modules,
+and they import only triton_common.py.
 """
 
 from __future__ import annotations
@@ -33,16 +36,23 @@ import triton.language as tl
 from bik._arch import device_arch
 from bik.configs import sampler_chunks, sampling_config
 from bik.ops.sampling.split_vocab import sample_split_vocab
+from bik.ops.sampling.triton_common import (
+    NO_FUSION,
+    _chunks_per_tile,
+    _kept_k,
+    _tempered,
+    bik_log,
+)
+from bik.ops.sampling.triton_groups import finish_plain_rows, launch_group_mass, launch_group_max
+from bik.ops.sampling.triton_top_p import launch_top_p_stats
 
-__all__ = ["bik_exp", "bik_log", "chunk_sums", "gumbel_pick_kernel", "launch_sample",
-           "max_and_flag", "noise_parts_kernel", "philox4x32_10", "sample_rows", "unit_gumbel"]
+__all__ = ["gumbel_pick_kernel", "launch_sample", "philox4x32_10", "sample_rows", "unit_gumbel"]
 
 INT32_MAX = tl.constexpr(2**31 - 1)
 # The noise's exact extremes over all 2^23 u (fp32): a token with fl(z + G_MAX) < fl(m + G_MIN)
 # scores below the max token whatever the noise, so its noise need not be computed.
 G_MIN = tl.constexpr(-2.8115408420562744)
 G_MAX = tl.constexpr(16.63553237915039)
-NO_FUSION = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -60,182 +70,10 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
 
 
 @triton.jit
-def bik_log(x):
-    """Natural log of positive normal fp32 values from exactly rounded ops (see sampling.h)."""
-    b = x.to(tl.uint32, bitcast=True)
-    e = (b >> 23).to(tl.int32) - 127
-    mb = (b & 0x007FFFFF) | 0x3F800000
-    big = mb > 0x3FB504F3
-    mb = tl.where(big, mb - 0x00800000, mb)
-    e = tl.where(big, e + 1, e)
-    f = mb.to(tl.float32, bitcast=True) - 1.0
-    q = f * -0.07866687327623367 + 0.12821781635284424
-    q = q * f + -0.13101640343666077
-    q = q * f + 0.14188995957374573
-    q = q * f + -0.1662759929895401
-    q = q * f + 0.2000196874141693
-    q = q * f + -0.2500077188014984
-    q = q * f + 0.33333322405815125
-    q = q * f + -0.4999999701976776
-    p = q * f + 1.0
-    l = f * p
-    ef = e.to(tl.float32)
-    return ef * 0.693145751953125 + (ef * 1.428606765330187e-06 + l)
-
-
-@triton.jit
-def bik_exp(x):
-    """exp of fp32 x <= 0 from exactly rounded ops (see sampling.h): 0 below -86."""
-    live = x >= -86.0
-    xs = tl.where(live, x, 0.0)
-    k = tl.floor(xs * 1.4426950216293335 + 0.5)
-    r = (xs - k * 0.693359375) - k * -0.00021219444170128554
-    q = r * 0.00019875691214110702 + 0.001398199936375022
-    q = q * r + 0.008333452045917511
-    q = q * r + 0.04166579619050026
-    q = q * r + 0.1666666567325592
-    q = q * r + 0.5
-    p = (q * (r * r) + r) + 1.0
-    scale = ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-    return tl.where(live, p * scale, 0.0)
-
-
-@triton.jit
 def unit_gumbel(bits):
     """u = (2 * (bits >> 9) + 1) * 2^-24 (exact), then 0 - bik_log(0 - bik_log(u))."""
     u = (((bits >> 9) << 1) | 1).to(tl.float32) * 5.960464477539063e-08
     return 0.0 - bik_log(0.0 - bik_log(u))
-
-
-@triton.jit
-def noise_parts_kernel(in_ptr, out_ptr, n, FN: tl.constexpr, BLOCK: tl.constexpr):
-    """Test access to the building blocks: FN 0 = philox (in uint32 [n, 6] -> out [n, 4]),
-    1 = bik_log (fp32 -> fp32), 2 = Gumbel of u (fp32 -> fp32), 3 = bik_exp (fp32 -> fp32)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    if FN == 0:
-        w = []
-        for j in tl.static_range(6):
-            w.append(tl.load(in_ptr + offs * 6 + j, mask=mask, other=0).to(tl.uint32, bitcast=True))
-        w0, w1, w2, w3 = philox4x32_10(w[0], w[1], w[2], w[3], w[4], w[5])
-        tl.store(out_ptr + offs * 4, w0.to(tl.int32, bitcast=True), mask=mask)
-        tl.store(out_ptr + offs * 4 + 1, w1.to(tl.int32, bitcast=True), mask=mask)
-        tl.store(out_ptr + offs * 4 + 2, w2.to(tl.int32, bitcast=True), mask=mask)
-        tl.store(out_ptr + offs * 4 + 3, w3.to(tl.int32, bitcast=True), mask=mask)
-    else:
-        x = tl.load(in_ptr + offs, mask=mask, other=0.5)
-        if FN == 1:
-            y = bik_log(x)
-        elif FN == 2:
-            y = 0.0 - bik_log(0.0 - bik_log(x))
-        else:
-            y = bik_exp(x)
-        tl.store(out_ptr + offs, y, mask=mask)
-
-
-@triton.jit
-def _key(v):
-    """fp32 order key as int64: key(a) < key(b) iff a < b, for non-NaN values."""
-    b = v.to(tl.int32, bitcast=True)
-    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
-
-
-@triton.jit
-def _from_key(k):
-    b = k.to(tl.int32)
-    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _tempered(x_row, offs, mask, temp):
-    x = tl.load(x_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    t_safe = tl.where(temp > 0.0, temp, 1.0)
-    return tl.where(temp > 0.0, tl.math.div_rn(x, t_safe), x)
-
-
-@triton.jit
-def _kept_k(z, offs, vk, ik):
-    return (z > vk) | ((z == vk) & (offs <= ik))
-
-
-@triton.jit
-def max_and_flag(x_row, start, end, temp, vk, ik, BLOCK: tl.constexpr):
-    """Over tokens [start, end): the max z of the top-k-kept tokens (exact in any order) and
-    whether any z is NaN or +inf (int32 0/1)."""
-    cols = tl.arange(0, BLOCK)
-    mx = tl.full((BLOCK,), float("-inf"), tl.float32)
-    bad = tl.zeros((BLOCK,), tl.int32)
-    for c0 in range(start, end, BLOCK):
-        offs = c0 + cols
-        mask = offs < end
-        z = _tempered(x_row, offs, mask, temp)
-        bad = bad | ((z != z) | (z == float("inf"))).to(tl.int32)  # noqa: PLR0124 (NaN)
-        mx = tl.maximum(mx, tl.where(mask & _kept_k(z, offs, vk, ik), z, float("-inf")))
-    return tl.max(mx, axis=0), tl.max(bad, axis=0)
-
-
-@triton.jit
-def _halves(s, NCH: tl.constexpr, W: tl.constexpr):
-    """[NCH, 2W] -> [NCH, W]: s[t] + s[t + W], one step of the chunk's fold, written out (a sum
-    of two values is one rounded add, whatever the order)."""
-    return tl.sum(tl.reshape(s, (NCH, 2, W)), axis=1)
-
-
-@triton.jit
-def chunk_sums(s, NCH: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
-    """[NCH, CHUNK] terms -> [NCH] chunk sums, each chunk folded pairwise by halves."""
-    for k in tl.static_range(LOG2_CHUNK):
-        s = _halves(s, NCH, CHUNK >> (k + 1))
-    return tl.reshape(s, (NCH,))
-
-
-@triton.jit
-def _vocab_mass(x_row, V, GROUP_LEN, temp, vk, ik, threshold, m_safe, CHUNK: tl.constexpr,
-                LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr, RAW: tl.constexpr):
-    """The normaliser's sum (csrc/cpu/sampling.h vocab_sum) of bik_exp(z - m) over the tokens
-    kept by top-k with z >= threshold; RAW: of the fp32 terms at x_row themselves (tests).
-    NCH chunks at a time as an [NCH, CHUNK] tile (the missing tokens of a ragged chunk: +0),
-    each folded pairwise by halves (explicit reshapes, not a tl.sum tree); chunk sums enter the
-    group total one by one in ascending order (a tl.sum of one value among zeros is that value,
-    exactly), group totals likewise."""
-    total = tl.full((), 0.0, tl.float32)
-    for g0 in range(0, V, GROUP_LEN):
-        total = total + group_mass(x_row, g0, g0 + GROUP_LEN, temp, vk, ik, threshold, m_safe,
-                                   CHUNK, LOG2_CHUNK, NCH, RAW)
-    return total
-
-
-@triton.jit
-def group_mass(x_row, g0, g_end, temp, vk, ik, threshold, m_safe, CHUNK: tl.constexpr,
-               LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr, RAW: tl.constexpr):
-    """One group's total of _vocab_mass's terms over tokens [g0, g_end): its chunks from g0,
-    each folded by halves, the chunk sums added in ascending order from +0."""
-    cols = tl.arange(0, CHUNK)[None, :]
-    slots = tl.arange(0, NCH)
-    group_total = tl.full((), 0.0, tl.float32)
-    for c0 in range(g0, g_end, CHUNK * NCH):
-        offs = c0 + slots[:, None] * CHUNK + cols
-        mask = offs < g_end
-        if RAW:
-            s = tl.load(x_row + offs, mask=mask, other=0.0)
-        else:
-            z = _tempered(x_row, offs, mask, temp)
-            keep = mask & _kept_k(z, offs, vk, ik) & (z >= threshold)
-            s = tl.where(keep, bik_exp(z - m_safe), 0.0)
-        sums = chunk_sums(s, NCH, CHUNK, LOG2_CHUNK)
-        for c in tl.static_range(NCH):
-            group_total = group_total + tl.sum(tl.where(slots == c, sums, 0.0), axis=0)
-    return group_total
-
-
-@triton.jit
-def vocab_sum_kernel(t_ptr, V, GROUP_LEN, out_ptr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
-                     NCH: tl.constexpr):
-    """Test access to the normaliser's order: out[row] = vocab_sum of the fp32 terms [B, V]."""
-    row = tl.program_id(0).to(tl.int64)
-    total = _vocab_mass(t_ptr + row * V, V, GROUP_LEN, 1.0, 0.0, 0, 0.0, 0.0, CHUNK, LOG2_CHUNK,
-                        NCH, True)
-    tl.store(out_ptr + row, total)
 
 
 @triton.jit
@@ -283,12 +121,6 @@ def gumbel_pick_kernel(x_ptr, stride_x, V, key_ptr, temp_ptr, vk_ptr, ik_ptr, vl
     tl.store(part_idx_ptr + row * n_splits + split, idx)
 
 
-def _chunks_per_tile(arch: str, chunk: int) -> int:
-    """Chunks folded side by side per step of the stats kernel: the config's block of tokens
-    (at least one chunk). The order of the sums does not depend on it."""
-    return max(1, sampling_config(arch).block // chunk)
-
-
 def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
                   vk: torch.Tensor, ik: torch.Tensor, top_p: torch.Tensor,
                   log_min_p: torch.Tensor):
@@ -308,13 +140,6 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
     part_idx = torch.empty(b, n_splits, dtype=torch.int32, device=dev)
     if b == 0:
         return m, log_s, bad, part_val, part_idx
-    from bik.ops.sampling.triton_groups import (  # they build on this module's helpers
-        finish_plain_rows,
-        launch_group_mass,
-        launch_group_max,
-    )
-    from bik.ops.sampling.triton_top_p import launch_top_p_stats
-
     stride = logits.stride(0)
     groups, chunk = sampler_chunks(v)
     nch = _chunks_per_tile(device_arch(logits.device), chunk)
@@ -328,33 +153,6 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
                                       part_val, part_idx, n_splits, SPLIT=cfg.split,
                                       BLOCK=cfg.block, num_warps=cfg.num_warps, **NO_FUSION)
     return m, finish_plain_rows(gtot, bad, top_p, log_s), bad, part_val, part_idx
-
-
-def run_noise_part(fn: str, x: torch.Tensor, n: int) -> torch.Tensor:
-    """Test helper: philox (x uint32-as-int64 [n, 6]), log, gumbel or exp (x fp32 [n])."""
-    code = {"philox": 0, "log": 1, "gumbel": 2, "exp": 3}[fn]
-    block = 1024 if code == 0 else 65536  # big blocks: the interpreter pays per program
-    if code == 0:
-        inp = x.to(torch.int64).to(torch.int32).contiguous()  # low 32 bits, two's complement
-        out = torch.empty(n, 4, dtype=torch.int32, device=x.device)
-    else:
-        inp = x.contiguous()
-        out = torch.empty_like(inp)
-    noise_parts_kernel[(triton.cdiv(n, block),)](inp, out, n, FN=code, BLOCK=block, **NO_FUSION)
-    if code == 0:
-        return out.to(torch.int64) & 0xFFFFFFFF
-    return out
-
-
-def vocab_sum(terms: torch.Tensor) -> torch.Tensor:
-    """Test helper: fp32 [B], the normaliser's sum of fp32 terms [B, V] per row."""
-    b, v = terms.shape
-    groups, chunk = sampler_chunks(v)
-    out = torch.empty(b, dtype=torch.float32, device=terms.device)
-    nch = _chunks_per_tile(device_arch(terms.device), chunk)
-    vocab_sum_kernel[(b,)](terms.contiguous(), v, v // groups, out, CHUNK=chunk,
-                           LOG2_CHUNK=chunk.bit_length() - 1, NCH=nch, **NO_FUSION)
-    return out
 
 
 def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p,

@@ -8,9 +8,9 @@ work side by side instead of one walking the whole row:
 * ``group_max_kernel`` (rows x groups, every row): each group's max and invalid flag (the
   top-p search starts from them too);
 * ``group_mass_kernel`` (rows x groups): m is the max of the G maxima (a max is exact in any
-  order), then each program sums its group in the contract's order (triton.group_mass: chunks
-  folded by halves, chunk sums ascending from +0); the group-0 program writes m, the min-p
-  threshold and the flag for the pick;
+  order), then each program sums its group in the contract's order (triton_common.group_mass:
+  chunks folded by halves, chunk sums ascending from +0); the group-0 program writes m, the
+  min-p threshold and the flag for the pick;
 * the G group totals are folded in ascending order from +0 and passed through bik_log in torch
   (``finish_plain_rows``): separately rounded fp32 ops, so the bits of the single-program sum.
 
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from bik.ops.sampling.noise import bik_log_torch
-from bik.ops.sampling.triton import group_mass, max_and_flag
+from bik.ops.sampling.triton_common import group_mass, max_and_flag
 
 __all__ = ["finish_plain_rows", "group_mass_kernel", "group_max_kernel", "launch_group_mass",
            "launch_group_max"]

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bik.ops.sampling.triton import (
+from bik.ops.sampling.triton_common import (
     _from_key,
     _kept_k,
     _key,
@@ -52,7 +52,7 @@ from bik.ops.sampling.triton import (
 )
 
 __all__ = ["TOP_P_CANDIDATES", "TOP_P_LANES", "TOP_P_PASSES", "launch_top_p_stats",
-           "top_p_cut", "top_p_pass_kernel"]
+           "top_p_pass_kernel"]
 
 TOP_P_LANES = 16  # thresholds probed per pass
 TOP_P_CANDIDATES = 256  # tokens of the bracket a split pass keeps for the candidates pass
@@ -80,10 +80,10 @@ def _lane(v, lanes, k, fill):
 def _group_probe_masses(x_row, g0, g_end, temp, vk, ik, m_safe, probes, lo_v, hi_v, collect,
                         cand_row, LANES: tl.constexpr, CANDIDATES: tl.constexpr,
                         CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr):
-    """One normaliser group [g0, g_end): its total of triton._vocab_mass's terms at each of the
-    LANES probes (its chunks folded by halves, the chunk sums ascending from +0), and the number
-    of kept finite tokens with z in [lo_v, hi_v), the first CANDIDATES of them stored at
-    cand_row in vocabulary order when ``collect``."""
+    """One normaliser group [g0, g_end): its total of triton_common.group_mass's terms at each
+    of the LANES probes (its chunks folded by halves, the chunk sums ascending from +0), and
+    the number of kept finite tokens with z in [lo_v, hi_v), the first CANDIDATES of them
+    stored at cand_row in vocabulary order when ``collect``."""
     lanes = tl.arange(0, LANES)
     cols = tl.arange(0, CHUNK)[None, :]
     slots = tl.arange(0, NCH)
@@ -266,31 +266,3 @@ def launch_top_p_stats(logits, temperature, vk, ik, top_p, log_min_p, gmax, gbad
             taken, G=groups, CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, NCH=nch,
             LANES=TOP_P_LANES, CANDIDATES=TOP_P_CANDIDATES, num_warps=num_warps, **options)
     return taken
-
-
-def top_p_cut(logits: torch.Tensor, top_p: float, *, passes: int = TOP_P_PASSES):
-    """Tests and benchmarks: (v_p, bik_log of the kept mass, passes taken) per row of fp32
-    logits [B, V] at T = 1, top-k and min-p off; ``passes`` below TOP_P_PASSES cuts the search
-    short (a control)."""
-    from bik._arch import device_arch
-    from bik.configs import sampler_chunks, sampling_config
-    from bik.ops.sampling.triton import NO_FUSION, _chunks_per_tile
-    from bik.ops.sampling.triton_groups import launch_group_max
-
-    b, v = logits.shape
-    dev = logits.device
-    cfg = sampling_config(device_arch(dev))
-    groups, chunk = sampler_chunks(v)
-    m, v_p, log_s = (torch.empty(b, dtype=torch.float32, device=dev) for _ in range(3))
-    bad = torch.empty(b, dtype=torch.int32, device=dev)
-    ones = torch.ones(b, dtype=torch.float32, device=dev)
-    temp, vk = ones, torch.full_like(ones, float("-inf"))
-    ik = torch.full((b,), v, dtype=torch.int32, device=dev)
-    gmax, gbad = launch_group_max(logits, temp, vk, ik, groups=groups, block=cfg.block,
-                                  num_warps=cfg.num_warps, options=NO_FUSION)
-    taken = launch_top_p_stats(logits, temp, vk, ik, ones * top_p,
-                               torch.full_like(ones, float("-inf")), gmax, gbad, m, v_p,
-                               log_s, bad, groups=groups, chunk=chunk,
-                               nch=_chunks_per_tile(device_arch(dev), chunk),
-                               num_warps=cfg.num_warps, options=NO_FUSION, passes=passes)
-    return v_p, log_s, taken
