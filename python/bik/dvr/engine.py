@@ -24,119 +24,24 @@ and logprob for logprob. Design and measured overheads: docs/design.md (decode-v
 
 from __future__ import annotations
 
-import itertools
-import operator
 import random
 import time
-import warnings
-from dataclasses import dataclass, field
 
 import torch
 
 from bik.dvr.blocks import BlockPool, blocks_for
-from bik.dvr.drafter import NgramDrafter
 from bik.dvr.metrics import EngineMetrics
 from bik.dvr.requests import Request, RequestOutput, Status
-from bik.dvr.sampling import sample_rows, verify_windows
+from bik.dvr.sampling import sample_rows
+from bik.dvr.scheduler import Scheduler
+from bik.dvr.sequence import EngineConfig, SequenceState, StreamEvent
 from bik.dvr.step import KVCache, build_step
+from bik.dvr.verifier import Verifier
 
 __all__ = ["DVREngine", "EngineConfig", "StreamEvent"]
 
-VERIFIERS = ("exact", "fixed")
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """window: K unverified tokens that make a request ready; group: N requests per verifier
-    pass; verifier "exact" replays just the rows it needs, "fixed" pads every pass to
-    N x (K + drafts + 1) rows (LLM-42's fixed shape, for comparison: same output, more rows);
-    mismatch_rate: fraction of fast-path tokens of deterministic requests replaced by another
-    token (forces rollbacks, for tests and overhead curves); verify False turns the verifier off
-    (every request then takes the decode kernels' tokens: the fast path alone, or bik-only
-    decoding when the decode kernels are bik's)."""
-
-    window: int = 4
-    group: int = 4
-    verifier: str = "exact"
-    drafter: NgramDrafter | None = None
-    mismatch_rate: float = 0.0
-    mismatch_seed: int = 0
-    block_size: int = 16
-    num_blocks: int = 512
-    max_running: int = 64
-    prefill_chunk: int | None = None
-    verify: bool = True
-
-    def __post_init__(self):
-        if self.window < 1 or self.group < 1:
-            raise ValueError(f"EngineConfig: window (K) and group (N) must be >= 1, got "
-                             f"K={self.window}, N={self.group}")
-        if self.verifier not in VERIFIERS:
-            raise ValueError(f"EngineConfig: verifier must be one of {VERIFIERS}, got "
-                             f"{self.verifier!r}")
-        if not 0.0 <= self.mismatch_rate <= 1.0:
-            raise ValueError(f"EngineConfig: mismatch_rate must be in [0, 1], got "
-                             f"{self.mismatch_rate}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError(f"EngineConfig: prefill_chunk must be >= 1, got "
-                             f"{self.prefill_chunk}")
-        drafts = getattr(self.drafter, "num_tokens", None) if self.drafter is not None else 0
-        if isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 0:
-            raise ValueError(f"EngineConfig: the drafter must have an int num_tokens >= 0 (the "
-                             f"most tokens it proposes), got {drafts!r}")
-        for name in ("block_size", "num_blocks", "max_running"):  # 0 would never make progress
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig: {name} must be >= 1, got "
-                                 f"{getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    """Tokens a request committed in one step (only committed tokens are ever streamed)."""
-
-    request_id: str
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finished: bool
-
-
-@dataclass
-class _Sequence:
-    req: Request
-    out: RequestOutput
-    order: int  # admission order: groups and batches are formed in this order
-    tokens: list[int] = field(default_factory=list)  # prompt + committed + unverified
-    unverified_logprobs: list[float] = field(default_factory=list)
-    committed: int = 0  # generated tokens committed
-    kv_len: int = 0  # tokens whose K/V is in the cache
-    blocks: list[int] = field(default_factory=list)
-    prefill_target: int = 0  # tokens to prefill before sampling: the prompt, or after a
-    # preemption the prompt and the committed tokens
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.req.prompt)
-
-    @property
-    def boundary(self) -> int:  # tokens before the first unverified one
-        return self.prompt_len + self.committed
-
-    @property
-    def unverified(self) -> int:
-        return len(self.tokens) - self.boundary
-
-    @property
-    def prefilling(self) -> bool:
-        return self.kv_len < self.prefill_target
-
-    def ends_within(self, tokens: list[int]) -> bool:
-        """Would these generated tokens (after the committed ones) finish the request?"""
-        eos = set(self.req.eos_token_ids)
-        return (self.committed + len(tokens) >= self.req.max_new_tokens
-                or any(t in eos for t in tokens))
-
-
-class DVREngine:
+class DVREngine(Scheduler, Verifier):
     """Continuous batching with a fast path and a batch-invariant verifier.
 
     model: bik.dvr.model.LlamaModel; fast_kernels: the ordinary kernels that decode;
@@ -153,8 +58,8 @@ class DVREngine:
                                       self.device)
         self.pool = BlockPool(config.num_blocks)
         self.metrics = EngineMetrics()
-        self._waiting: list[_Sequence] = []
-        self._running: list[_Sequence] = []
+        self._waiting: list[SequenceState] = []
+        self._running: list[SequenceState] = []
         self._outputs: dict[str, RequestOutput] = {}
         self._admitted = 0
         self._rng = random.Random(config.mismatch_seed)
@@ -185,7 +90,7 @@ class DVREngine:
                 f"{self.config.num_blocks}")
         out = RequestOutput(req.request_id)
         self._outputs[req.request_id] = out
-        self._waiting.append(_Sequence(req, out, order=-1, tokens=list(req.prompt),
+        self._waiting.append(SequenceState(req, out, order=-1, tokens=list(req.prompt),
                                        prefill_target=len(req.prompt)))
         return out
 
@@ -225,76 +130,7 @@ class DVREngine:
             self.step()
         return self._outputs
 
-    # ---- scheduling ---------------------------------------------------------------------
-
-    def _lookahead(self) -> int:
-        """KV rows past a request's tokens one verifier pass may write: its drafts, or the
-        fixed shape's padding."""
-        if not self.config.verify:
-            return 0
-        drafts = self.config.drafter.num_tokens if self.config.drafter else 0
-        return self.config.window + drafts + 1 if self.config.verifier == "fixed" else drafts
-
-    def _max_kv(self, req: Request) -> int:
-        return len(req.prompt) + req.max_new_tokens + self._lookahead()
-
-    def _dummy_blocks(self) -> int:
-        """Blocks the fixed-shape verifier's dummy requests hold during a pass."""
-        if self.config.verifier != "fixed" or not self.config.verify:
-            return 0
-        return (self.config.group - 1) * blocks_for(self._lookahead(), self.config.block_size)
-
-    def _step_blocks(self, seq: _Sequence) -> int:
-        """Blocks ``seq`` may add in one step: a prefill chunk; or, once prefilled, a decoded
-        token, a verifier pass over its tokens and drafts and a decode after it."""
-        if seq.prefilling and self.config.prefill_chunk is not None \
-                and seq.kv_len + self.config.prefill_chunk < seq.prefill_target:
-            rows = seq.kv_len + self.config.prefill_chunk
-        else:
-            rows = min(len(seq.tokens) + 1 + self._lookahead(), self._max_kv(seq.req))
-        return max(0, blocks_for(rows, self.config.block_size) - len(seq.blocks))
-
-    def _admit(self) -> None:
-        """Admit waiting requests while this step's blocks fit, then preempt the latest
-        admitted running requests until the running ones' fit (add_request checked that a
-        request alone always fits)."""
-        reserve = self._dummy_blocks() if self.config.verify else 0
-        budget = self.pool.num_free - reserve - sum(self._step_blocks(s) for s in self._running)
-        while self._waiting and len(self._running) < self.config.max_running:
-            need = self._step_blocks(self._waiting[0])
-            if need > budget and self._running:
-                break  # it waits for blocks to come back
-            seq = self._waiting.pop(0)
-            seq.order = self._admitted
-            self._admitted += 1
-            seq.out.status = Status.RUNNING
-            self._running.append(seq)
-            budget -= need
-        while budget < 0 and len(self._running) > 1:
-            victim = max(self._running, key=lambda s: s.order)
-            budget += self._step_blocks(victim) + len(victim.blocks)
-            self._preempt(victim)
-
-    def _preempt(self, seq: _Sequence) -> None:
-        """Free a running request's KV and send it back to the front of the queue; it will
-        prefill its prompt and committed tokens again (unverified ones are dropped)."""
-        self._running.remove(seq)
-        self.pool.free(seq.blocks)
-        seq.blocks.clear()
-        del seq.tokens[seq.boundary:]
-        seq.unverified_logprobs.clear()
-        seq.kv_len = 0
-        seq.prefill_target = len(seq.tokens)
-        seq.out.status = Status.WAITING
-        self._waiting.insert(0, seq)
-        self.metrics.preemptions += 1
-
-    def _is_ready(self, seq: _Sequence) -> bool:
-        if not seq.req.deterministic or seq.prefilling or not self.config.verify:
-            return False
-        unverified = seq.tokens[seq.boundary:]
-        return len(unverified) >= self.config.window or (
-            bool(unverified) and seq.ends_within(unverified))
+    # ---- prefill and decode -------------------------------------------------------------
 
     def _prefill(self) -> None:
         todo = [s for s in self._running if s.prefilling]
@@ -353,110 +189,6 @@ class DVREngine:
             return (tok + 1 + self._rng.randrange(vocab - 1)) % vocab if vocab > 1 else tok
         return tok
 
-    def _verify_ready(self) -> None:
-        ready = sorted((s for s in self._running if self._is_ready(s)), key=lambda s: s.order)
-        waiting_det = [s for s in self._running if s.req.deterministic and self.config.verify
-                       and not s.prefilling and not self._is_ready(s)]
-        if not ready or (len(ready) < self.config.group and waiting_det):
-            return  # wait for a full group while more requests can still become ready
-        for start in range(0, len(ready), self.config.group):
-            self._verify_group(ready[start:start + self.config.group])
-
-    def _verify_group(self, group: list[_Sequence]) -> None:
-        t0 = time.perf_counter()
-        proposals = []
-        for seq in group:
-            unverified = seq.tokens[seq.boundary:]
-            drafts = self._drafts(seq, unverified)
-            proposals.append(unverified + drafts)
-            self.metrics.drafted += len(drafts)
-        # Rows: the last committed token, then every proposal (whose logits score the next).
-        spans = [(seq, [seq.tokens[seq.boundary - 1]] + prop)
-                 for seq, prop in zip(group, proposals)]
-        for seq, _ in spans:  # the verifier rewrites the fast path's KV from the boundary on
-            seq.kv_len = seq.boundary - 1
-        logits, rows = self._verifier_forward(spans)
-        windows = [logits[r0:r0 + len(span)] for (r0, (_, span)) in zip(rows, spans)]
-        verdicts = verify_windows(windows, proposals, [s.req.sampling for s in group],
-                                  [s.boundary for s in group], verify=self.model.verify_draft)
-        for seq, prop, (accepted, toks, lps) in zip(group, proposals, verdicts):
-            fast = seq.unverified
-            self.metrics.windows += 1
-            self.metrics.drafts_accepted += max(0, accepted - fast)
-            if accepted < fast:
-                self.metrics.rollbacks += 1
-                self.metrics.rolled_back_tokens += fast - accepted
-            del seq.tokens[seq.boundary:]
-            seq.tokens.extend(toks)
-            seq.unverified_logprobs.clear()
-            # KV is valid for the boundary token and the accepted proposals, which the
-            # verifier fed with the committed context; the rest is discarded.
-            seq.kv_len = seq.boundary + accepted
-            self.pool.shrink(seq.blocks, seq.kv_len, self.config.block_size)
-            self._commit(seq, toks, lps)
-        self.metrics.verify_s += time.perf_counter() - t0
-        self.metrics.verify_passes += 1
-
-    def _drafts(self, seq: _Sequence, unverified: list[int]) -> list[int]:
-        drafter = self.config.drafter
-        if drafter is None or seq.ends_within(unverified):
-            return []
-        # At most num_tokens: the step's block reservation and the fixed shape count on it.
-        room = min(seq.req.max_new_tokens - seq.committed - len(unverified) - 1,
-                   drafter.num_tokens)
-        if room <= 0:
-            return []
-        try:  # a copy of the tokens, and never more than room read from what it returns
-            proposed = drafter.propose(list(seq.tokens), limit=room)
-            drafts = [operator.index(t) for t in itertools.islice(proposed, room)]
-            if any(isinstance(t, bool) for t in drafts):
-                raise TypeError("a draft token is a bool")
-        except Exception as exc:  # noqa: BLE001 - a drafter's failure must not stop a step
-            self.metrics.drafter_errors += 1
-            if self.metrics.drafter_errors == 1:
-                warnings.warn(f"DVREngine: the drafter raised for request "
-                              f"{seq.req.request_id!r} ({type(exc).__name__}: {exc}); that "
-                              f"window is verified without drafts (counted in "
-                              f"metrics.drafter_errors, warned once)", RuntimeWarning,
-                              stacklevel=5)
-            return []
-        vocab = self.model.config.vocab_size
-        return drafts if all(0 <= t < vocab for t in drafts) else []  # a bad draft: none
-
-    def _verifier_forward(self, spans):
-        """The verifier's pass; returns (logits of the real rows, first row of each span)."""
-        if self.config.verifier == "exact":
-            logits = self._forward(self.verifier, spans, last_only=False)
-        else:
-            logits = self._fixed_shape_forward(spans)
-        rows, r0 = [], 0
-        for _, span in spans:
-            rows.append(r0)
-            r0 += len(span)
-        self.metrics.verify_rows += self.metrics.last_rows
-        return logits, rows
-
-    def _fixed_shape_forward(self, spans):
-        """LLM-42's fixed shape: every request padded with dummy tokens to R rows and dummy
-        requests up to N, R = K + drafts + 1. The dummy rows write K/V past the request's
-        window (freed right after) or into scratch blocks; bik's kernels make them harmless."""
-        drafts = self.config.drafter.num_tokens if self.config.drafter else 0
-        width = self.config.window + drafts + 1
-        padded = [(seq, span + [0] * (width - len(span))) for seq, span in spans]
-        dummies = []
-        for _ in range(self.config.group - len(spans)):
-            dummy = _Sequence(spans[0][0].req, RequestOutput("dummy"), order=-1,
-                              tokens=[0] * width)
-            dummies.append(dummy)
-            padded.append((dummy, dummy.tokens))
-        keep = [i * width + j for i, (_, span) in enumerate(spans) for j in range(len(span))]
-        try:
-            logits = self._forward(self.verifier, padded, last_only=False, rows_wanted=keep)
-        finally:
-            for dummy in dummies:
-                self.pool.free(dummy.blocks)
-        return logits
-
     # ---- forward and bookkeeping --------------------------------------------------------
 
     def _forward(self, kernels, spans, *, last_only: bool, rows_wanted=None) -> torch.Tensor:
@@ -486,7 +218,7 @@ class DVREngine:
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             step, self.cache, kernels, logits_rows)
 
-    def _commit(self, seq: _Sequence, toks: list[int], lps: list[float]) -> None:
+    def _commit(self, seq: SequenceState, toks: list[int], lps: list[float]) -> None:
         """Append verified (or unverifiable) tokens to the stream; finish on EOS, max tokens,
         or an invalid row (token -1: the request ends with reason "invalid_logits")."""
         eos = set(seq.req.eos_token_ids)
@@ -514,7 +246,7 @@ class DVREngine:
         self._events.append(StreamEvent(seq.req.request_id, tuple(toks), tuple(lps),
                                         reason is not None))
 
-    def _finish(self, seq: _Sequence, reason: str, status: Status) -> None:
+    def _finish(self, seq: SequenceState, reason: str, status: Status) -> None:
         self.pool.free(seq.blocks)
         seq.blocks.clear()
         seq.out.status, seq.out.finish_reason = status, reason
