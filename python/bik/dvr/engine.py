@@ -32,7 +32,7 @@ import torch
 from bik.dvr.blocks import BlockPool, blocks_for
 from bik.dvr.metrics import EngineMetrics
 from bik.dvr.requests import Request, RequestOutput, Status
-from bik.dvr.sampling import sample_rows
+from bik.dvr.sampling import kernels_backend, sample_rows
 from bik.dvr.scheduler import Scheduler
 from bik.dvr.sequence import EngineConfig, SequenceState, StreamEvent
 from bik.dvr.step import KVCache, build_step
@@ -152,7 +152,8 @@ class DVREngine(Scheduler, Verifier):
                 toks, lps = sample_rows(logits.index_select(0, rows),
                                         [s.req.sampling for _, s in done],
                                         [len(s.tokens) for _, s in done],
-                                        sample=self.model.sample)
+                                        sample=self.model.sample,
+                                        backend=kernels_backend(kernels))
                 for (_, seq), tok, lp in zip(done, toks, lps):
                     seq.tokens.append(tok)
                     self._commit(seq, [tok], [lp])
@@ -166,7 +167,8 @@ class DVREngine(Scheduler, Verifier):
         t0 = time.perf_counter()
         logits = self._forward(self.fast, [(s, [s.tokens[-1]]) for s in group], last_only=True)
         toks, lps = sample_rows(logits, [s.req.sampling for s in group],
-                                [len(s.tokens) for s in group], sample=self.model.sample)
+                                [len(s.tokens) for s in group], sample=self.model.sample,
+                                backend=kernels_backend(self.fast))
         for seq, tok, lp in zip(group, toks, lps):
             if seq.req.deterministic and self.config.verify:
                 # An invalid fast-path row (-1) goes on as a placeholder token: verification

@@ -7,7 +7,7 @@ import torch
 
 from bik.dvr.blocks import blocks_for
 from bik.dvr.requests import Request, RequestOutput, Status
-from bik.dvr.sampling import sample_rows
+from bik.dvr.sampling import kernels_backend, sample_rows
 from bik.dvr.step import KVCache, build_step
 
 __all__ = ["reference_decode"]
@@ -17,7 +17,8 @@ def reference_decode(model, req: Request, kernels, *, block_size: int = 16,
                      device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32) -> RequestOutput:
     """Prefill the prompt whole, then decode one token at a time, stopping at EOS or
-    max_new_tokens, exactly as the request's sampling parameters say."""
+    max_new_tokens, exactly as the request's sampling parameters say, sampling on the kernels'
+    backend (bik.dvr.sampling.kernels_backend)."""
     device = torch.device(device)
     total = len(req.prompt) + req.max_new_tokens
     blocks = list(range(blocks_for(total, block_size)))
@@ -33,7 +34,7 @@ def reference_decode(model, req: Request, kernels, *, block_size: int = 16,
             torch.arange(span_start, len(tokens), dtype=torch.int64, device=device),
             step, cache, kernels, torch.tensor([len(span) - 1], device=device))
         (tok,), (lp,) = sample_rows(logits, [req.sampling], [len(tokens)],
-                                   sample=model.sample)
+                                   sample=model.sample, backend=kernels_backend(kernels))
         out.tokens.append(tok)
         out.logprobs.append(lp)
         span_start = len(tokens)

@@ -1,6 +1,8 @@
 """The engine's calls into bik's sampler: per-row parameters as tensors, windows padded to one
 shape for bik.verify_draft. Every row is drawn with the noise of its own (seed, position), so
-padding and grouping change no token."""
+padding and grouping change no token. ``backend`` is the backend of the kernels whose logits
+are drawn from (:func:`kernels_backend`): a verifier on ``BikKernels(backend="cuda")`` samples
+and verifies on "cuda" too, and an explicit backend that cannot run raises."""
 
 from __future__ import annotations
 
@@ -12,7 +14,13 @@ import bik
 from bik.dvr.requests import SamplingParams
 from bik.ops.sampling.noise import seed_int64
 
-__all__ = ["sample_rows", "verify_windows"]
+__all__ = ["kernels_backend", "sample_rows", "verify_windows"]
+
+
+def kernels_backend(kernels) -> str | None:
+    """The backend a kernel set runs bik's ops on (BikKernels.backend); None for a set that
+    names none (FastKernels: the sampler picks by device)."""
+    return getattr(kernels, "backend", None)
 
 
 def _param_tensors(params: Sequence[SamplingParams], positions: Sequence[int], device):
@@ -31,22 +39,24 @@ def _param_tensors(params: Sequence[SamplingParams], positions: Sequence[int], d
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
-                positions: Sequence[int], *, sample=bik.sample) -> tuple[list[int], list[float]]:
+                positions: Sequence[int], *, sample=bik.sample,
+                backend: str | None = None) -> tuple[list[int], list[float]]:
     """One token per row of ``logits`` [B, V]; row b is the token at absolute position
-    positions[b] of its sequence. ``sample``: the model's sampler (bik.sample's signature)."""
-    out = sample(logits, **_param_tensors(params, positions, logits.device))
+    positions[b] of its sequence. ``sample``: the model's sampler (bik.sample's signature);
+    ``backend``: passed to it."""
+    out = sample(logits, **_param_tensors(params, positions, logits.device), backend=backend)
     return out.tokens.tolist(), out.logprobs.tolist()
 
 
 def verify_windows(windows: Sequence[torch.Tensor], drafts: Sequence[Sequence[int]],
                    params: Sequence[SamplingParams], positions: Sequence[int], *,
-                   verify=bik.verify_draft):
+                   verify=bik.verify_draft, backend: str | None = None):
     """Verify each request's proposed tokens against the verifier's logits.
 
     windows[b]: [len(drafts[b]) + 1, V] logits for positions positions[b] ... onwards.
     Returns per request (num_accepted, tokens, logprobs) where tokens are the accepted
     proposals followed by the verifier's own token at the first mismatch (or the bonus token).
-    ``verify``: the model's verifier (bik.verify_draft's signature).
+    ``verify``: the model's verifier (bik.verify_draft's signature); ``backend``: passed to it.
     """
     rows = len(windows)
     k_max = max(len(d) for d in drafts)
@@ -59,7 +69,8 @@ def verify_windows(windows: Sequence[torch.Tensor], drafts: Sequence[Sequence[in
         if d:
             draft_tokens[b, :len(d)] = torch.tensor(list(d), dtype=torch.int64)
     num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device)
-    out = verify(draft_tokens, num_drafts, logits, **_param_tensors(params, positions, device))
+    out = verify(draft_tokens, num_drafts, logits, **_param_tensors(params, positions, device),
+                 backend=backend)
     accepted = out.num_accepted.tolist()
     tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
     return [(a, tokens[b][:a + 1], logprobs[b][:a + 1]) for b, a in enumerate(accepted)]

@@ -11,7 +11,7 @@ import time
 import warnings
 
 from bik.dvr.requests import RequestOutput
-from bik.dvr.sampling import verify_windows
+from bik.dvr.sampling import kernels_backend, verify_windows
 from bik.dvr.sequence import SequenceState
 
 __all__ = ["Verifier"]
@@ -46,7 +46,8 @@ class Verifier:
         logits, rows = self._verifier_forward(spans)
         windows = [logits[r0:r0 + len(span)] for (r0, (_, span)) in zip(rows, spans)]
         verdicts = verify_windows(windows, proposals, [s.req.sampling for s in group],
-                                  [s.boundary for s in group], verify=self.model.verify_draft)
+                                  [s.boundary for s in group], verify=self.model.verify_draft,
+                                  backend=kernels_backend(self.verifier))
         for seq, prop, (accepted, toks, lps) in zip(group, proposals, verdicts):
             fast = seq.unverified
             self.metrics.windows += 1
