@@ -176,6 +176,24 @@ def test_dvr_runs_and_reports_deterministic(tmp_path, capsys):
     assert "deterministic" in capsys.readouterr().out
 
 
+def test_dvr_min_p_reaches_every_request_and_stays_deterministic(tmp_path, monkeypatch):
+    import bik.cli.dvr as cli_dvr
+
+    real, made = cli_dvr.make_workload, []
+
+    def spy(**kwargs):  # calls through; keeps the requests the CLI built
+        arrivals = real(**kwargs)
+        made.extend(arrivals)
+        return arrivals
+
+    monkeypatch.setattr(cli_dvr, "make_workload", spy)
+    out = tmp_path / "dvr.json"
+    assert main(["dvr", "--requests", "4", "--max-new-tokens", "6", "--temperature", "1.2",
+                 "--min-p", "0.2", "--mismatch-rate", "0.5", "--json", str(out)]) == 0
+    assert made and all(a.request.sampling.min_p == 0.2 for a in made)
+    assert json.loads(out.read_text())["verdict"]["deterministic"]
+
+
 def test_dvr_loads_a_checkpoint_directory(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
@@ -211,6 +229,7 @@ BAD_ARGS = [
     (["dvr", "--temperature", "-1"], 2, "--temperature: must be finite and >= 0"),
     (["dvr", "-K", "0"], 2, "-K/--window: must be >= 1"),
     (["dvr", "--mismatch-rate", "2"], 2, "--mismatch-rate: must be in [0, 1]"),
+    (["dvr", "--min-p", "1.5"], 2, "--min-p: must be in [0, 1]"),
     (["dvr", "--max-new-tokens", "0"], 2, "--max-new-tokens: must be >= 1"),
     (["dvr", "--requests", "0"], 2, "--requests: must be >= 1"),
     (["bench", "matmul", "--ms", "0,4"], 2, "--ms: must be >= 1"),

@@ -1,10 +1,12 @@
-"""The engine's sampler (bik.dvr.sampling): it draws on the verifier's backend."""
+"""The engine's sampler (bik.dvr.sampling): it draws on the verifier's backend, and
+SamplingParams' knobs (min_p here) reach bik.sample / bik.verify_draft unchanged."""
 
 from __future__ import annotations
 
 import functools
 
 import bik
+import pytest
 import torch
 from bik.dvr import DVREngine, EngineConfig, Request, SamplingParams, reference_decode
 from bik.dvr.kernels import BikKernels, FastKernels
@@ -62,3 +64,59 @@ def test_sample_rows_and_verify_windows_pass_their_backend_through(monkeypatch):
                    backend="cpu")
     assert samples == ["cpu"] and verifies == ["cpu"]
 
+
+def test_min_p_leaves_one_candidate_and_the_draw_is_that_token():
+    """Token 0 is e^5 ~ 148 times likelier than each other token: min_p 0.5 removes every
+    other one, so every seed draws token 0 with logprob 0; without min_p some seeds do not."""
+    logits = torch.zeros(64, 16)
+    logits[:, 0] = 5.0
+    positions = list(range(64))
+    on = [SamplingParams(temperature=1.0, seed=s, min_p=0.5) for s in range(64)]
+    off = [SamplingParams(temperature=1.0, seed=s) for s in range(64)]
+    toks, lps = sample_rows(logits, on, positions)
+    assert toks == [0] * 64 and lps == [0.0] * 64
+    assert set(sample_rows(logits, off, positions)[0]) != {0}
+    # verify_windows: the draft 0 is accepted at every seed under min_p, and so is the bonus
+    windows = [logits[:2]] * 64
+    verdicts = verify_windows(windows, [[0]] * 64, on, positions)
+    assert all(v == (1, [0, 0], [0.0, 0.0]) for v in verdicts)
+
+
+def _bik_sample_decode(req, kernels):
+    """req decoded alone with bik.sample called directly at (seed, position, min_p): each
+    position's logits from a prefill of everything before it."""
+    from bik.dvr.step import KVCache, build_step
+
+    m, p, tokens, out = model(), req.sampling, list(req.prompt), []
+    while len(out) < req.max_new_tokens:
+        blocks = list(range(len(tokens) // 8 + 1))
+        cache = KVCache.allocate(m.config, len(blocks), 8, torch.float32, "cpu")
+        step = build_step([len(tokens)], [len(tokens)], [blocks], 8, "cpu")
+        logits = m.forward(torch.tensor(tokens), torch.arange(len(tokens)), step, cache, kernels,
+                           torch.tensor([len(tokens) - 1]))
+        s = bik.sample(logits, seed=p.seed, position=len(tokens), temperature=p.temperature,
+                       top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+        out.append((s.tokens.item(), s.logprobs.item()))
+        tokens.append(out[-1][0])
+    return [t for t, _ in out], [lp for _, lp in out]
+
+
+def test_dvr_output_with_min_p_is_bik_sample_at_the_same_seed_position_and_min_p():
+    """min_p reaches bik.sample / bik.verify_draft: the engine's committed tokens and logprobs
+    (windows verified, forced rollbacks) equal bik.sample's at each (seed, position, min_p),
+    and they are not the tokens drawn without min_p."""
+    kernels = BikKernels()
+    sampling = SamplingParams(temperature=1.5, seed=5, min_p=0.3)
+    req = Request("m", (7, 8, 9), 12, sampling)
+    out = _run(kernels, req, window=3, group=1, mismatch_rate=0.4)
+    assert (out.tokens, out.logprobs) == _bik_sample_decode(req, kernels)
+    plain = Request("m", (7, 8, 9), 12, SamplingParams(temperature=1.5, seed=5))
+    assert _run(kernels, plain, window=3, group=1).tokens != out.tokens
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan"), float("inf"), True, "0.5"])
+def test_a_min_p_outside_0_1_is_refused(value):
+    with pytest.raises(ValueError, match=r"SamplingParams: min_p must be in \[0, 1\], got "):
+        SamplingParams(min_p=value)
+    for ok in (0, 0.0, 0.25, 1.0):
+        assert SamplingParams(min_p=ok).min_p == ok

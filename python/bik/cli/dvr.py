@@ -58,6 +58,9 @@ def add_dvr_arguments(p) -> None:
     p.add_argument("--det-fraction", type=fraction, default=0.75)
     p.add_argument("--temperature", type=non_negative_float, default=0.8)
     p.add_argument("--top-k", type=non_negative_int, default=0)
+    p.add_argument("--min-p", type=fraction, default=0.0,
+                   help="min-p filter in [0, 1]: keep tokens with probability >= min_p times "
+                        "the top one's (0: off)")
     p.add_argument("-K", "--window", type=positive_int, default=4,
                    help="unverified tokens per window")
     p.add_argument("-N", "--group", type=positive_int, default=4, help="requests per verifier pass")
@@ -236,7 +239,8 @@ def _run_dvr(args, *, rank: int | None = None) -> int:
         vocab_size=cfg.vocab_size, num_requests=args.requests, seed=args.seed,
         det_fraction=args.det_fraction, max_new_tokens=(max(1, args.max_new_tokens // 2),
                                                         args.max_new_tokens),
-        temperature=args.temperature, top_k=args.top_k, eos_token_ids=eos,
+        temperature=args.temperature, top_k=args.top_k, min_p=args.min_p,
+        eos_token_ids=eos,
         arrival_spread=args.arrival_spread, repetitive=args.drafter > 0,
         prompts=[chat_ids(tokenizer, t) for t in texts])
     config = EngineConfig(window=args.window, group=args.group, verifier=args.verifier,

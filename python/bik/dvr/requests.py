@@ -14,7 +14,8 @@ __all__ = ["Request", "RequestOutput", "SamplingParams", "Status"]
 class SamplingParams:
     """Per-request sampling, applied by bik.sample / bik.verify_draft.
 
-    temperature 0 is greedy. The noise is keyed by (seed, absolute position, token id), so a
+    temperature 0 is greedy. top_k <= 0 (or >= V), top_p 1 and min_p 0 are off; they filter in
+    that order (bik.sample). The noise is keyed by (seed, absolute position, token id), so a
     rolled-back position is re-drawn with the same noise and needs no RNG state.
     """
 
@@ -22,6 +23,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self):
         if not 0 <= self.temperature < math.inf:
@@ -29,6 +31,9 @@ class SamplingParams:
                              f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
+        if (isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float))
+                or not 0 <= self.min_p <= 1):
+            raise ValueError(f"SamplingParams: min_p must be in [0, 1], got {self.min_p!r}")
         for name, lo, hi in (("seed", 0, 2**64), ("top_k", -(2**63), 2**63)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < hi:

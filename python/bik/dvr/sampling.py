@@ -35,6 +35,7 @@ def _param_tensors(params: Sequence[SamplingParams], positions: Sequence[int], d
                                  device=device),
         "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
         "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        "min_p": torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
     }
 
 

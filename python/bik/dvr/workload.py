@@ -21,7 +21,8 @@ class Arrival:
 def make_workload(*, vocab_size: int, num_requests: int, seed: int = 0,
                   det_fraction: float = 1.0, prompt_len: tuple[int, int] = (1, 24),
                   max_new_tokens: tuple[int, int] = (8, 32), temperature: float = 0.0,
-                  top_k: int = 0, top_p: float = 1.0, eos_token_ids: Sequence[int] = (),
+                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                  eos_token_ids: Sequence[int] = (),
                   arrival_spread: int = 0, repetitive: bool = False,
                   prompts: Sequence[Sequence[int]] = ()) -> list[Arrival]:
     """``num_requests`` random prompts (or request i takes ``prompts[i % len(prompts)]``, e.g.
@@ -43,7 +44,7 @@ def make_workload(*, vocab_size: int, num_requests: int, seed: int = 0,
             request_id=f"r{i}", prompt=tuple(prompt),
             max_new_tokens=rng.randint(*max_new_tokens),
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                    seed=rng.randrange(2**31)),
+                                    min_p=min_p, seed=rng.randrange(2**31)),
             deterministic=rng.random() < det_fraction,
             eos_token_ids=tuple(eos_token_ids))
         arrivals.append(Arrival(rng.randint(0, arrival_spread) if arrival_spread else 0, req))
