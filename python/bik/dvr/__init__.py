@@ -5,7 +5,8 @@ windows of unverified tokens, keeps them up to the first mismatch, appends its o
 overwrites the KV cache, so every deterministic request's output is that request decoded alone
 (:func:`reference_decode`). Gumbel coupling (bik.verify_draft) extends this to sampled decoding
 and drafter tokens. Model: :mod:`bik.dvr.model`, :mod:`bik.dvr.kernels`, :mod:`bik.dvr.step`;
-engine: :mod:`bik.dvr.engine`, :mod:`bik.dvr.drafter`; CLI: ``bik dvr``, ``bik bench dvr``.
+engine: :mod:`bik.dvr.engine` (with :mod:`bik.dvr.scheduler`, :mod:`bik.dvr.verifier`,
+:mod:`bik.dvr.sequence`), :mod:`bik.dvr.drafter`; CLI: ``bik dvr``, ``bik bench dvr``.
 """
 
 from bik.dvr.config import LlamaConfig, llama_1b_config
