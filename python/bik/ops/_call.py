@@ -45,7 +45,8 @@ def direct_ok(*tensors) -> bool:
     # Below autograd (a dispatcher override, a dispatch mode) the backward is recorded already.
     grad = torch.is_grad_enabled() and not _is_excluded(_AUTOGRAD)
     for t in tensors:
-        if t is not None and (type(t) is not _Tensor or (grad and t.requires_grad)):
+        # Not a tensor at all: the op's check names the argument (the dispatcher would not).
+        if isinstance(t, _Tensor) and (type(t) is not _Tensor or (grad and t.requires_grad)):
             return False
     return True
 

@@ -126,8 +126,8 @@ def _bounds(op: str, given: AttentionPlan | None, cu: list[int], lens: list[int]
     return given
 
 
-def cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
-    """Shape checks of a (paged or contiguous) cache call; (layout, room for keys per sequence).
+def _cache_capacity(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table) -> int:
+    """Shape checks of a (paged or contiguous) cache call; the room for keys per sequence.
     Reads no device data."""
     n_seq = cache_seqlens.shape[0]
     int_vector(op, "cache_seqlens", cache_seqlens)
@@ -139,19 +139,24 @@ def cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table):
         if k_cache.shape[0] != n_seq:
             raise ValueError(f"{op}: a contiguous cache {list(k_cache.shape)} needs one row per "
                              f"sequence ({n_seq})")
-        base = torch.arange(n_seq, dtype=torch.int64, device=q.device) * k_cache.stride(0)
-        return (Layout(None, base, k_cache.shape[1], 0, k_cache.stride(1), k_cache.stride(0)),
-                k_cache.shape[1])
+        return k_cache.shape[1]
     check_tensor(op, "block_table", block_table, 2)
     if block_table.dtype not in (torch.int32, torch.int64) or block_table.shape[0] != n_seq:
         raise ValueError(f"{op}: block_table must be int32/int64 [B={n_seq}, max_blocks], got "
                          f"{list(block_table.shape)} {block_table.dtype}")
-    block_size = k_cache.shape[1]
+    return block_table.shape[1] * k_cache.shape[1]
+
+
+def cache_layout(q, k_cache, cache_seqlens, block_table) -> Layout:
+    """Where each sequence's keys lie in a checked (paged or contiguous) cache."""
+    if block_table is None:
+        base = torch.arange(cache_seqlens.shape[0], dtype=torch.int64,
+                            device=q.device) * k_cache.stride(0)
+        return Layout(None, base, k_cache.shape[1], 0, k_cache.stride(1), k_cache.stride(0))
     # The caller's dtype: narrowing an int64 entry here would turn a bad page into another
     # page before the CPU kernel's check could see it (the GPU launchers narrow it).
-    layout = Layout(block_table.contiguous(), None, block_size, k_cache.stride(0),
-                    k_cache.stride(1))
-    return layout, block_table.shape[1] * block_size
+    return Layout(block_table.contiguous(), None, k_cache.shape[1], k_cache.stride(0),
+                  k_cache.stride(1))
 
 
 def _check_pages(op: str, block_table, lens: list[int], num_blocks: int, block_size: int):
@@ -167,26 +172,26 @@ def _check_pages(op: str, block_table, lens: list[int], num_blocks: int, block_s
 
 
 def cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, scale,
-               max_seqlen_q, max_seqlen_k):
-    """Every check of a bik::attention call; (layout, bounds). With host metadata it reads no
+               max_seqlen_q, max_seqlen_k) -> AttentionPlan:
+    """Every check of a bik::attention call; its bounds. With host metadata it reads no
     device data (unless BIK_DEBUG_CHECKS=1); without, it reads the lengths once."""
     check_qkv(op, q, k_cache, v_cache, 4)
     check_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                       cu_seqlens_q=cu_seqlens_q, block_table=block_table)
     _check_scale(op, scale)
-    layout, capacity = cache_layout(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table)
+    capacity = _cache_capacity(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table)
     given = _given_bounds(op, max_seqlen_q, max_seqlen_k, capacity)
     if given is not None and not debug_checks():
-        return layout, given
+        return given
     cu, lens = _read_lengths(op, cu_seqlens_q, cache_seqlens, q.shape[0], capacity)
     if block_table is not None:
         _check_pages(op, block_table, lens, k_cache.shape[0], k_cache.shape[1])
-    return layout, _bounds(op, given, cu, lens)
+    return _bounds(op, given, cu, lens)
 
 
 def varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k):
-    """Every check of a bik::attention_varlen call; (seqlens_k on the device, bounds). Reads
-    no device data with host metadata (unless BIK_DEBUG_CHECKS=1), else the lengths once."""
+    """Every check of a bik::attention_varlen call; its bounds. Reads no device data with
+    host metadata (unless BIK_DEBUG_CHECKS=1), else the lengths once."""
     check_qkv(op, q, k, v, 3)
     check_same_device(op, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _check_scale(op, scale)
@@ -195,13 +200,13 @@ def varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, ma
     _check_some_sequence(op, cu_seqlens_k.shape[0] - 1, q.shape[0])
     if k.stride(-1) != 1:
         raise ValueError(f"{op}: k/v need unit stride along head_dim")
-    seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     given = _given_bounds(op, max_seqlen_q, max_seqlen_k, k.shape[0])
     if given is not None and not debug_checks():
-        return seqlens_k, given
+        return given
+    seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k.tolist(), k.shape[0], "total_k")
     cu, lens = _read_lengths(op, cu_seqlens_q, seqlens_k, q.shape[0], k.shape[0])
-    return seqlens_k, _bounds(op, given, cu, lens)
+    return _bounds(op, given, cu, lens)
 
 
 def check_kv_write(op, k_cache, v_cache, k, v, slot_mapping):

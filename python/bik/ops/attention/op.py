@@ -48,8 +48,8 @@ def _check_attention(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block
                      causal, max_seqlen_q=None, max_seqlen_k=None):
     """Every check; the call with its host bounds filled in (read from the device once when
     the caller gave none)."""
-    _, bounds = cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
-                           scale, max_seqlen_q, max_seqlen_k)
+    bounds = cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
+                        scale, max_seqlen_q, max_seqlen_k)
     return (q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, scale, causal,
             *bounds)
 
@@ -64,7 +64,7 @@ def _shapes_attention(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, bloc
 
 def _run_attention(label, launch, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
                    scale, causal, max_seqlen_q, max_seqlen_k):
-    layout, _ = cache_layout(label, q, k_cache, cache_seqlens, cu_seqlens_q, block_table)
+    layout = cache_layout(q, k_cache, cache_seqlens, block_table)
     problem = Problem(q, k_cache, v_cache, layout, cu_seqlens_q, cache_seqlens, max_seqlen_q,
                       max_seqlen_k, scale, causal)
     return launch(label, problem)[0]
@@ -87,8 +87,8 @@ define("attention",
 
 def _check_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, max_seqlen_q=None,
                   max_seqlen_k=None):
-    _, bounds = varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q,
-                            max_seqlen_k)
+    bounds = varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q,
+                         max_seqlen_k)
     return q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, *bounds
 
 
@@ -201,9 +201,8 @@ def plan_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     pass ``**plan._asdict()`` to that step's attention calls (every layer shares it).
     """
     op = "bik.plan_attention"
-    _, bounds = cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
-                           1.0, None, None)
-    return bounds
+    return cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, 1.0,
+                      None, None)
 
 
 def plan_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -211,7 +210,7 @@ def plan_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                           cu_seqlens_k: torch.Tensor) -> AttentionPlan:
     """:func:`plan_attention` for :func:`attention_varlen`."""
     op = "bik.plan_attention_varlen"
-    return varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, 1.0, None, None)[1]
+    return varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, 1.0, None, None)
 
 
 for _fn in (attention, attention_varlen):

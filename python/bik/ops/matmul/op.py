@@ -175,20 +175,18 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     """
     op = "bik.matmul"
     check_tensor(op, "a", a)
-    check_tensor(op, "b", b, 2)
     if a.dim() == 0:
         raise ValueError(f"{op}: a must have at least 1 dim, got a 0-D tensor")
-    if a.shape[-1] != b.shape[0]:
-        raise ValueError(
-            f"{op}: a {list(a.shape)} and b {list(b.shape)} disagree on K "
-            f"({a.shape[-1]} vs {b.shape[0]})"
-        )
-    check_out_dtype(op, out_dtype, a.dtype)
     backend = resolve_backend("matmul", backend, a.device, label=op)
+    if a.dim() == 2:  # the op checks it, once
+        return call("matmul", a, b, bias, out_dtype, backend)
+    check_tensor(op, "b", b, 2)
+    if a.shape[-1] != b.shape[0]:  # before the reshape, to name the caller's shapes
+        raise ValueError(f"{op}: a {list(a.shape)} and b {list(b.shape)} disagree on K "
+                         f"({a.shape[-1]} vs {b.shape[0]})")
     rows = math.prod(a.shape[:-1])  # not reshape(-1, K): K may be 0
-    a2 = a if a.dim() == 2 else a.reshape(rows, a.shape[-1])
-    out = call("matmul", a2, b, bias, out_dtype, backend)
-    return out if a.dim() == 2 else out.reshape(*a.shape[:-1], b.shape[1])
+    out = call("matmul", a.reshape(rows, a.shape[-1]), b, bias, out_dtype, backend)
+    return out.reshape(*a.shape[:-1], b.shape[1])
 
 
 def matmul_shard(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
