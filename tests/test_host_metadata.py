@@ -14,6 +14,7 @@ from __future__ import annotations
 import bik
 import pytest
 import torch
+from bik.configs import CUDA_ATTENTION_HEAD_DIMS
 from bik.ops import _checks
 from bik.testing.host_reads import HostReadError, forbid_host_reads
 from targets import targets
@@ -21,21 +22,26 @@ from targets import targets
 LENS, Q_LENS, BLOCK, HQ, HKV, D = [5, 17, 9], [1, 4, 9], 8, 4, 2, 16
 
 
-def _paged(device, dtype=torch.float32):
+def _head_dim(target) -> int:
+    """16 keeps the interpreter cheap; the CUDA C++ attention compiles only its head dims."""
+    return CUDA_ATTENTION_HEAD_DIMS[0] if target.backend == "cuda" else D
+
+
+def _paged(device, dtype=torch.float32, d=D):
     """A 3-sequence paged cache (decode, chunk, prefill), one spare page, its call's tensors."""
     gen = torch.Generator().manual_seed(0)
-    kc, vc = (torch.randn(10, BLOCK, HKV, D, generator=gen).to(device, dtype) for _ in "kv")
+    kc, vc = (torch.randn(10, BLOCK, HKV, d, generator=gen).to(device, dtype) for _ in "kv")
     table = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], dtype=torch.int32, device=device)
-    q = torch.randn(sum(Q_LENS), HQ, D, generator=gen).to(device, dtype)
+    q = torch.randn(sum(Q_LENS), HQ, d, generator=gen).to(device, dtype)
     seqlens = torch.tensor(LENS, dtype=torch.int32, device=device)
     cu = torch.tensor([0, 1, 5, 14], dtype=torch.int32, device=device)
     return q, kc, vc, {"cache_seqlens": seqlens, "cu_seqlens_q": cu, "block_table": table}
 
 
-def _varlen(device):
+def _varlen(device, d=D):
     gen = torch.Generator().manual_seed(1)
-    k, v = (torch.randn(sum(LENS), HKV, D, generator=gen).to(device) for _ in "kv")
-    q = torch.randn(sum(Q_LENS), HQ, D, generator=gen).to(device)
+    k, v = (torch.randn(sum(LENS), HKV, d, generator=gen).to(device) for _ in "kv")
+    q = torch.randn(sum(Q_LENS), HQ, d, generator=gen).to(device)
     cu_k = torch.tensor([0, 5, 22, 31], dtype=torch.int32, device=device)
     cu_q = torch.tensor([0, 1, 5, 14], dtype=torch.int32, device=device)
     return q, k, v, {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
@@ -60,7 +66,7 @@ def _same(a, b):
 @pytest.mark.parametrize("target", targets("cpu", "interpreter", "gpu-triton", "gpu-cuda"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_with_host_metadata_reads_nothing(target, dtype):
-    q, kc, vc, meta = _paged(target.device, dtype)
+    q, kc, vc, meta = _paged(target.device, dtype, _head_dim(target))
     ref = bik.attention(q, kc, vc, **meta, backend=target.backend)
     plan = bik.plan_attention(q, kc, vc, **meta)
     assert plan == bik.AttentionPlan(max(Q_LENS), max(LENS))
@@ -74,7 +80,7 @@ def test_attention_with_host_metadata_reads_nothing(target, dtype):
 
 @pytest.mark.parametrize("target", targets("cpu", "interpreter", "gpu-triton", "gpu-cuda"))
 def test_attention_varlen_with_host_metadata_reads_nothing(target):
-    q, k, v, meta = _varlen(target.device)
+    q, k, v, meta = _varlen(target.device, _head_dim(target))
     ref = bik.attention_varlen(q, k, v, **meta, backend=target.backend)
     plan = bik.plan_attention_varlen(q, k, v, **meta)
     assert plan == bik.AttentionPlan(max(Q_LENS), max(LENS))
@@ -256,15 +262,15 @@ def test_a_strided_cache_is_written_and_read_in_place(target, dtype):
     rows), viewed as bik's [blocks, block_size, Hkv, D]: written by write_kv_cache and read by
     attention in place, with the contiguous cache's bits. Nothing is copied whole: the views
     stay views of the engine's buffer."""
-    dev = target.device
-    q, kc, vc, meta = _paged(dev, dtype)
-    raw = torch.zeros(10, HKV, BLOCK, 2 * D, dtype=dtype, device=dev)
-    pages = raw.view(10, HKV, 2 * BLOCK, D)
+    dev, d = target.device, _head_dim(target)
+    q, kc, vc, meta = _paged(dev, dtype, d)
+    raw = torch.zeros(10, HKV, BLOCK, 2 * d, dtype=dtype, device=dev)
+    pages = raw.view(10, HKV, 2 * BLOCK, d)
     k_view, v_view = (t.transpose(1, 2) for t in pages.chunk(2, dim=2))
     rows = torch.arange(10 * BLOCK, device=dev)
     for view in (k_view, v_view):
         assert view.data_ptr() in range(raw.data_ptr(), raw.data_ptr() + raw.nbytes)
-    bik.write_kv_cache(k_view, v_view, kc.reshape(-1, HKV, D), vc.reshape(-1, HKV, D), rows,
+    bik.write_kv_cache(k_view, v_view, kc.reshape(-1, HKV, d), vc.reshape(-1, HKV, d), rows,
                        validate=False)
     assert torch.equal(k_view, kc) and torch.equal(v_view, vc)
     want = bik.attention(q, kc, vc, **meta, backend=target.backend)
