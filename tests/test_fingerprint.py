@@ -23,6 +23,23 @@ def test_fingerprint_is_stable_and_complete():
     assert len(a.digest) == 16
 
 
+def test_the_cpu_path_is_reported_outside_the_digest(monkeypatch):
+    """The CPU backend's SIMD path, resolved once, is in ``variants``; the digest ignores it
+    (every path's bits are equal: tests/matmul/test_matmul_cpu_kernel.py and its siblings)."""
+    from bik.ops import _registry
+    from bik.runtime import cpu_ext
+
+    before = bik.fingerprint("cpu")
+    want = cpu_ext.isa("auto") if cpu_ext.available() else None
+    assert before.variants.get("cpu") == want
+    assert "triton" not in before.variants and "cuda" not in before.variants
+    monkeypatch.setattr(importlib.import_module("bik.fingerprint"), "backend_variant",
+                        lambda b: "generic" if b == "cpu" else None)
+    after = bik.fingerprint("cpu")
+    assert after.variants == {"cpu": "generic"} and after.digest == before.digest
+    assert _registry.backend_variant.cache_info().currsize >= 1  # resolved once, then kept
+
+
 def test_config_change_changes_fingerprint(monkeypatch):
     before = bik.fingerprint("cpu")
     table = {arch: dict(row) for arch, row in configs._MATMUL_BASE.items()}

@@ -5,6 +5,10 @@ inputs. The digest covers the kernel config tables, the source of every module o
 that can decide a bit (all of them but the few :data:`EXCLUDED` names with their reason), the
 backend each op takes on the device, the device arch and the bik / torch / triton versions.
 Pin it in RL and evaluation runs: when it changes, re-baseline.
+
+``variants`` reports each backend's code path in this process (the CPU's SIMD path) outside the
+digest: the CPU contract gives every path the same bits, so a trainer on an AVX-512 machine and
+an engine on an AVX2 one compare equal digests, as their bits are.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from bik._arch import device_arch
 from bik.configs import config_table
-from bik.ops._registry import TABLE, resolve_backend
+from bik.ops._registry import BACKENDS, TABLE, backend_variant, resolve_backend
 
 __all__ = ["EXCLUDED", "OPS", "Fingerprint", "excluded_sources", "fingerprint",
            "numeric_sources", "source_hash"]
@@ -81,6 +85,7 @@ class Fingerprint(NamedTuple):
     config_hash: str
     source_hash: str
     versions: dict
+    variants: dict  # backend -> its code path here (the CPU's SIMD path); not in the digest
 
     def as_dict(self) -> dict:
         return self._asdict()
@@ -139,4 +144,5 @@ def fingerprint(device: torch.device | str | None = None) -> Fingerprint:
         config_hash=config_hash,
         source_hash=sources,
         versions=versions,
+        variants={b: v for b in BACKENDS if (v := backend_variant(b)) is not None},
     )

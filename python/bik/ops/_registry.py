@@ -23,6 +23,7 @@ import torch
 from bik._arch import interpreter_active
 
 __all__ = [
+    "backend_variant",
     "BACKENDS",
     "DEFAULT_BACKEND",
     "TABLE",
@@ -224,6 +225,20 @@ def launcher(op: str, backend: str, device: torch.device) -> Callable:
         _CAN_RUN_CHECKED.add(key)
     row = TABLE[op]
     return getattr(_module(row.backends[backend]), row.entry)
+
+
+@functools.cache
+def backend_variant(backend: str) -> str | None:
+    """The code path ``backend`` takes inside this process, resolved once: the CPU backend's SIMD
+    path ("avx512", "avx2" or "generic", what its kernels' ``isa="auto"`` picks), None where a
+    backend has one path per device arch (Triton, CUDA C++: the arch is in the fingerprint) or
+    cannot run here. The CPU contract makes every path's bits equal (tests/*/test_*_cpu_kernel.py
+    compare them), so a variant changes speed only; bik.fingerprint() reports it."""
+    if backend != "cpu":
+        return None
+    from bik.runtime import cpu_ext
+
+    return cpu_ext.isa("auto") if cpu_ext.available() else None
 
 
 # ---- documentation from the table ---------------------------------------------------------------

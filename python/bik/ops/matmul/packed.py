@@ -16,7 +16,7 @@ import torch
 
 from bik.configs import matmul_split
 from bik.ops._checks import check_float_dtype, check_tensor
-from bik.ops._registry import resolve_backend
+from bik.ops._registry import backend_variant, resolve_backend
 from bik.runtime import cpu_ext
 
 __all__ = ["PackedWeight"]
@@ -44,7 +44,7 @@ class PackedWeight:
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype
         n, k = self.shape
-        self._isa = ext.isa("auto")
+        self._isa = backend_variant("cpu")
         nrw = ext.matmul_panel_width(self._isa)
         # fp16 has no in-kernel widening: widen first (exact), as the unpacked path does.
         w = weight if weight.dtype != torch.float16 else weight.float()
