@@ -96,7 +96,7 @@ def test_every_package_file_is_hashed_or_excluded_with_a_reason():
     for pattern, reason in fp_mod.EXCLUDED.items():
         assert reason.strip() and list(pkg.glob(pattern)), f"{pattern}: stale or unexplained"
     for must in ("configs.py", "_arch.py", "_dtypes.py", "ops/_pointwise.py",
-                 "ops/matmul/cpu.py", "runtime/cpu_ext.py", "mode/_routes.py",
+                 "ops/matmul/cpu.py", "runtime/cpu_ext.py", "mode/_forward_routes.py",
                  "mode/_grad_routes.py", "distributed/sampling.py", "dvr/model.py",
                  "dvr/reference.py", "integrations/vllm/sampler.py", "models/smollm2.py"):
         assert must in hashed, must

@@ -15,7 +15,7 @@ import torch
 
 from bik.configs import TRITON_ATTENTION_HEAD_DIMS as TRITON_HEAD_DIMS
 from bik.mode._masks import MaskNotServed, padded_spans
-from bik.mode._routes import Fallback, WarnedFallback, _prepare, handler_table
+from bik.mode._kit import Fallback, WarnedFallback, handler_table, prepare
 from bik.ops._call import call
 
 __all__ = ["ATTENTION_HANDLERS", "AttentionLayout", "attention_layout"]
@@ -47,7 +47,7 @@ def _gqa_operands(func, q, k, v) -> tuple[str, tuple[int, int, int, int, int, in
     batch, GQA heads, at least one query), or Fallback."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise WarnedFallback("q/k/v not 4-D [B, H, L, D]")
-    backend = _prepare(func, q, k, v)
+    backend = prepare(func, q, k, v)
     nb, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     if k.shape[0] != nb or v.shape != k.shape or hkv == 0 or hq % hkv or lq == 0:

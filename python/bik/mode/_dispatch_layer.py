@@ -13,14 +13,11 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bik.mode._attention_routes import ATTENTION_HANDLERS
-from bik.mode._grad_routes import GRAD_HANDLERS
-from bik.mode._routes import HANDLERS as _FORWARD_HANDLERS
+from bik.mode._handlers import HANDLERS
 from bik.mode._stats import route
 
-__all__ = ["HANDLERS", "BikDispatchMode"]
+__all__ = ["BikDispatchMode"]
 
-HANDLERS = {**_FORWARD_HANDLERS, **ATTENTION_HANDLERS, **GRAD_HANDLERS}
 _composite: dict = {}
 
 

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from bik.ops.matmul import native
-from bik.mode._dispatch_layer import HANDLERS
+from bik.mode._handlers import HANDLERS
 from bik.mode._inductor import keep_as_aten_calls
 from bik.mode._numerics import acquire_flags, release_flags
 from bik.mode._stats import count_native, route

@@ -1,6 +1,6 @@
 """batch_invariant_mode's function layer: a TorchFunctionMode that maps torch's Python API
 (F.linear, torch.matmul and ``@``, softmax, mean, sum, F.silu, F.rms_norm, SDPA, ...) onto the aten
-handlers of _routes.py, so bik's ops are called above autograd.
+handlers of _handlers.py, so bik's ops are called above autograd.
 
 This is the layer torch.compile traces: Dynamo inlines ``__torch_function__``, so a compiled
 graph holds ``bik::*`` custom ops where the model called these functions, Inductor keeps them as
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from bik.mode._dispatch_layer import HANDLERS
-from bik.mode._routes import Fallback
+from bik.mode._handlers import HANDLERS
+from bik.mode._kit import Fallback
 from bik.mode._stats import route
 
 __all__ = ["ADAPTERS", "BikFunctionMode"]

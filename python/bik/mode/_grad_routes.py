@@ -19,13 +19,7 @@ import math
 import torch
 
 from bik.mode._attention_routes import attention_layout
-from bik.mode._routes import (
-    Fallback,
-    _cast_first,
-    _prepare,
-    handler_table,
-    reduced_dims,
-)
+from bik.mode._kit import Fallback, cast_first, handler_table, prepare, reduced_dims
 from bik.ops._call import call
 from bik.ops._checks import SUPPORTED_DTYPES
 from bik.ops._pointwise import exp_f32, sigmoid_f32
@@ -64,8 +58,8 @@ def ones_sum(x: torch.Tensor, dims: list[int], backend: str, out_dtype=None) -> 
 
 def _sum(func, x, dim=None, keepdim=False, *, dtype=None):
     dims = reduced_dims(x, dim)
-    x = _cast_first(x, dtype)
-    backend = _prepare(func, x)
+    x = cast_first(x, dtype)
+    backend = prepare(func, x)
     if x.dim() == 0:
         raise Fallback("0-D input")
     r = ones_sum(x, dims, backend)
@@ -86,7 +80,7 @@ def _rows_last(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 def _softmax_backward_like(log: bool):
     def handler(func, grad, out, dim, input_dtype):
-        backend = _prepare(func, grad, out)
+        backend = prepare(func, grad, out)
         if input_dtype not in SUPPORTED_DTYPES:
             raise Fallback(f"input_dtype {input_dtype}")
         if out.dim() == 0:
@@ -106,9 +100,9 @@ def _softmax_backward_like(log: bool):
 
 
 def _fused_rms_norm_backward(func, grad, x, normalized_shape, rstd, weight, output_mask):
-    backend = _prepare(func, grad, x)
+    backend = prepare(func, grad, x)
     if weight is not None:
-        _prepare(func, weight)
+        prepare(func, weight)
     if len(normalized_shape) != 1 or x.dim() == 0 or normalized_shape[0] != x.shape[-1]:
         raise Fallback("normalized_shape other than the last dim")
     h = x.shape[-1]
@@ -128,7 +122,7 @@ def _fused_rms_norm_backward(func, grad, x, normalized_shape, rstd, weight, outp
 def _silu_backward(func, grad, x):
     """d silu(x) = s * (1 + x * (1 - s)) with s = sigmoid(x) = 1 / (1 + exp(-x)), elementwise
     in fp32 from the same position-independent exp as the forward route."""
-    _prepare(func, grad, x)
+    prepare(func, grad, x)
     x32 = x.float()
     s = sigmoid_f32(x32)
     return (grad.float() * (s * (1.0 + x32 * (1.0 - s)))).to(x.dtype)
@@ -137,7 +131,7 @@ def _silu_backward(func, grad, x):
 def _sdpa_flash_cpu_backward(func, grad_out, q, k, v, out, lse, dropout_p, is_causal, *,
                              attn_mask=None, scale=None):
     lay = attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale)
-    _prepare(func, q, grad_out, out)
+    prepare(func, q, grad_out, out)
     dq, dk, dv = call(
         "attention_varlen_backward",
         lay.pack(grad_out), None, lay.pack(q), lay.pack(k), lay.pack(v), lay.pack(out),

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from bik.mode._routes import Fallback
+from bik.mode._kit import Fallback
 
 __all__ = ["BatchInvarianceWarning", "ModeStats", "count_native", "mode_stats", "reset_mode_stats",
            "route"]

@@ -1,11 +1,6 @@
-"""The aten ops bik's mode routes, one handler each (docs/api.md#bikbatch_invariant_mode).
-
-A handler gets ``(func, *args, **kwargs)`` as aten passes them and returns what ``func`` would,
-computed by bik's ops (through the route chooser, ops/_call.py); it raises
-:class:`Fallback` to hand the call to the original kernel (counted, and warned once where
-``warn``), which also gives input torch rejects torch's own error. Every front end runs these
-handlers (bik/mode/__init__.py). The handlers of the ops that backward formulas call are in
-_grad_routes.py, SDPA's in _attention_routes.py.
+"""The aten ops bik's mode routes forward, one handler each (docs/api.md#bikbatch_invariant_mode),
+built with the helper kit (_kit.py). The handlers of the ops that backward formulas call are in
+_grad_routes.py, SDPA's in _attention_routes.py; _handlers.py joins the three tables.
 """
 
 from __future__ import annotations
@@ -15,97 +10,21 @@ import math
 import torch
 
 import bik.ops  # noqa: F401  (registers torch.ops.bik.*)
-from bik._dtypes import dtype_name
+from bik.mode._kit import (
+    Fallback,
+    WarnedFallback,
+    cast_first,
+    handler_table,
+    prepare,
+    reduced_dims,
+    torch_raises,
+)
 from bik.ops._call import call
-from bik.ops._checks import SUPPORTED_DTYPES
 from bik.ops._pointwise import silu_f32
-from bik.ops._registry import default_backend
 
-__all__ = ["HANDLERS", "Fallback", "WarnedFallback", "handler_table", "reduced_dims"]
+__all__ = ["FORWARD_HANDLERS"]
 
 aten = torch.ops.aten
-
-
-class Fallback(Exception):
-    """Raised by a handler: this call goes to the original kernel, for ``reason``."""
-
-    # No __init__ override: Dynamo traces raising and catching this inside a compiled function
-    # and cannot trace an exception subclass's super().__init__.
-    warn = False
-
-    @property
-    def reason(self) -> str:
-        return self.args[0]
-
-
-class WarnedFallback(Fallback):
-    """A Fallback worth a :class:`bik.BatchInvarianceWarning` (once per reason)."""
-
-    warn = True
-
-
-def _backend(t: torch.Tensor) -> str:
-    backend = default_backend(t.device)  # a dict lookup by the device type, no device query
-    if backend is None:
-        raise Fallback(f"device {t.device.type} has no bik backend")
-    return backend
-
-
-def _torch_raises(what: str) -> Fallback:
-    """Input torch rejects: the stock op runs, so the caller gets torch's own exception. The
-    reason is a fixed phrase (it keys mode_stats, and is built on every checked call)."""
-    return Fallback(f"{what} (torch raises its own error)")
-
-
-_SERVED = frozenset(SUPPORTED_DTYPES)
-
-
-def _prepare(func, *tensors: torch.Tensor | None) -> str:
-    """Check that bik serves these operands; return the backend. Raises Fallback otherwise.
-
-    Under the function layer the handlers run above autograd and bik's ops record their own
-    backward; under the dispatch layer and bik.enable() they run below it, where autograd has
-    already recorded the stock backward formula, whose aten ops are routed in turn
-    (_grad_routes.py)."""
-    first = tensors[0]
-    dtype, device = first.dtype, first.device
-    if dtype not in _SERVED:
-        raise Fallback(f"dtype {dtype_name(dtype)}")
-    for t in tensors[1:]:
-        if t is not None and (t.dtype != dtype or t.device != device):
-            if t.dtype not in _SERVED:
-                raise Fallback(f"dtype {dtype_name(t.dtype)}")
-            raise Fallback("operands of different dtypes or devices")
-    return _backend(first)
-
-
-def _cast_first(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """x for a reduction called with ``dtype=``: torch casts x to it first. A dtype bik does
-    not serve raises Fallback."""
-    if dtype is None:
-        return x
-    if dtype not in SUPPORTED_DTYPES:
-        raise Fallback(f"dtype {dtype}")
-    return x.to(dtype)
-
-
-def reduced_dims(x: torch.Tensor, dim) -> list[int]:
-    """``dim`` of a reduction (None, an int, or a sequence of ints) as sorted non-negative
-    dims; torch's IndexError / RuntimeError cases (out of range, repeated) raise Fallback."""
-    nd = x.dim()
-    if dim is None:
-        return list(range(nd))
-    if isinstance(dim, int):
-        dim = [dim]
-    if not all(isinstance(d, int) for d in dim):
-        raise Fallback("named or non-integer dims")
-    bound = max(nd, 1)  # torch accepts dim 0 / -1 for a 0-D tensor
-    if any(not -bound <= d < bound for d in dim):
-        raise _torch_raises("dim out of range")
-    dims = sorted({d % bound for d in dim})
-    if len(dims) != len(dim):
-        raise _torch_raises("repeated dims")
-    return list(range(nd)) if not dims else dims
 
 
 def _broadcast(a: tuple, b: tuple) -> tuple:
@@ -115,14 +34,14 @@ def _broadcast(a: tuple, b: tuple) -> tuple:
         x = a[-i] if i <= len(a) else 1
         y = b[-i] if i <= len(b) else 1
         if x != y and x != 1 and y != 1:
-            raise _torch_raises("batch shapes that do not broadcast")
+            raise torch_raises("batch shapes that do not broadcast")
         out.append(y if x == 1 else x)
     return tuple(reversed(out))
 
 
 def _need(ok: bool, what: str) -> None:
     if not ok:
-        raise _torch_raises(what)
+        raise torch_raises(what)
 
 
 def _matmul_rows(a: torch.Tensor, b: torch.Tensor, bias, backend: str, out_dtype=None):
@@ -152,14 +71,14 @@ def _check_mm(a, b, rank: int = 2) -> None:
 
 
 def _mm(func, a, b, out=None):
-    backend = _prepare(func, a, b)
+    backend = prepare(func, a, b)
     _check_mm(a, b)
     r = _call("matmul", a, b, None, None, backend)
     return r if out is None else _write_out(func, out, r)
 
 
 def _addmm(func, bias, a, b, *, beta=1, alpha=1, out=None):
-    backend = _prepare(func, bias, a, b)
+    backend = prepare(func, bias, a, b)
     _check_mm(a, b)
     m, n = a.shape[0], b.shape[-1]
     # torch's broadcasting rule: bias must expand to [M, N]
@@ -183,7 +102,7 @@ def _addmm(func, bias, a, b, *, beta=1, alpha=1, out=None):
 
 
 def _mv(func, a, v, out=None):  # [M, K] @ [K]: each output element is one row of a
-    backend = _prepare(func, a, v)
+    backend = prepare(func, a, v)
     _need(a.dim() == 2 and v.dim() == 1 and a.shape[1] == v.shape[0],
           "operand shapes")
     r = _call("matmul", a, v.unsqueeze(1), None, None, backend).squeeze(1)
@@ -191,7 +110,7 @@ def _mv(func, a, v, out=None):  # [M, K] @ [K]: each output element is one row o
 
 
 def _dot(func, a, b, out=None):
-    backend = _prepare(func, a, b)
+    backend = prepare(func, a, b)
     _need(a.dim() == 1 and b.dim() == 1 and a.shape == b.shape,
           "operand shapes")
     r = _call("matmul", a.unsqueeze(0), b.unsqueeze(1), None, None, backend).reshape(())
@@ -203,14 +122,14 @@ def _not_routed(func, *args, **kwargs):
 
 
 def _bmm(func, a, b, out=None):
-    backend = _prepare(func, a, b)
+    backend = prepare(func, a, b)
     _check_mm(a, b, rank=3)
     r = _call("bmm", a, b, None, backend)
     return r if out is None else _write_out(func, out, r)
 
 
 def _matmul(func, a, b):
-    backend = _prepare(func, a, b)
+    backend = prepare(func, a, b)
     _need(a.dim() > 0 and b.dim() > 0, "a 0-D operand")
     k_b = b.shape[0] if b.dim() == 1 else b.shape[-2]
     _need(a.shape[-1] == k_b, "operand shapes")
@@ -229,7 +148,7 @@ def _matmul(func, a, b):
 
 
 def _linear(func, x, weight, bias=None):
-    backend = _prepare(func, x, weight, bias)
+    backend = prepare(func, x, weight, bias)
     if weight.dim() != 2:
         raise Fallback("weight that is not 2-D")
     if bias is not None and bias.dim() != 1:
@@ -253,14 +172,14 @@ def _softmax_like(log: bool):
         return d
 
     def internal(func, x, dim, half_to_float):  # aten::_softmax / _log_softmax
-        backend = _prepare(func, x)
+        backend = prepare(func, x)
         return _call(name, x, checked(x, dim), torch.float32 if half_to_float else None,
                      backend)
 
     def public(func, x, dim, dtype=None):  # aten::softmax.int / log_softmax.int
         d = checked(x, dim)
-        x = _cast_first(x, dtype)
-        backend = _prepare(func, x)
+        x = cast_first(x, dtype)
+        backend = prepare(func, x)
         return _call(name, x, d, None, backend)
 
     return internal, public
@@ -268,17 +187,17 @@ def _softmax_like(log: bool):
 
 def _mean(func, x, dim=None, keepdim=False, *, dtype=None):
     dims = reduced_dims(x, dim)
-    x = _cast_first(x, dtype)
-    backend = _prepare(func, x)
+    x = cast_first(x, dtype)
+    backend = prepare(func, x)
     if x.dim() == 0:
         raise Fallback("0-D input")
     return _call("mean", x, dims, bool(keepdim), None, backend)
 
 
 def _rms_norm_args(func, x, normalized_shape, weight, eps):
-    backend = _prepare(func, x)
+    backend = prepare(func, x)
     if weight is not None:
-        _prepare(func, weight)
+        prepare(func, weight)
     if len(normalized_shape) != 1 or x.dim() == 0 or normalized_shape[0] != x.shape[-1]:
         raise Fallback("normalized_shape other than the last dim")
     h = x.shape[-1]
@@ -308,7 +227,7 @@ def _silu(func, x):
     """Stock CPU silu moves an element's bits with its position in the tensor (its SIMD body
     and scalar tail round differently; tests/mode/test_silu.py measures it); bik's silu_f32
     does not."""
-    _prepare(func, x)
+    prepare(func, x)
     return silu_f32(x.float()).to(x.dtype)
 
 
@@ -342,12 +261,4 @@ _ROUTES = (  # (aten op, overload, handler); ops missing from an older torch are
 )
 
 
-def handler_table(routes) -> dict:
-    """{aten overload: handler} from (op name, overload name, handler) rows; ops missing from
-    this torch are skipped."""
-    return {getattr(getattr(aten, name), overload): handler
-            for name, overload, handler in routes
-            if hasattr(aten, name) and hasattr(getattr(aten, name), overload)}
-
-
-HANDLERS = handler_table(_ROUTES)
+FORWARD_HANDLERS = handler_table(_ROUTES)
