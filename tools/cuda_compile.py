@@ -5,6 +5,10 @@ Two compilers, both with warnings as errors and no FMA contraction: NVRTC (what 
 via :func:`bik.runtime.cuda_jit.compile_source`; resources read from the cubin with
 ``cuobjdump --dump-resource-usage``) and nvcc (what the AOT build runs; resources and spill
 bytes from ``--resource-usage``). ``cuobjdump`` is taken from PATH or the triton wheel.
+
+Compiles are cached on disk, keyed by every csrc/cuda file, the options and the compiler's
+version: NVRTC's cubins in the JIT's own cache (``cuda_jit.cached_cubin``), nvcc's PTX and
+ptxas reports in build_cache.py's; ``BIK_BUILD_CACHE=off`` compiles every time.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+import build_cache
 from bik.configs import cuda_options
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_aot import NVCC_FLAGS
 
 __all__ = ["ARCHS", "CudaCompileRecord", "cuda_sources", "cuobjdump", "list_fatbin_archs", "nvcc_records",
-           "nvrtc_records", "ptx_entries", "ptx_signatures", "sass"]
+           "nvrtc_cubin", "nvrtc_records", "ptx_entries", "ptx_signatures", "sass"]
 
 ARCHS = ("sm_80", "sm_90a")
 
@@ -82,17 +87,27 @@ def sass(cubin: bytes) -> str:
                               check=True).stdout
 
 
+def _nvcc_key(kind: str, nvcc: str, cmd: list[str]) -> str:
+    """Disk-cache key of an nvcc run: nvcc's version, the command, every csrc/cuda file."""
+    return build_cache.digest(kind, cmd, build_cache.tool_version(nvcc),
+                              build_cache.files_digest([cuda_jit.source_dir()]))
+
+
 def ptx_entries(source: str, arch: str, nvcc: str = "nvcc") -> dict[str, str]:
     """{kernel: its PTX} from nvcc -ptx with the AOT flags (instruction checks: ``fma``,
-    ``.approx`` ... are visible in PTX before ptxas expands div.rn / sqrt.rn)."""
+    ``.approx`` ... are visible in PTX before ptxas expands div.rn / sqrt.rn). Cached on disk
+    (build_cache.py)."""
     src_dir = cuda_jit.source_dir()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "k.ptx"
-        subprocess.run([nvcc, "-ptx", f"-arch={arch}", *NVCC_FLAGS, *cuda_options(source),
-                        "-I", str(src_dir),
-                        str(src_dir / f"{source}.cu"), "-o", str(out)], check=True,
-                       capture_output=True)
-        text = out.read_text()
+
+    def cmd(out):
+        return [nvcc, "-ptx", f"-arch={arch}", *NVCC_FLAGS, *cuda_options(source), "-I",
+                str(src_dir), str(src_dir / f"{source}.cu"), "-o", str(out)]
+
+    def build(out: Path) -> None:
+        subprocess.run(cmd(out), check=True, capture_output=True)
+
+    text = build_cache.cached_file(f"{source}-{arch}.ptx", _nvcc_key("ptx", nvcc, cmd("OUT")),
+                                   build).read_text()
     parts = re.split(r"(?=\.visible \.entry )", text)[1:]
     return {re.match(r"\.visible \.entry (\w+)", p).group(1): p for p in parts}
 
@@ -121,9 +136,22 @@ def list_fatbin_archs(fatbin: Path) -> set[str]:
     return set(re.findall(r"\.(sm_\d+a?)\.cubin", text))
 
 
+def nvrtc_cubin(source: str, arch: str) -> bytes:
+    """NVRTC's cubin of ``source`` for ``arch`` with bik.configs' options: the JIT's own disk
+    cache (``cuda_jit.cached_cubin``: keyed by every csrc/cuda file, arch, options and NVRTC's
+    version; only a compile without errors or warnings is stored), one builder at a time, so
+    concurrent callers compile it once; ``BIK_BUILD_CACHE=off`` compiles every time."""
+    options = cuda_options(source)
+    if not build_cache.enabled():
+        return cuda_jit.compile_source(source, arch, options=options)
+    with build_cache.locked(f"nvrtc-{source}-{arch}"):
+        return cuda_jit.cached_cubin(source, arch, options=options)
+
+
 def nvrtc_records(source: str, arch: str) -> tuple[bytes, list[CudaCompileRecord]]:
-    """NVRTC-compile ``source`` for ``arch``; (cubin, one record per kernel)."""
-    cubin = cuda_jit.compile_source(source, arch, options=cuda_options(source))
+    """NVRTC-compile ``source`` for ``arch`` (:func:`nvrtc_cubin`); (cubin, one record per
+    kernel)."""
+    cubin = nvrtc_cubin(source, arch)
     records = [CudaCompileRecord(source, name, arch, "nvrtc", regs, shared, stack, local, -1, -1)
                for name, (regs, stack, shared, local) in sorted(_cubin_usage(cubin).items())]
     return cubin, records
@@ -136,16 +164,25 @@ _PTXAS_ENTRY = re.compile(
 
 
 def nvcc_records(source: str, arch: str, nvcc: str = "nvcc") -> list[CudaCompileRecord]:
-    """nvcc-compile ``source`` for ``arch`` (the AOT flags, cubin) and parse ptxas's report."""
+    """nvcc-compile ``source`` for ``arch`` (the AOT flags, cubin) and parse ptxas's report
+    (a successful run's report is cached on disk: build_cache.py)."""
     src_dir = cuda_jit.source_dir()
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, "-cubin", f"-arch={arch}", *NVCC_FLAGS, *cuda_options(source),
-               "--resource-usage", "-I",
-               str(src_dir), str(src_dir / f"{source}.cu"), "-o", str(Path(tmp) / "k.cubin")]
-        res = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"nvcc failed on {source}.cu for {arch}:\n{res.stdout}{res.stderr}")
-    text = res.stdout + res.stderr
+
+    def cmd(out):
+        return [nvcc, "-cubin", f"-arch={arch}", *NVCC_FLAGS, *cuda_options(source),
+                "--resource-usage", "-I", str(src_dir), str(src_dir / f"{source}.cu"), "-o",
+                str(out)]
+
+    def build(report: Path) -> None:
+        res = subprocess.run(cmd(report.with_suffix(".cubin")), check=False, capture_output=True,
+                             text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {source}.cu for {arch}:\n"
+                               f"{res.stdout}{res.stderr}")
+        report.write_text(res.stdout + res.stderr)
+
+    text = build_cache.cached_file(f"{source}-{arch}.ptxas.txt",
+                                   _nvcc_key("nvcc-records", nvcc, cmd("OUT")), build).read_text()
     records = []
     for block in re.split(r"(?=ptxas info\s+: Compiling entry function)", text):
         m = _PTXAS_ENTRY.search(block)

@@ -8,17 +8,20 @@ constant). :func:`launch_like_signature` does that from example argument values.
 triton.compile does not reject shared-memory overruns, so :func:`compile_kernel` reports
 ``metadata.shared`` against the per-block limit, reads registers, stack and local memory of the
 cubin Triton produced with the wheel's ``cuobjdump --dump-resource-usage``, and spill bytes with
-its ``ptxas -v`` on the same PTX.
+its ``ptxas -v`` on the same PTX (that report cached on disk by the PTX's hash:
+build_cache.py; Triton caches its own compiles).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+import build_cache
 import torch
 
 __all__ = ["REGISTERS_PER_SM", "SHARED_LIMIT", "SHARED_PER_SM", "CompileRecord", "Desc", "Ptr", "compile_kernel",
@@ -131,15 +134,23 @@ def _cubin_usage(cubin: bytes) -> tuple[int, int, int]:
 
 
 def _ptxas_spills(ptx: str) -> tuple[int, int]:
-    ptxas = _nvidia_tool("ptxas")
+    """Spill stores and loads in ``ptxas -v``'s report on ``ptx`` (the report is cached on
+    disk by the PTX's hash and ptxas's version: build_cache.py)."""
+    ptxas = str(_nvidia_tool("ptxas"))
     target = re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE).group(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        res = subprocess.run([str(ptxas), f"-arch={target}", "-v", str(src), "-o",
-                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
-                             check=True)
-    text = res.stdout + res.stderr
+
+    def report() -> bytes:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "k.ptx"
+            src.write_text(ptx)
+            res = subprocess.run([ptxas, f"-arch={target}", "-v", str(src), "-o",
+                                  str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
+                                 check=True)
+        return (res.stdout + res.stderr).encode()
+
+    key = build_cache.digest("ptxas-v", target, build_cache.tool_version(ptxas),
+                             hashlib.sha256(ptx.encode()).hexdigest())
+    text = build_cache.cached_bytes("ptxas.txt", key, report).decode()
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     return int(spills.group(1)), int(spills.group(2))
 

@@ -17,9 +17,9 @@ _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64,
            "f32": ctypes.c_float}
 
 
-@pytest.fixture(scope="module")
-def host_lib(tmp_path_factory):
-    lib = build_shim(tmp_path_factory, "kernels_host.cpp", std="c++20",
+@pytest.fixture(scope="session")
+def host_lib():
+    lib = build_shim("kernels_host.cpp", std="c++20",
                      flags=("-Wno-unknown-pragmas", "-fno-strict-aliasing",
                             *configs.cuda_options("matmul")))
     lib.run_kernel.restype = ctypes.c_int

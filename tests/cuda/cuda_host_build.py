@@ -5,7 +5,10 @@ CUDA sources (test_cuda_plan_host.py, test_cuda_sm90_host.py, test_cuda_kernels_
 
 Every shim is built the same way: ``-O2 -ffp-contract=off`` (no FMA contraction, so each float
 op is rounded like the device's ``__fadd_rn`` / ``__fmul_rn``) with warnings as errors. A
-machine without g++ skips the test that asked for the shim.
+machine without g++ skips the test that asked for the shim. Builds are cached on disk
+(tools/build_cache.py), keyed by g++'s version, the command line and every file of
+tests/cuda/cuda_host, csrc/cuda and csrc/cpu: a second run, or a second pytest-xdist worker,
+loads the first one's build instead of compiling again (kernels_host.cpp takes ~7 s).
 """
 
 from __future__ import annotations
@@ -14,29 +17,45 @@ import ctypes
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
+import build_cache
 import numpy as np
 import pytest
 import torch
 
-__all__ = ["HOST_DIR", "SRC", "arg_kind", "build_shim", "force", "kernel_signature"]
+__all__ = ["CPU_SRC", "HOST_DIR", "SRC", "arg_kind", "build_shim", "cached_build", "force",
+           "kernel_signature"]
 
 HOST_DIR = Path(__file__).resolve().parent / "cuda_host"
 SRC = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
+CPU_SRC = SRC.parent / "cpu"
 
 
-def build_shim(tmp_path_factory, source: str, *, std: str = "c++17",
-               flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """``tests/cuda/cuda_host/<source>`` built as a shared library in a fresh temporary directory
-    and loaded; ``flags`` go after the common ones (e.g. warnings a source needs off)."""
+def cached_build(name: str, gxx: str, commands: Callable[[Path], list[list[str]]]) -> Path:
+    """The shared library ``name`` that ``commands(out)`` (g++ command lines writing ``out``)
+    build, from the disk cache when the same commands ran on the same sources before."""
+    key = build_cache.digest("cuda_host", name, commands(Path("OUT")),
+                             build_cache.tool_version(gxx),
+                             build_cache.files_digest([HOST_DIR, SRC, CPU_SRC]))
+
+    def build(out: Path) -> None:
+        for cmd in commands(out):
+            subprocess.run(cmd, check=True)
+
+    return build_cache.cached_file(name, key, build)
+
+
+def build_shim(source: str, *, std: str = "c++17", flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """``tests/cuda/cuda_host/<source>`` built as a shared library (or taken from the disk
+    cache) and loaded; ``flags`` go after the common ones (e.g. warnings a source needs off)."""
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip(f"needs g++ to build {source}")
-    so = tmp_path_factory.mktemp("cuda_host") / f"{Path(source).stem}.so"
-    subprocess.run([gxx, "-O2", f"-std={std}", "-ffp-contract=off", "-Wall", "-Wextra", *flags,
-                    "-Werror", "-shared", "-fPIC", "-o", str(so), str(HOST_DIR / source)],
-                   check=True)
+    so = cached_build(f"{Path(source).stem}.so", gxx, lambda out: [[
+        gxx, "-O2", f"-std={std}", "-ffp-contract=off", "-Wall", "-Wextra", *flags, "-Werror",
+        "-shared", "-fPIC", "-o", str(out), str(HOST_DIR / source)]])
     return ctypes.CDLL(str(so))
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
 from pathlib import Path
 
 import bik
@@ -19,26 +18,30 @@ import pytest
 import torch
 from bik.runtime import cpu_ext, cuda_jit
 from bik.testing import same_bits
+from cuda_host_build import CPU_SRC, cached_build
 
 HERE = Path(__file__).resolve().parent / "cuda_host"
-CPU_SRC = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 GXX = shutil.which("g++") or shutil.which("c++")
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="no host C++ compiler")
 
 
-def _build(out: Path, *cuda_flags: str) -> ctypes.CDLL:
+def _commands(out: Path, cuda_flags) -> list[list[str]]:
     """host_check.cpp (the CPU path) always without contraction; host_cuda.cpp (the CUDA
-    helpers) with ``cuda_flags``."""
+    helpers) with ``cuda_flags``; linked into ``out``."""
     common = [GXX, "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
               "-fPIC", "-I", str(CPU_SRC), "-I", str(cuda_jit.source_dir())]
-    objs = []
+    cmds, objs = [], []
     for src, flags in (("host_check.cpp", ["-ffp-contract=off"]), ("host_cuda.cpp", cuda_flags)):
         obj = out.with_name(f"{out.stem}_{src}.o")
-        subprocess.run([*common, *flags, "-c", str(HERE / src), "-o", str(obj)], check=True)
+        cmds.append([*common, *flags, "-c", str(HERE / src), "-o", str(obj)])
         objs.append(str(obj))
-    subprocess.run([GXX, "-shared", *objs, "-o", str(out)], check=True)
-    lib = ctypes.CDLL(str(out))
+    return [*cmds, [GXX, "-shared", *objs, "-o", str(out)]]
+
+
+def _build(name: str, *cuda_flags: str) -> ctypes.CDLL:
+    """The library of :func:`_commands` (g++, or the disk cache of an identical build)."""
+    lib = ctypes.CDLL(str(cached_build(name, GXX, lambda out: _commands(out, cuda_flags))))
     lib.bik_host_noise_mismatches.restype = ctypes.c_int64
     lib.bik_host_noise_mismatches.argtypes = [ctypes.c_int64, ctypes.c_uint64]
     lib.bik_host_unit_mismatches.restype = ctypes.c_int64
@@ -64,8 +67,8 @@ def _build(out: Path, *cuda_flags: str) -> ctypes.CDLL:
 
 
 @pytest.fixture(scope="module")
-def host(tmp_path_factory):
-    return _build(tmp_path_factory.mktemp("cuda_host") / "host.so", "-ffp-contract=off")
+def host():
+    return _build("host.so", "-ffp-contract=off")
 
 
 def test_noise_matches_cpu_path(host):
@@ -77,13 +80,13 @@ def test_every_unit_value_matches_cpu_path(host):
     assert host.bik_host_unit_mismatches() == 0
 
 
-def test_fma_contraction_is_detected(tmp_path):
+def test_fma_contraction_is_detected():
     """Negative control: the same helpers built with contraction (a*b+c -> fma) disagree with
     the CPU path, so the comparisons above can fail, and the no-FMA policy is needed."""
     info = Path("/proc/cpuinfo")
     if " fma " not in (info.read_text() if info.exists() else ""):
         pytest.skip("the host CPU has no FMA")
-    lib = _build(tmp_path / "fma.so", "-ffp-contract=fast", "-mfma")
+    lib = _build("fma.so", "-ffp-contract=fast", "-mfma")
     assert lib.bik_host_unit_mismatches() > 0
 
 

@@ -35,8 +35,8 @@ I64, I32, F32P = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p
 
 
 @pytest.fixture(scope="module")
-def shim(tmp_path_factory):
-    lib = build_shim(tmp_path_factory, "plan_shim.cpp")
+def shim():
+    lib = build_shim("plan_shim.cpp")
     lib.mm_num_splits.restype = I32
     lib.mm_num_splits.argtypes = [I64, I64]
     lib.mm_split_range.argtypes = [I64, I64, I32, ctypes.POINTER(I64), ctypes.POINTER(I64)]

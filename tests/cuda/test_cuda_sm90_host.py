@@ -46,8 +46,8 @@ BK = 32
 
 
 @pytest.fixture(scope="module")
-def shim(tmp_path_factory):
-    lib = build_shim(tmp_path_factory, "sm90_shim.cpp")
+def shim():
+    lib = build_shim("sm90_shim.cpp")
     lib.mm90_encode_desc.restype = U64
     lib.mm90_encode_desc.argtypes = [U32] * 4
     lib.mm90_decode_desc.argtypes = [U64, ctypes.POINTER(U32)]
