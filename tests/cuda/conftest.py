@@ -11,7 +11,7 @@ from bik import configs
 from bik.ops.attention import cuda as cuda_attention
 from bik.ops.matmul import cuda as cuda_matmul
 from bik.runtime import cuda_jit
-from cuda_host_build import arg_kind, build_shim, kernel_signature
+from cuda_host_build import arg_kind, build_shim, declared_kernels, host_kernels_flag
 
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64,
            "f32": ctypes.c_float}
@@ -21,9 +21,11 @@ _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64,
 def host_lib():
     lib = build_shim("kernels_host.cpp", std="c++20",
                      flags=("-Wno-unknown-pragmas", "-fno-strict-aliasing",
-                            *configs.cuda_options("matmul")))
+                            *configs.cuda_options("matmul"), host_kernels_flag()))
     lib.run_kernel.restype = ctypes.c_int
     lib.run_kernel.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 4 + [ctypes.c_void_p]
+    lib.kernel_kinds.restype = ctypes.c_char_p
+    lib.kernel_kinds.argtypes = [ctypes.c_char_p]
     return lib
 
 
@@ -38,15 +40,11 @@ def host(host_lib, monkeypatch):
     """backend="cuda" on CPU tensors, every launch run by the host build of the kernels.
     Returns the launched kernels' names; ``.grids`` holds their grids."""
     launches = _Launches()
+    declared = declared_kernels()
 
     def launch(kernel, grid, block, shared_bytes, *args, device=None):
-        source = ("matmul_sm90" if kernel.startswith("bik_matmul_sm90")
-                  else "matmul" if kernel.startswith("bik_matmul")
-                  else "rms_norm" if kernel.startswith("bik_rms_norm")
-                  else "sampling" if kernel.startswith(("bik_sample", "bik_gumbel"))
-                  else "attention")
-        kinds = kernel_signature(source, kernel)
-        assert [arg_kind(a) for a in args] == kinds, kernel
+        kinds = declared[kernel].kinds
+        assert tuple(arg_kind(a) for a in args) == kinds, kernel
         assert shared_bytes == 0 and 0 < block[0] <= 1024 and block[1:] == (1, 1)
         values = [_CTYPES[k](a.data_ptr() if isinstance(a, torch.Tensor)
                              else None if a is None else a.item()) for k, a in zip(kinds, args)]

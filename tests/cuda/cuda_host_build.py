@@ -1,7 +1,8 @@
 """The CUDA C++ host-test infrastructure: builds a tests/cuda/cuda_host/*.cpp shim with g++ and
 loads it (ctypes); the kernels-on-the-host fixture (``host``: backend="cuda" on CPU tensors, every
-launch checked against the kernel's C signature and run by the g++ build); the host checks of the
-CUDA sources (test_cuda_plan_host.py, test_cuda_sm90_host.py, test_cuda_kernels_host.py).
+launch checked against the kernel's declaration, ``KERNELS`` in bik/ops/<op>/cuda.py, and run
+by the g++ build); the host checks of the CUDA sources (test_cuda_plan_host.py,
+test_cuda_sm90_host.py, test_cuda_kernels_host.py).
 
 Every shim is built the same way: ``-O2 -ffp-contract=off`` (no FMA contraction, so each float
 op is rounded like the device's ``__fadd_rn`` / ``__fmul_rn``) with warnings as errors. A
@@ -14,7 +15,7 @@ loads the first one's build instead of compiling again (kernels_host.cpp takes ~
 from __future__ import annotations
 
 import ctypes
-import re
+import importlib
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -25,8 +26,8 @@ import numpy as np
 import pytest
 import torch
 
-__all__ = ["CPU_SRC", "HOST_DIR", "SRC", "arg_kind", "build_shim", "cached_build", "force",
-           "kernel_signature"]
+__all__ = ["CPU_SRC", "HOST_DIR", "SRC", "arg_kind", "build_shim", "cached_build",
+           "declared_kernels", "force", "host_kernels_flag"]
 
 HOST_DIR = Path(__file__).resolve().parent / "cuda_host"
 SRC = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
@@ -59,28 +60,22 @@ def build_shim(source: str, *, std: str = "c++17", flags: tuple[str, ...] = ()) 
     return ctypes.CDLL(str(so))
 
 
-def kernel_signature(source: str, kernel: str) -> list[str]:
-    """Parameter kinds of ``kernel`` in csrc/cuda/<source>.cu: 'ptr', 'i32', 'i64', 'f32'."""
-    text = (SRC / f"{source}.cu").read_text().replace("\\\n", "\n")
-    if kernel.startswith("bik_rms_norm_"):
-        match = re.search(r"#define BIK_RMS_NORM_KERNEL\(NAME, VEC, XT, WT\).*?NAME\((.*?)\)\s*\{",
-                          text, re.DOTALL)
-    elif kernel.startswith("bik_attention_"):
-        match = re.search(r"#define BIK_ATTENTION_ENTRY\(NAME, KIND, D\).*?NAME\((.*?)\)\s*\{",
-                          text, re.DOTALL)
-    elif source == "sampling":  # BIK_SAMPLING_KERNELS(TN, TT) defines NAME_##TN per dtype
-        base = kernel.rsplit("_", 1)[0]
-        match = re.search(rf"\b{base}_##TN\((.*?)\)\s*\{{", text, re.DOTALL)
-    else:
-        match = re.search(rf"\b{kernel}\((.*?)\)\s*\{{", text, re.DOTALL)
-    assert match, kernel
-    scalars = {"int": "i32", "i32": "i32", "i64": "i64", "float": "f32"}
-    kinds = []
-    for param in match.group(1).split(","):
-        decl = " ".join(param.split())
-        kinds.append("ptr" if "*" in decl else scalars[
-            decl.rsplit(" ", 1)[0].replace("const ", "").replace("bik::", "")])
-    return kinds
+def declared_kernels() -> dict:
+    """Every CUDA C++ kernel's declaration, {name: cuda_jit.KernelDecl}: the ``KERNELS`` of each
+    module the registry lists for backend "cuda" (what the launchers pack their arguments by)."""
+    from bik.ops._registry import TABLE
+
+    found = {}
+    for module in sorted({row.backends["cuda"] for row in TABLE.values()
+                          if "cuda" in row.backends}):
+        found.update(getattr(importlib.import_module(module), "KERNELS", {}))
+    return found
+
+
+def host_kernels_flag() -> str:
+    """``-DBIK_HOST_KERNELS(X)=X(name) ...``: the declared kernels, the list kernels_host.cpp
+    dispatches on (so a declared name the sources lack fails its build)."""
+    return "-DBIK_HOST_KERNELS(X)=" + " ".join(f"X({name})" for name in sorted(declared_kernels()))
 
 
 def arg_kind(arg) -> str:

@@ -84,6 +84,21 @@ def test_nvrtc_compiles_within_budgets(compiled, source, arch):
     _check_budgets(compiled, ("nvrtc", source, arch), lambda r: r.stack + r.local)
 
 
+@needs_cuobjdump
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_compiled_kernel_is_declared(compiled, source):
+    """The kernels NVRTC builds from ``<source>.cu`` are exactly those declared with that
+    source (``KERNELS`` in bik/ops/<op>/cuda.py); test_cuda_kernel_decls.py checks each
+    declaration's parameters against the compiled signature."""
+    from cuda_host_build import declared_kernels
+
+    records = compiled[("nvrtc", source, "sm_80")]
+    if isinstance(records, Exception):
+        pytest.fail(str(records))
+    declared = {name for name, decl in declared_kernels().items() if decl.source == source}
+    assert {r.kernel for r in records} == declared
+
+
 @needs_nvcc
 @pytest.mark.parametrize(("source", "arch"), CASES, ids=IDS)
 def test_nvcc_compiles_without_spills(compiled, source, arch):

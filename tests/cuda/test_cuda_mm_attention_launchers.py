@@ -1,18 +1,17 @@
 """The CUDA matmul and attention launchers without a GPU: launch plans, 16-byte load flags,
-argument lists against the kernels' C signatures, and the errors on machines that cannot run
+argument lists against the kernels' declarations, and the errors on machines that cannot run
 the backend.
 
 No kernel runs here: ``cuda_jit.get_kernel`` and ``cuda_jit.launch`` are replaced by recorders
 and CPU tensors stand in for device memory (their pointers are never dereferenced). Each
-recorded argument list is checked against the ``extern "C"`` signature parsed from csrc/cuda:
-same count, and pointer / int32 / int64 / float32 in the same places (cuda.core would pass a
-bare Python int as 8 bytes, which silently shifts every later argument).
+recorded argument list is checked against the kernel's declaration (``KERNELS``, which
+tests/cuda/test_cuda_kernel_decls.py holds to the compiled ``extern "C"`` signatures): same
+count, and pointer / int32 / int64 / float32 in the same places (cuda.core would pass a bare
+Python int as 8 bytes, which silently shifts every later argument).
 (tests/cuda/test_cuda_kernels_host.py runs the same launches on the host build of the kernels.)
 """
 
 from __future__ import annotations
-
-import re
 
 import bik
 import pytest
@@ -22,7 +21,7 @@ from bik.ops._registry import BackendUnavailableError
 from bik.ops.attention import cuda as cuda_attention
 from bik.ops.matmul import cuda as cuda_matmul
 from bik.runtime import cuda_jit
-from cuda_host_build import SRC, arg_kind, kernel_signature
+from cuda_host_build import arg_kind, declared_kernels
 
 
 @pytest.fixture
@@ -44,19 +43,12 @@ def recorder(monkeypatch):
 
 
 def _check_calls(calls):
+    declared = declared_kernels()
     for (source, kernel), grid, block, args in calls:
-        assert [arg_kind(a) for a in args] == kernel_signature(source, kernel), kernel
+        assert source == declared[kernel].source, kernel
+        assert tuple(arg_kind(a) for a in args) == declared[kernel].kinds, kernel
         assert all(0 < g < 2**31 for g in grid) and grid[1] <= 65535 and grid[2] <= 65535
         assert 0 < block[0] <= 1024
-
-
-def test_signature_parser_sees_every_kernel():
-    assert len(kernel_signature("matmul", "bik_matmul_bf16")) == 21
-    assert kernel_signature("matmul", "bik_matmul_f32") == kernel_signature("matmul",
-                                                                            "bik_matmul_f16")
-    assert kernel_signature("attention", "bik_attention_bf16_d64")[-5:] == ["f32", "i32", "i32",
-                                                                            "i32", "i32"]
-    assert len(kernel_signature("attention", "bik_attention_bf16_d64")) == 31
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -153,12 +145,14 @@ def test_backend_cuda_on_cpu_tensors_raises_clearly():
                       backend="cuda")
 
 
-def test_every_configured_kernel_exists():
+def test_every_configured_kernel_is_declared():
+    """The kernels configs names are declared (test_cuda_kernel_decls.py holds each declaration
+    to the compiled source)."""
     from bik import configs
 
-    text = (SRC / "matmul.cu").read_text()
+    declared = declared_kernels()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert re.search(rf"\b{configs.cuda_matmul_config(dtype, 8, 8, 'sm90').kernel}\(", text)
+        assert configs.cuda_matmul_config(dtype, 8, 8, "sm90").kernel in declared
         name = configs.cuda_attention_config(dtype, 64, 1, "sm90").kernel
         for d in configs.CUDA_ATTENTION_HEAD_DIMS:
-            assert f"BIK_ATTENTION_ENTRY({name}_d{d}," in (SRC / "attention.cu").read_text()
+            assert f"{name}_d{d}" in declared

@@ -12,6 +12,13 @@ kernel; ``bik/ops/<op>/cuda.py`` launchers check inputs and call :func:`launch`.
   and on disk (``$BIK_CUDA_CACHE`` or ``~/.cache/bik/cuda``; tmp file + ``os.replace``, so
   concurrent processes are safe). A fatbin shipped in the package (``bik/_cuda_bin``, built by
   ``BIK_BUILD_CUDA=1 pip install .``) is preferred when its manifest's source hash matches.
+* Each kernel is declared once, by the launcher module that runs it (``KERNELS`` in
+  ``bik/ops/<op>/cuda.py``): a :class:`KernelDecl` per ``extern "C"`` name giving its
+  ``<source>.cu`` and its parameters' names and kinds (:data:`PTR`, :data:`I32`, :data:`I64`,
+  :data:`F32`). :func:`launch_kernel` packs the arguments from that declaration (tensors or
+  None become pointers; ints and floats take the declared width) and refuses a wrong count or
+  kind naming the kernel and the parameter; the tests read the same declarations (the host
+  build of the kernels, and the check that each one matches its C signature).
 * :func:`launch` runs on torch's current stream (CUDA-graph capturable). Arguments are explicit:
   tensors (or None) become pointers; ints and floats must be wrapped with :func:`i32`,
   :func:`i64`, :func:`f32` (cuda.core would pass a bare Python int as 8 bytes).
@@ -29,15 +36,17 @@ import os
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from bik.runtime.cuda_aot import MANIFEST, source_files, source_hash
 
-__all__ = ["available", "cache_dir", "cached_cubin", "compile_source", "compiler_available",
-           "compiler_unavailable_reason", "device_target", "f32", "get_kernel", "i32", "i64",
-           "include_dirs", "launch", "nvrtc_version", "source_dir", "sources", "sources_hash",
+__all__ = ["F32", "I32", "I64", "PTR", "KernelDecl", "available", "cache_dir", "cached_cubin",
+           "compile_source", "compiler_available", "compiler_unavailable_reason", "declare",
+           "device_target", "f32", "get_kernel", "i32", "i64", "include_dirs", "launch",
+           "launch_kernel", "nvrtc_version", "pack", "source_dir", "sources", "sources_hash",
            "unavailable_reason"]
 
 _PKG = Path(__file__).resolve().parents[1]  # .../bik
@@ -62,6 +71,68 @@ def i64(x) -> np.int64:
 def f32(x) -> np.float32:
     """A kernel ``float`` argument (rounded to fp32 here, once)."""
     return np.float32(x)
+
+
+# ---- kernel declarations -------------------------------------------------------------------
+
+PTR, I32, I64, F32 = "ptr", "i32", "i64", "f32"  # a pointer, int / int32, long long, float
+_KIND_NAMES = {PTR: "a pointer (tensor or None)", I32: "an int32", I64: "an int64",
+               F32: "a float32"}
+
+
+class KernelDecl(NamedTuple):
+    """One ``extern "C"`` kernel: the file that defines it (``csrc/cuda/<source>.cu``) and its
+    parameters in order, as (name, kind) pairs with kind one of PTR, I32, I64, F32."""
+
+    source: str
+    params: tuple[tuple[str, str], ...]
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(kind for _, kind in self.params)
+
+
+def declare(source: str, names, params) -> dict[str, KernelDecl]:
+    """{name: KernelDecl(source, params)} for kernels that share one parameter list (the
+    instances of one template per dtype). ``params``: (name, kind) pairs."""
+    params = tuple((str(p), k) for p, k in params)
+    bad = [p for p, k in params if k not in _KIND_NAMES]
+    if bad:
+        raise ValueError(f"bik: {source}.cu: parameters {bad} have no kernel argument kind")
+    return {name: KernelDecl(source, params) for name in names}
+
+
+def pack(name: str, decl: KernelDecl, args) -> tuple:
+    """``args`` as the values :func:`launch` passes for kernel ``name`` declared as ``decl``:
+    tensors and None stay (pointers), Python ints and floats become the declared width. A wrong
+    count, a tensor for a scalar, a float for an int or a numpy scalar of another width raises
+    TypeError naming the kernel and the parameter."""
+    if len(args) != len(decl.params):
+        raise TypeError(f"bik: kernel {name} ({decl.source}.cu) takes {len(decl.params)} "
+                        f"arguments ({', '.join(p for p, _ in decl.params)}), got {len(args)}")
+    out = []
+    for i, ((param, kind), value) in enumerate(zip(decl.params, args)):
+        ok = {PTR: value is None or isinstance(value, torch.Tensor),
+              I32: isinstance(value, (int, np.int32)) and not isinstance(value, bool),
+              I64: isinstance(value, (int, np.int64)) and not isinstance(value, bool),
+              F32: isinstance(value, (int, float, np.float32)) and not isinstance(value, bool)}
+        if not ok[kind]:
+            raise TypeError(f"bik: kernel {name} ({decl.source}.cu): argument {i} ({param}) is "
+                            f"{_KIND_NAMES[kind]}, got {type(value).__name__}")
+        out.append(value if kind == PTR else {I32: i32, I64: i64, F32: f32}[kind](value))
+    return tuple(out)
+
+
+def launch_kernel(kernels: dict, name: str, grid: tuple, block: tuple, shared_bytes: int, *args,
+                  device: torch.device, options=()) -> None:
+    """Launch the kernel ``name`` of the declarations ``kernels`` ({name: KernelDecl}) with
+    ``args`` packed by :func:`pack`: the one way a launcher runs a kernel."""
+    decl = kernels.get(name)
+    if decl is None:
+        raise ValueError(f"bik: kernel {name} is not declared (declared: {sorted(kernels)})")
+    values = pack(name, decl, args)
+    kernel = get_kernel(decl.source, name, device, options=options)
+    launch(kernel, grid, block, shared_bytes, *values, device=device)
 
 
 # ---- sources ---------------------------------------------------------------------------------

@@ -14,11 +14,25 @@ from typing import NamedTuple
 import torch
 
 from bik._arch import device_arch
+from bik._dtypes import DTYPES
 from bik.configs import CUDA_ATTENTION_HEAD_DIMS, CudaAttentionConfig, cuda_attention_config
 from bik.ops._pointwise import LOG2E
 from bik.ops.attention._layout import Problem, run_on_gpu, splits_per_program
+from bik.runtime import cuda_jit
+from bik.runtime.cuda_jit import F32, I32, I64, PTR
 
-__all__ = ["AttentionLaunch", "launch_attention", "plan_attention", "run_attention"]
+__all__ = ["KERNELS", "AttentionLaunch", "launch_attention", "plan_attention", "run_attention"]
+
+# csrc/cuda/attention.cu: bik_attention_<dtype>_d<head dim>, one parameter list.
+KERNELS = cuda_jit.declare(
+    "attention", [f"bik_attention_{t.cuda}_d{d}" for t in DTYPES for d in CUDA_ATTENTION_HEAD_DIMS],
+    [("q", PTR), ("k", PTR), ("v", PTR), ("out", PTR), ("lse", PTR), ("pacc", PTR),
+     ("pml", PTR), ("tickets", PTR), ("cu_q", PTR), ("seqlens_k", PTR), ("table", PTR),
+     ("base", PTR), ("stride_q_tok", I64), ("stride_q_head", I64), ("stride_o_tok", I64),
+     ("stride_o_head", I64), ("stride_table", I64), ("stride_page", I64), ("stride_tok", I64),
+     ("stride_kv_head", I64), ("block_size", I32), ("total_q", I32), ("hq", I32), ("hkv", I32),
+     ("gh", I32), ("block_t", I32), ("scale_log2e", F32), ("split", I32), ("causal", I32),
+     ("fold", I32), ("splits_per_prog", I32)])
 
 
 class AttentionLaunch(NamedTuple):
@@ -76,8 +90,6 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
     through its own offset.
     """
     del base_multiple
-    from bik.runtime import cuda_jit
-
     total_q, hq, d = q.shape
     hkv = k.shape[-2]
     n_seq = seqlens_k.shape[0]
@@ -99,15 +111,12 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
         tickets = torch.zeros(plan.grid[0] * plan.grid[1], dtype=torch.int32, device=q.device)
     else:
         pacc = pml = tickets = None
-    i32, i64 = cuda_jit.i32, cuda_jit.i64
-    kernel = cuda_jit.get_kernel("attention", plan.kernel, q.device)
-    cuda_jit.launch(
-        kernel, plan.grid, plan.block, 0, q, k, v, out, lse, pacc, pml, tickets, cu_q, seqlens_k,
-        table, base, i64(q.stride(0)), i64(q.stride(1)), i64(out.stride(0)), i64(out.stride(1)),
-        i64(table.stride(0) if paged else 0), i64(stride_page), i64(stride_tok),
-        i64(k.stride(-2)), i32(block_size), i32(total_q), i32(hq), i32(hkv), i32(plan.gh),
-        i32(plan.block_t), cuda_jit.f32(scale * LOG2E), i32(plan.config.split), i32(int(causal)),
-        i32(int(not plan.split_mode)), i32(plan.per_program), device=q.device)
+    cuda_jit.launch_kernel(
+        KERNELS, plan.kernel, plan.grid, plan.block, 0, q, k, v, out, lse, pacc, pml, tickets,
+        cu_q, seqlens_k, table, base, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        table.stride(0) if paged else 0, stride_page, stride_tok, k.stride(-2), block_size,
+        total_q, hq, hkv, plan.gh, plan.block_t, scale * LOG2E, plan.config.split, int(causal),
+        int(not plan.split_mode), plan.per_program, device=q.device)
 
 
 

@@ -19,14 +19,31 @@ from typing import NamedTuple
 import torch
 
 from bik._arch import device_arch
-from bik._dtypes import info
+from bik._dtypes import DTYPES, info
 from bik.configs import CudaMatmulConfig, cuda_matmul_config, cuda_options
 from bik.ops.matmul.schedule import use_spread
+from bik.runtime import cuda_jit
+from bik.runtime.cuda_jit import I32, I64, PTR
 
-__all__ = ["MatmulLaunch", "launch_matmul", "load_flags", "plan_matmul", "use_spread"]
+__all__ = ["KERNELS", "MatmulLaunch", "launch_matmul", "load_flags", "plan_matmul", "use_spread"]
 
 _REDUCE_THREADS = 256
 _INT32_MAX = 2**31 - 1
+
+_STRIDES = [(f"s{t}{d}", I64) for t, dims in (("a", "bmk"), ("b", "bkn"), ("c", "bmn"))
+            for d in dims]
+_MATMUL = [("a", PTR), ("b", PTR), ("bias", PTR), ("c", PTR), ("ws", PTR), ("m", I32),
+           ("n", I32), ("k", I32), *_STRIDES, ("split_len", I32), ("spread", I32),
+           ("out_kind", I32), ("vec", I32)]
+# csrc/cuda/matmul.cu (one kernel per input dtype, and SPREAD's fold) and matmul_sm90.cu.
+KERNELS = {
+    **cuda_jit.declare("matmul", [f"bik_matmul_{t.cuda}" for t in DTYPES], _MATMUL),
+    **cuda_jit.declare("matmul_sm90", [f"bik_matmul_sm90_{t.cuda}" for t in DTYPES
+                                       if t.dtype != torch.float32], _MATMUL),
+    **cuda_jit.declare("matmul", ["bik_matmul_reduce"],
+                       [("ws", PTR), ("bias", PTR), ("c", PTR), ("batch", I32), ("m", I32),
+                        ("n", I32), ("n_splits", I32), *_STRIDES[6:], ("out_kind", I32)]),
+}
 
 
 class MatmulLaunch(NamedTuple):
@@ -103,8 +120,6 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     (batch stride 0 broadcasts b); ``out`` is written, not read. ``spread`` None = by work
     size (the bits do not depend on it).
     """
-    from bik.runtime import cuda_jit
-
     nb, m, k = a.shape
     n = b.shape[2]
     if nb == 0 or m == 0 or n == 0:
@@ -112,22 +127,19 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     plan = plan_matmul(a.dtype, nb, m, n, k, device_arch(a.device), spread=spread, layer=layer,
                        split=split)
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()  # exact upcast
-    source = plan.config.source
-    kernel = cuda_jit.get_kernel(source, plan.config.kernel, a.device,
-                                 options=cuda_options(source))
+    name = plan.config.kernel
     ws = None
     if plan.spread:
         ws = torch.empty(plan.workspace, dtype=torch.float32, device=a.device)
-    i32, i64 = cuda_jit.i32, cuda_jit.i64
-    strides = [i64(s) for t in (a, b, out) for s in t.stride()]
-    kind = i32(info(out.dtype).cuda_kind)
-    cuda_jit.launch(kernel, plan.grid, plan.block, 0, a, b, bias32, out, ws, i32(m), i32(n),
-                    i32(k), *strides, i32(plan.config.split_k), i32(int(plan.spread)), kind,
-                    i32(load_flags(a, b)), device=a.device)
+    strides = [s for t in (a, b, out) for s in t.stride()]
+    kind = info(out.dtype).cuda_kind
+    cuda_jit.launch_kernel(KERNELS, name, plan.grid, plan.block, 0, a, b, bias32, out, ws, m, n,
+                           k, *strides, plan.config.split_k, int(plan.spread), kind,
+                           load_flags(a, b), device=a.device,
+                           options=cuda_options(KERNELS[name].source))
     if plan.spread:
-        reduce = cuda_jit.get_kernel("matmul", "bik_matmul_reduce", a.device,
-                                     options=cuda_options("matmul"))
         blocks = min(_cdiv(nb * m * n, _REDUCE_THREADS), 1 << 20)  # grid-stride beyond
-        cuda_jit.launch(reduce, (blocks, 1, 1), (_REDUCE_THREADS, 1, 1), 0, ws, bias32, out,
-                        i32(nb), i32(m), i32(n), i32(plan.n_splits), *strides[6:], kind,
-                        device=a.device)
+        cuda_jit.launch_kernel(KERNELS, "bik_matmul_reduce", (blocks, 1, 1),
+                               (_REDUCE_THREADS, 1, 1), 0, ws, bias32, out, nb, m, n,
+                               plan.n_splits, *strides[6:], kind, device=a.device,
+                               options=cuda_options("matmul"))

@@ -12,13 +12,21 @@ from __future__ import annotations
 
 import torch
 
-from bik._dtypes import info
+from bik._dtypes import DTYPES, info
 from bik.runtime import cuda_jit
-from bik.runtime.cuda_jit import f32, i64
+from bik.runtime.cuda_jit import F32, I64, PTR
 
-__all__ = ["launch_rms_norm", "threads_per_block", "vector_width"]
+__all__ = ["KERNELS", "launch_rms_norm", "threads_per_block", "vector_width"]
 
 _LANES = 16  # the contract's lane count (csrc/cuda/rms_norm.cuh)
+
+# bik_rms_norm[_vec]_<x dtype>_<weight dtype> (csrc/cuda/rms_norm.cu): one parameter list.
+KERNELS = cuda_jit.declare(
+    "rms_norm",
+    [f"bik_rms_norm{v}_{x.cuda}_{w.cuda}" for v in ("", "_vec") for x in DTYPES for w in DTYPES],
+    [("x", PTR), ("stride_x", I64), ("residual", PTR), ("stride_r", I64), ("weight", PTR),
+     ("out", PTR), ("stride_out", I64), ("h_out", PTR), ("stride_h", I64), ("rows", I64),
+     ("hidden", I64), ("eps", F32)])
 
 
 def threads_per_block(vec: int) -> int:
@@ -58,14 +66,13 @@ def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
         raise ValueError("cuda rms_norm: weight must be a contiguous [H] tensor")
     rows_tensors = [t for t in (x, out, residual, h_out) if t is not None]
     vec = vector_width(x, weight, rows_tensors)
-    name = f"{info(x.dtype).cuda}_{info(weight.dtype).cuda}"
-    kernel = cuda_jit.get_kernel("rms_norm", f"bik_rms_norm_vec_{name}" if vec > 1
-                                 else f"bik_rms_norm_{name}", x.device)
+    name = (f"bik_rms_norm{'_vec' if vec > 1 else ''}_{info(x.dtype).cuda}_"
+            f"{info(weight.dtype).cuda}")
     has_res = residual is not None
     threads = threads_per_block(vec)
     rows_per_block = threads // (_LANES // vec)
     grid = ((m + rows_per_block - 1) // rows_per_block, 1, 1)
-    cuda_jit.launch(kernel, grid, (threads, 1, 1), 0,
-                    x, i64(x.stride(0)), residual, i64(residual.stride(0) if has_res else 0),
-                    weight, out, i64(out.stride(0)), h_out, i64(h_out.stride(0) if has_res else 0),
-                    i64(m), i64(hidden), f32(eps), device=x.device)
+    cuda_jit.launch_kernel(KERNELS, name, grid, (threads, 1, 1), 0,
+                           x, x.stride(0), residual, residual.stride(0) if has_res else 0,
+                           weight, out, out.stride(0), h_out, h_out.stride(0) if has_res else 0,
+                           m, hidden, eps, device=x.device)

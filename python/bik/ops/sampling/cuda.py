@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from bik._dtypes import info
+from bik._dtypes import DTYPES, info
 from bik.configs import sampler_chunks
 from bik.ops.sampling.split_vocab import sample_split_vocab
 from bik.runtime import cuda_jit
-from bik.runtime.cuda_jit import i32, i64
+from bik.runtime.cuda_jit import F32, I32, I64, PTR
 
-__all__ = ["SPLIT", "THREADS", "launch_sample", "sample_rows"]
+__all__ = ["KERNELS", "SPLIT", "THREADS", "launch_sample", "sample_rows"]
 
 THREADS = 512
 SPLIT = 16384  # vocabulary entries per pick block
@@ -28,6 +28,24 @@ PROBE_LANES = 16  # kProbeLanes
 CANDIDATES = 256  # kTopPCandidates
 PASSES = 10  # kTopPPasses: launches of the pass kernel (settled rows return at once)
 CUT_STATE_BYTES = 128  # kCutStateBytes
+
+# csrc/cuda/sampling.cu: three kernels per logits dtype (suffix _f32, _bf16, _f16).
+_ROW_FILTERS = [("temperature", PTR), ("vk", PTR), ("ik", PTR)]
+KERNELS = {
+    **cuda_jit.declare("sampling", [f"bik_sample_group_max_{t.cuda}" for t in DTYPES],
+                       [("x", PTR), ("stride_x", I64), ("group_len", I64), *_ROW_FILTERS,
+                        ("gmax", PTR), ("gbad", PTR)]),
+    **cuda_jit.declare("sampling", [f"bik_sample_pass_{t.cuda}" for t in DTYPES],
+                       [("x", PTR), ("stride_x", I64), ("group_len", I64), ("it", I32),
+                        *_ROW_FILTERS, ("top_p", PTR), ("log_min_p", PTR), ("gmax", PTR),
+                        ("gbad", PTR), ("state", PTR), ("gmass", PTR), ("cand", PTR),
+                        ("counts", PTR), ("tickets", PTR), ("m_out", PTR), ("vlo_out", PTR),
+                        ("logs_out", PTR), ("bad_out", PTR)]),
+    **cuda_jit.declare("sampling", [f"bik_gumbel_pick_{t.cuda}" for t in DTYPES],
+                       [("x", PTR), ("stride_x", I64), ("vocab", I64), ("key", PTR),
+                        *_ROW_FILTERS, ("vlo", PTR), ("m", PTR), ("part_val", PTR),
+                        ("part_idx", PTR), ("n_splits", I32), ("split_size", I32)]),
+}
 
 
 def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
@@ -67,26 +85,25 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
         raise ValueError(f"cuda sample: V = {v} needs more than {MAX_CHUNKS} normaliser chunks "
                          f"of {chunk} per group")
     suffix = info(logits.dtype).cuda
-    group_max = cuda_jit.get_kernel("sampling", f"bik_sample_group_max_{suffix}", dev)
-    step = cuda_jit.get_kernel("sampling", f"bik_sample_pass_{suffix}", dev)
-    pick = cuda_jit.get_kernel("sampling", f"bik_gumbel_pick_{suffix}", dev)
-    stride, glen = i64(logits.stride(0)), i64(v // groups)
+    stride, glen = logits.stride(0), v // groups
     gmax = torch.empty(b, groups, dtype=torch.float32, device=dev)
     gbad = torch.empty(b, groups, dtype=torch.int32, device=dev)
-    cuda_jit.launch(group_max, (b, groups, 1), (THREADS, 1, 1), 0, logits, stride, glen,
-                    temperature, vk, ik, gmax, gbad, device=dev)
+    cuda_jit.launch_kernel(KERNELS, f"bik_sample_group_max_{suffix}", (b, groups, 1),
+                           (THREADS, 1, 1), 0, logits, stride, glen, temperature, vk, ik, gmax,
+                           gbad, device=dev)
     state = torch.empty(b, CUT_STATE_BYTES, dtype=torch.uint8, device=dev)
     gmass = torch.empty(b, groups, PROBE_LANES, dtype=torch.float32, device=dev)
     cand = torch.empty(b, groups, CANDIDATES, dtype=torch.float32, device=dev)
     counts = torch.zeros(b, groups, dtype=torch.int64, device=dev)
     tickets = torch.zeros(b, dtype=torch.int32, device=dev)
     for it in range(PASSES):
-        cuda_jit.launch(step, (b, groups, 1), (THREADS, 1, 1), 0, logits, stride, glen, i32(it),
-                        temperature, vk, ik, top_p, log_min_p, gmax, gbad, state, gmass, cand,
-                        counts, tickets, m, v_lo, log_s, bad, device=dev)
-    cuda_jit.launch(pick, (b, n_splits, 1), (THREADS, 1, 1), 0, logits, stride, i64(v), key,
-                    temperature, vk, ik, v_lo, m, part_val, part_idx, i32(n_splits), i32(SPLIT),
-                    device=dev)
+        cuda_jit.launch_kernel(KERNELS, f"bik_sample_pass_{suffix}", (b, groups, 1),
+                               (THREADS, 1, 1), 0, logits, stride, glen, it, temperature, vk, ik,
+                               top_p, log_min_p, gmax, gbad, state, gmass, cand, counts, tickets,
+                               m, v_lo, log_s, bad, device=dev)
+    cuda_jit.launch_kernel(KERNELS, f"bik_gumbel_pick_{suffix}", (b, n_splits, 1),
+                           (THREADS, 1, 1), 0, logits, stride, v, key, temperature, vk, ik, v_lo,
+                           m, part_val, part_idx, n_splits, SPLIT, device=dev)
     return m, log_s, bad, part_val, part_idx
 
 
