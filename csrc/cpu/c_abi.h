@@ -1,5 +1,5 @@
 // The C entry points of bik._cpu_kernels, for C++ callers in other shared objects (bik's
-// dispatcher kernels, csrc/aten): plain C types only, so the two sides need not agree on a
+// dispatcher kernels, csrc/native): plain C types only, so the two sides need not agree on a
 // C++ ABI. The caller gets each entry's address from the Python module (c_entry_points()),
 // so the process holds one copy of each kernel.
 #pragma once

@@ -49,7 +49,7 @@ EXCLUDED = {
 }
 # The C++ sources are covered by the hash the extension was compiled with (setup.py), so
 # installed wheels are covered too; the CUDA C++ sources (csrc/cuda, shipped as bik/_cuda_src)
-# and the dispatcher kernels (csrc/aten) by their own hashes.
+# and the dispatcher kernels (csrc/native) by their own hashes.
 
 
 def _package_files(root: Path) -> set[Path]:
@@ -100,12 +100,12 @@ def _version(dist: str) -> str:
 
 def _all_sources_hash() -> str:
     """The Python sources and the compiled C++ sources, as one hash."""
-    from bik.runtime import aten_ext, cpu_ext, cuda_jit
+    from bik.runtime import native_ext, cpu_ext, cuda_jit
 
     h = hashlib.sha256(source_hash().encode())
     h.update(str(cpu_ext.source_hash()).encode())
     h.update(cuda_jit.sources_hash().encode())  # csrc/cuda, as the JIT sees them
-    h.update(aten_ext.source_hash().encode())  # bik.enable()'s C++ kernels (csrc/aten)
+    h.update(native_ext.source_hash().encode())  # bik.enable()'s C++ kernels (csrc/native)
     return h.hexdigest()[:16]
 
 

@@ -90,7 +90,7 @@ def test_mode_inductor_runs_bik_ops_with_bik_bits(gen):
     for op in ("softmax", "log_softmax", "mean"):
         assert f"torch.ops.bik.{op}.default" in code, op
     # no grad: the product is bik's C++ one where it can be built (test_compiled_native.py)
-    products = ("torch.ops.bik_aten.matmul.default", "torch.ops.bik.matmul.default")
+    products = ("torch.ops.bik_native.matmul.default", "torch.ops.bik.matmul.default")
     assert any(p in code for p in products)
     assert "extern_kernels.mm" not in code and "extern_kernels.addmm" not in code
     assert same_bits(got[0], want[0])  # log_softmax of the linear: bik ops only

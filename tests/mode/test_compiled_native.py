@@ -1,5 +1,5 @@
 """The compiled mode's C++ products: a graph compiled under batch_invariant_mode() with grad off
-calls ``bik_aten::matmul`` / ``bmm`` (csrc/aten/dispatch_cpu.cpp) where it would call
+calls ``bik_native::matmul`` / ``bmm`` (csrc/native/native_cpu.cpp) where it would call
 ``bik::matmul`` / ``bmm`` on the CPU backend. They must be bik's ops bit for bit, served or not,
 and appear only where the Python op would have no work to do (grad off, not exporting, CPU)."""
 
@@ -55,9 +55,9 @@ def test_a_no_grad_graph_calls_the_cpp_products_with_bik_bits(dtype, gen):
         torch._dynamo.reset()
         got, code = run_and_get_code(torch.compile(_model, fullgraph=True), *args)
         want = _model(*args)  # eager under the mode: bik's Python route
-    assert ops.count("bik_aten.matmul") == 2 and ops.count("bik_aten.bmm") == 1, ops
+    assert ops.count("bik_native.matmul") == 2 and ops.count("bik_native.bmm") == 1, ops
     assert "bik.matmul" not in ops and "bik.bmm" not in ops
-    assert "torch.ops.bik_aten.matmul.default" in "".join(code)
+    assert "torch.ops.bik_native.matmul.default" in "".join(code)
     assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
 
 
@@ -77,7 +77,7 @@ def test_grad_on_export_and_opt_out_keep_bik_ops(gen, tmp_path, monkeypatch):
     args = _inputs(gen)
     with bik.batch_invariant_mode():  # grad on: the op with bik's backward
         ops = _graph_ops(_model, *args)
-    assert "bik.matmul" in ops and "bik_aten.matmul" not in ops, ops
+    assert "bik.matmul" in ops and "bik_native.matmul" not in ops, ops
 
     class M(torch.nn.Module):
         def forward(self, x, w, b, w2):
@@ -86,13 +86,13 @@ def test_grad_on_export_and_opt_out_keep_bik_ops(gen, tmp_path, monkeypatch):
     with torch.no_grad(), bik.batch_invariant_mode():  # an exported program stays portable
         program = torch.export.export(M(), args)
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
-    assert "bik.matmul.default" in targets and not any("bik_aten" in t for t in targets)
+    assert "bik.matmul.default" in targets and not any("bik_native" in t for t in targets)
 
     torch._dynamo.reset()
     monkeypatch.setenv("BIK_ENABLE_NATIVE", "0")
     with torch.no_grad(), bik.batch_invariant_mode():
         ops = _graph_ops(_model, *args)
-    assert "bik.matmul" in ops and "bik_aten.matmul" not in ops, ops
+    assert "bik.matmul" in ops and "bik_native.matmul" not in ops, ops
 
 
 def _cases(gen):
@@ -111,10 +111,10 @@ def _cases(gen):
                                   "out_dtype fp32", "no rows"])
 def test_the_cpp_matmul_is_bik_matmul_served_or_not(name, gen):
     a, b, bias, out_dtype = _cases(gen)[name]
-    got = torch.ops.bik_aten.matmul(a, b, bias, out_dtype)
+    got = torch.ops.bik_native.matmul(a, b, bias, out_dtype)
     want = torch.ops.bik.matmul(a, b, bias, out_dtype, "cpu")
     assert got.dtype == want.dtype and same_bits(got, want)
-    batched = torch.ops.bik_aten.bmm(a.unsqueeze(0).expand(2, -1, -1),
+    batched = torch.ops.bik_native.bmm(a.unsqueeze(0).expand(2, -1, -1),
                                      b.unsqueeze(0).expand(2, -1, -1), out_dtype)
     assert same_bits(batched, torch.ops.bik.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1),
                                                 out_dtype, "cpu"))
@@ -123,6 +123,6 @@ def test_the_cpp_matmul_is_bik_matmul_served_or_not(name, gen):
 def test_bad_input_gets_bik_matmuls_error(gen):
     a, b = torch.randn(5, 12, generator=gen), torch.randn(11, 7, generator=gen)
     with pytest.raises(ValueError, match=r"bik.matmul: a \[5, 12\] and b \[11, 7\]"):
-        torch.ops.bik_aten.matmul(a, b, None, None)
+        torch.ops.bik_native.matmul(a, b, None, None)
     with pytest.raises(ValueError, match="bik.bmm"):
-        torch.ops.bik_aten.bmm(a.unsqueeze(0), b.unsqueeze(0), None)
+        torch.ops.bik_native.bmm(a.unsqueeze(0), b.unsqueeze(0), None)

@@ -1,5 +1,5 @@
 """bik.enable()'s C++ kernels for aten::mm / addmm / bmm at the CPU key
-(csrc/aten/dispatch_cpu.cpp).
+(csrc/native/native_cpu.cpp).
 
 They must give the Python kernels' bits on every call they serve, hand every other call to the
 Python kernel (same result, same errors, counted there), and leave the dispatcher exactly as
@@ -15,13 +15,13 @@ import bik
 import pytest
 import torch
 import torch.nn.functional as F
-from bik.runtime import aten_ext, cpu_ext
+from bik.runtime import native_ext, cpu_ext
 from bik.testing import rows_alone_vs_batched, same_bits
 from bik.testing.controls import split_by_m_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
-needs_native = pytest.mark.skipif(not aten_ext.available(),
-                                  reason=f"no C++ kernels: {aten_ext.unavailable_reason()}")
+needs_native = pytest.mark.skipif(not native_ext.available(),
+                                  reason=f"no C++ kernels: {native_ext.unavailable_reason()}")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -35,7 +35,7 @@ def _clean():
 
 
 def _native_served() -> int:
-    return sum(torch.ops.bik_aten.served())
+    return sum(torch.ops.bik_native.served())
 
 
 def _run(call, *, native: bool):
@@ -196,10 +196,10 @@ def test_the_compiled_ops_refuse_to_run_before_the_kernel_is_handed_over():
     was a segfault."""
     done = _run_script("""
         import torch
-        from bik.runtime import aten_ext
-        assert aten_ext.load()
+        from bik.runtime import native_ext
+        assert native_ext.load()
         try:
-            torch.ops.bik_aten.matmul(torch.randn(2, 3), torch.randn(3, 4), None, None)
+            torch.ops.bik_native.matmul(torch.randn(2, 3), torch.randn(3, 4), None, None)
         except RuntimeError as exc:
             assert "not handed over" in str(exc), exc
             print("ok")
@@ -223,7 +223,7 @@ def test_a_failed_build_warns_and_keeps_the_python_route(tmp_path):
         assert any("dispatcher kernels for mm" in m and "false failed" in m for m in messages), messages
         print("ok")
     """)
-    env = dict(os.environ, CXX="false", BIK_ATEN_CACHE=str(tmp_path))
+    env = dict(os.environ, CXX="false", BIK_NATIVE_CACHE=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=False,
                           text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -10,10 +10,10 @@ overridden too) and below Dynamo/AOTAutograd (compiled graphs call aten at run t
 is told to leave these ops as aten calls while bik is enabled (_inductor.py). While a handler
 runs, the aten calls it makes itself go straight to the original kernels.
 
-At the CPU key, mm / addmm / bmm get C++ kernels instead (csrc/aten/dispatch_cpu.cpp, made
+At the CPU key, mm / addmm / bmm get C++ kernels instead (csrc/native/native_cpu.cpp, made
 ready by ops/matmul/native.py): a Python kernel costs ~15 µs a call around a ~1 µs one-row
 product. They serve the plain calls with the same kernel the handler would run and hand every
-other call to the Python kernel, registered for that on ``bik_enable::<op>`` (aten's schema).
+other call to the Python kernel, registered for that on ``bik_native_py::<op>`` (aten's schema).
 ``BIK_ENABLE_NATIVE=0``, or a build that fails, keeps the Python kernels there.
 """
 
@@ -55,12 +55,12 @@ _CPU_ONLY = {aten._scaled_dot_product_flash_attention_for_cpu.default,
              aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
              aten.silu.default, aten.silu_backward.default}
 
-# The ops with a C++ kernel at the CPU key (csrc/aten/dispatch_cpu.cpp), in its counters' order.
+# The ops with a C++ kernel at the CPU key (csrc/native/native_cpu.cpp), in its counters' order.
 NATIVE_CPU = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 _switch_lock = threading.Lock()
 _state: dict = {}  # while enabled: {"library": Library, "native": bool, "undo_inductor": fn}
-_twins: list = []  # bik_enable::<op>, defined with their Python kernels once, kept
+_twins: list = []  # bik_native_py::<op>, defined with their Python kernels once, kept
 _busy = threading.local()  # set while a handler runs in this thread
 
 
@@ -96,18 +96,18 @@ def _native_wanted() -> bool:
         return False
     if not _twins:
         _twins.extend(_define_twins())
-        count_native([str(op) for op in NATIVE_CPU], torch.ops.bik_aten.served,
-                     torch.ops.bik_aten.reset_served)
+        count_native([str(op) for op in NATIVE_CPU], torch.ops.bik_native.served,
+                     torch.ops.bik_native.reset_served)
         atexit.register(disable)  # before torch's finalizers remove the twins at exit
     return True
 
 
 def _define_twins() -> list[torch.library.Library]:
-    """bik_enable::<op> with aten's schema and, at the CPU key, the Python kernel the C++ one
+    """bik_native_py::<op> with aten's schema and, at the CPU key, the Python kernel the C++ one
     hands its other calls to. Made once and kept: a C++ kernel already past its check when
     disable() runs may still hand its call over, and the C++ side caches the handles."""
-    defs = torch.library.Library("bik_enable", "DEF")
-    kernels = torch.library.Library("bik_enable", "IMPL")
+    defs = torch.library.Library("bik_native_py", "DEF")
+    kernels = torch.library.Library("bik_native_py", "IMPL")
     for op in NATIVE_CPU:
         defs.define(str(op._schema).split("::", 1)[1])
         original = torch.library.get_kernel(op, "CPU")  # nothing bik's is registered yet
@@ -131,7 +131,7 @@ def _register(native: bool) -> torch.library.Library:
                     library.impl(_schema_name(op), _override(op, HANDLERS[op], original), key,
                                  with_keyset=True)
         if native:
-            torch.ops.bik_aten.install()
+            torch.ops.bik_native.install()
     except BaseException:
         library._destroy()
         raise
@@ -181,7 +181,7 @@ def disable() -> None:
         library, undo_inductor = _state.pop("library"), _state.pop("undo_inductor")
         try:
             if _state.pop("native"):
-                torch.ops.bik_aten.uninstall()
+                torch.ops.bik_native.uninstall()
             library._destroy()
         finally:
             try:

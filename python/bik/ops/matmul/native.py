@@ -1,6 +1,6 @@
-"""bik's C++ dispatcher kernels for mm / addmm / bmm on the CPU (csrc/aten/dispatch_cpu.cpp,
-``torch.ops.bik_aten``), made ready once per process: loaded (built at first use by
-bik.runtime.aten_ext), handed bik._cpu_kernels' matmul entry point, and given the fake kernels
+"""bik's C++ dispatcher kernels for mm / addmm / bmm on the CPU (csrc/native/native_cpu.cpp,
+``torch.ops.bik_native``), made ready once per process: loaded (built at first use by
+bik.runtime.native_ext), handed bik._cpu_kernels' matmul entry point, and given the fake kernels
 torch.compile traces them with. ``bik.enable()`` installs them over aten's CPU kernels; a graph
 compiled with grad off calls :func:`matmul` / :func:`bmm`'s op where it would call bik::matmul /
 bmm on the CPU backend.
@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from bik import configs
-from bik.runtime import aten_ext, cpu_ext
+from bik.runtime import native_ext, cpu_ext
 
 __all__ = ["bmm", "matmul", "ready"]
 
@@ -41,10 +41,10 @@ def _load() -> bool:
         if not cpu_ext.available():
             return False
         try:
-            if not aten_ext.load():
-                raise RuntimeError(aten_ext.unavailable_reason())
+            if not native_ext.load():
+                raise RuntimeError(native_ext.unavailable_reason())
             entries = cpu_ext.require().c_entry_points()  # absent from an older build
-            torch.ops.bik_aten.set_cpu_kernels(entries["matmul_f32"], entries["abi_version"],
+            torch.ops.bik_native.set_cpu_kernels(entries["matmul_f32"], entries["abi_version"],
                                                list(configs.matmul_split_rule()))
             _register_fakes()
         except Exception as exc:  # noqa: BLE001 - any failure keeps the Python kernels
@@ -56,22 +56,22 @@ def _load() -> bool:
 
 
 def _register_fakes() -> None:
-    """bik_aten::matmul / bmm trace like bik::matmul / bmm (the same checks and shapes)."""
+    """bik_native::matmul / bmm trace like bik::matmul / bmm (the same checks and shapes)."""
 
-    @torch.library.register_fake("bik_aten::matmul")
+    @torch.library.register_fake("bik_native::matmul")
     def _matmul(a, b, bias, out_dtype):
         return torch.ops.bik.matmul(a, b, bias, out_dtype, "cpu")
 
-    @torch.library.register_fake("bik_aten::bmm")
+    @torch.library.register_fake("bik_native::bmm")
     def _bmm(a, b, out_dtype):
         return torch.ops.bik.bmm(a, b, out_dtype, "cpu")
 
 
 def matmul():
-    """``bik_aten::matmul`` (bik::matmul's arguments without the backend) when ready."""
-    return torch.ops.bik_aten.matmul if ready() else None
+    """``bik_native::matmul`` (bik::matmul's arguments without the backend) when ready."""
+    return torch.ops.bik_native.matmul if ready() else None
 
 
 def bmm():
-    """``bik_aten::bmm`` when ready."""
-    return torch.ops.bik_aten.bmm if ready() else None
+    """``bik_native::bmm`` when ready."""
+    return torch.ops.bik_native.bmm if ready() else None

@@ -1,19 +1,19 @@
-// bik's CPU products at torch's dispatcher, in C++ (torch.ops.bik_aten). A one-row product's
+// bik's CPU products at torch's dispatcher, in C++ (torch.ops.bik_native). A one-row product's
 // kernel takes about a microsecond; a Python kernel at the dispatcher costs ~15 us around it
 // (bik bench boundary), and a model's decode step is mostly such calls. Two users:
 //
 // * bik.enable() (mode/_enable.py) installs kernels for aten::mm, aten::addmm and aten::bmm at
 //   the CPU key. Each serves the calls it can be sure bik's handler would serve (served dtypes,
 //   the shapes torch accepts, nonempty, no dispatch mode to observe the call) and hands every
-//   other call to the Python kernel bik.enable() registered on bik_enable::<op> (aten's
+//   other call to the Python kernel bik.enable() registered on bik_native_py::<op> (aten's
 //   schema), which serves it or gives it to the original kernel, with torch's own errors.
 // * batch_invariant_mode() under torch.compile with grad off (ops/_call.py) puts
-//   bik_aten::matmul / bik_aten::bmm in the graph: bik::matmul / bik::bmm on the CPU backend
+//   bik_native::matmul / bik_native::bmm in the graph: bik::matmul / bik::bmm on the CPU backend
 //   without their Python impl and autograd wrapper; any call they do not serve is bik's op.
 //
 // Both run bik's fixed-order CPU matmul through the entry point bik._cpu_kernels runs (handed
 // over by address: one copy of the kernel in the process, c_abi.h), so the bits are the Python
-// route's. Built against the installed torch at first use (bik/runtime/aten_ext.py).
+// route's. Built against the installed torch at first use (bik/runtime/native_ext.py).
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -117,7 +117,7 @@ Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
   args.num_threads = at::get_num_threads();
   args.b_bf16 = b_bf16;
   TORCH_CHECK(g_matmul != nullptr, "bik: its CPU matmul kernel was not handed over "
-              "(torch.ops.bik_aten.set_cpu_kernels; bik.mode._native does it)");
+              "(torch.ops.bik_native.set_cpu_kernels; bik.mode._native does it)");
   args.split = bik_matmul_split_len(K, &g_split_rule);  // set with g_matmul (nonzero)
   const int rc = g_matmul(&args);
   TORCH_CHECK(rc == 0, "bik.enable(): bik's CPU matmul kernel failed (code ", rc, ")");
@@ -138,7 +138,7 @@ Tensor mm(c10::DispatchKeySet, const Tensor& a, const Tensor& b) {
     g_served[kMm].fetch_add(1, std::memory_order_relaxed);
     return product(a, b, nullptr);
   }
-  static const auto python = python_kernel<MmSig>("bik_enable::mm");
+  static const auto python = python_kernel<MmSig>("bik_native_py::mm");
   InPython guard;
   return python.redispatch(kCpu, a, b);
 }
@@ -148,7 +148,7 @@ Tensor bmm(c10::DispatchKeySet, const Tensor& a, const Tensor& b) {
     g_served[kBmm].fetch_add(1, std::memory_order_relaxed);
     return product(a, b, nullptr);
   }
-  static const auto python = python_kernel<MmSig>("bik_enable::bmm");
+  static const auto python = python_kernel<MmSig>("bik_native_py::bmm");
   InPython guard;
   return python.redispatch(kCpu, a, b);
 }
@@ -166,7 +166,7 @@ Tensor addmm(c10::DispatchKeySet, const Tensor& bias, const Tensor& a, const Ten
     g_served[kAddmm].fetch_add(1, std::memory_order_relaxed);
     return product(a, b, &bias);
   }
-  static const auto python = python_kernel<AddmmSig>("bik_enable::addmm");
+  static const auto python = python_kernel<AddmmSig>("bik_native_py::addmm");
   InPython guard;
   return python.redispatch(kCpu, bias, a, b, beta, alpha);
 }
@@ -225,7 +225,7 @@ void install() {
   TORCH_CHECK(g_matmul != nullptr, "bik.enable(): set_cpu_kernels() was not called");
   std::lock_guard<std::mutex> lock(g_switch);
   if (g_library) return;
-  for (const char* name : {"bik_enable::mm", "bik_enable::addmm", "bik_enable::bmm"})
+  for (const char* name : {"bik_native_py::mm", "bik_native_py::addmm", "bik_native_py::bmm"})
     c10::Dispatcher::singleton().findSchemaOrThrow(name, "");  // Python defined them first
   Quiet quiet;
   c10::WarningUtils::WarningHandlerGuard guard(&quiet);
@@ -255,7 +255,7 @@ void reset_served() {
 }  // namespace
 
 // Control ops, and the compiled mode's products. Nothing is overridden until install().
-TORCH_LIBRARY(bik_aten, m) {
+TORCH_LIBRARY(bik_native, m) {
   m.def("set_cpu_kernels(int matmul_address, int abi_version, int[] split_rule) -> ()",
         &set_cpu_kernels);
   m.def("install() -> ()", &install);
@@ -266,7 +266,7 @@ TORCH_LIBRARY(bik_aten, m) {
   m.def("bmm(Tensor a, Tensor b, ScalarType? out_dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(bik_aten, CPU, m) {
+TORCH_LIBRARY_IMPL(bik_native, CPU, m) {
   m.impl("matmul", TORCH_FN(compiled_matmul));
   m.impl("bmm", TORCH_FN(compiled_bmm));
 }

@@ -1,10 +1,10 @@
-"""Builds and loads bik's dispatcher kernels (csrc/aten, ``torch.ops.bik_aten``).
+"""Builds and loads bik's dispatcher kernels (csrc/native, ``torch.ops.bik_native``).
 
 Unlike ``bik._cpu_kernels`` (no torch headers, built at install time), these kernels register
 at torch's dispatcher, so they are compiled against the torch this process runs: at first use,
-with the C++ compiler torch's own extensions use, into ``$BIK_ATEN_CACHE`` or
-``~/.cache/bik/aten``, keyed by the sources, the torch build and the compiler (another venv or
-torch gets its own build). About 10 s once; ``python -c "import bik.runtime.aten_ext as a;
+with the C++ compiler torch's own extensions use, into ``$BIK_NATIVE_CACHE`` or
+``~/.cache/bik/native``, keyed by the sources, the torch build and the compiler (another venv or
+torch gets its own build). About 10 s once; ``python -c "import bik.runtime.native_ext as a;
 a.build()"`` builds ahead of time (``make venv`` does). A tmp file + ``os.replace`` makes
 concurrent builders safe.
 
@@ -31,17 +31,17 @@ _errors: list[str] = []
 
 
 def _sources() -> tuple[Path, Path]:
-    """(the .cpp, the directory holding c_abi.h): ``bik/_aten_src`` in an installed wheel,
+    """(the .cpp, the directory holding c_abi.h): ``bik/_native_src`` in an installed wheel,
     ``<repo>/csrc`` in a checkout or an editable install."""
-    shipped = _PKG / "_aten_src"
-    if (shipped / "dispatch_cpu.cpp").is_file():
-        return shipped / "dispatch_cpu.cpp", shipped
+    shipped = _PKG / "_native_src"
+    if (shipped / "native_cpu.cpp").is_file():
+        return shipped / "native_cpu.cpp", shipped
     csrc = _PKG.parents[1] / "csrc"
-    return csrc / "aten" / "dispatch_cpu.cpp", csrc / "cpu"
+    return csrc / "native" / "native_cpu.cpp", csrc / "cpu"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("BIK_ATEN_CACHE") or Path.home() / ".cache" / "bik" / "aten")
+    return Path(os.environ.get("BIK_NATIVE_CACHE") or Path.home() / ".cache" / "bik" / "native")
 
 
 def _compiler() -> str | None:
@@ -78,7 +78,7 @@ def library_path() -> Path:
     h = hashlib.sha256(source_hash().encode())
     h.update(" ".join(_command(cxx, Path("out"))).encode())  # torch's path, flags, compiler
     h.update(torch.__version__.encode())
-    return cache_dir() / f"bik_aten-{h.hexdigest()[:16]}.so"
+    return cache_dir() / f"bik_native-{h.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
@@ -109,7 +109,7 @@ def build() -> Path:
 @functools.cache
 def load() -> bool:
     """Build (if needed) and load the kernels into this process; True when
-    ``torch.ops.bik_aten`` is there. Never raises: a failure is kept for
+    ``torch.ops.bik_native`` is there. Never raises: a failure is kept for
     :func:`unavailable_reason`."""
     import torch
 
