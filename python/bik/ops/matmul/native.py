@@ -33,7 +33,6 @@ def ready() -> bool:
 
 
 _lock = threading.Lock()  # enable() and a compile trace in another thread may both ask first
-_loaded_here = False  # _load() succeeded in this process
 
 
 @functools.cache
@@ -48,8 +47,6 @@ def _load() -> bool:
             torch.ops.bik_native.set_cpu_kernels(entries["matmul_f32"], entries["abi_version"],
                                                list(configs.matmul_split_rule()))
             _register_fakes()
-            global _loaded_here
-            _loaded_here = True
         except Exception as exc:  # noqa: BLE001 - any failure keeps the Python kernels
             warnings.warn(f"bik: its C++ dispatcher kernels for mm / addmm / bmm are "
                           f"unavailable ({exc}); Python kernels serve them (about 15 µs a "
@@ -70,18 +67,11 @@ def _register_fakes() -> None:
         return torch.ops.bik.bmm(a, b, out_dtype, "cpu")
 
 
-def _loaded() -> bool:
-    """ready(), but False where nothing in this process has loaded the kernels yet: an eager
-    call must not start a build (about 15 s)."""
-    return _loaded_here and os.environ.get("BIK_ENABLE_NATIVE", "1") != "0"
+def matmul():
+    """``bik_native::matmul`` (bik::matmul's arguments without the backend) when ready."""
+    return torch.ops.bik_native.matmul if ready() else None
 
 
-def matmul(*, loaded_only: bool = False):
-    """``bik_native::matmul`` (bik::matmul's arguments without the backend) when ready
-    (``loaded_only``: and already loaded)."""
-    return torch.ops.bik_native.matmul if (_loaded() if loaded_only else ready()) else None
-
-
-def bmm(*, loaded_only: bool = False):
-    """``bik_native::bmm`` when ready (``loaded_only``: and already loaded)."""
-    return torch.ops.bik_native.bmm if (_loaded() if loaded_only else ready()) else None
+def bmm():
+    """``bik_native::bmm`` when ready."""
+    return torch.ops.bik_native.bmm if ready() else None
