@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from bik.ops import _pointwise
 from bik.ops._registry import TABLE
 from bik.runtime import cpu_ext
+from op_cases import CASES
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
@@ -26,48 +27,9 @@ def no_extension(monkeypatch):
     monkeypatch.setattr(cpu_ext, "_IMPORT_ERROR", "ImportError: masked by the test")
 
 
-def _attention_inputs():
-    q, k, v = torch.randn(2, 2, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8)
-    cu_q, cu_k = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
-    return q, k, v, cu_q, cu_k
-
-
-def _attention_backward():
-    q, k, v, cu_q, cu_k = _attention_inputs()
-    out, lse = torch.randn(2, 2, 8), torch.randn(2, 2)
-    torch.ops.bik.attention_varlen_backward(out, None, q, k, v, out, lse, cu_q, cu_k, 0.35,
-                                            True, "cpu")
-
-
-def _paged_attention():
-    q = torch.randn(1, 2, 8)
-    cache = torch.randn(1, 4, 1, 8)
-    bik.attention(q, cache, cache, cache_seqlens=torch.tensor([3], dtype=torch.int32),
-                  cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
-                  block_table=torch.zeros(1, 1, dtype=torch.int32))
-
-
-X, W = torch.randn(3, 8), torch.randn(8)
-LOGITS = torch.randn(2, 16)
-
-# One call per op of the (op, backend) table that has a CPU backend, through its public face.
-OP_CALLS = {
-    "matmul": lambda: bik.matmul(X, torch.randn(8, 4)),
-    "bmm": lambda: bik.bmm(torch.randn(2, 3, 8), torch.randn(2, 8, 4)),
-    "rms_norm": lambda: bik.rms_norm(X, W),
-    "fused_add_rms_norm": lambda: bik.rms_norm(X, W, residual=torch.randn(3, 8)),
-    "softmax": lambda: bik.softmax(X),
-    "log_softmax": lambda: bik.log_softmax(X),
-    "mean": lambda: bik.mean(X, 1),
-    "attention": _paged_attention,
-    "attention_varlen": lambda: bik.attention_varlen(
-        *_attention_inputs()[:3], cu_seqlens_q=_attention_inputs()[3],
-        cu_seqlens_k=_attention_inputs()[4]),
-    "attention_varlen_backward": _attention_backward,
-    "sample": lambda: bik.sample(LOGITS, seed=1, position=0),
-    "verify_draft": lambda: bik.verify_draft(torch.zeros(2, 1, dtype=torch.int64), 1,
-                                             torch.randn(2, 2, 16), seed=1, position=0),
-}
+X = torch.randn(3, 8)
+# One call per op of the (op, backend) table that has a CPU backend: tests/op_cases.py.
+OP_CALLS = {op: case.call for op, case in CASES.items() if case.call is not None}
 
 # bik's exp inside its ops, and a front end's route to an op.
 OTHER_CALLS = {

@@ -5,6 +5,7 @@ import bik
 import pytest
 import torch
 from bik.runtime import cpu_ext
+from op_cases import CASES
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
@@ -45,21 +46,7 @@ def test_bad_input_names_op_and_shapes(call, exc, pattern):
         call()
 
 
-_SPARSE = torch.zeros(4, 8).to_sparse()
-_DENSE_ONLY = {
-    "matmul": lambda: bik.matmul(_SPARSE, B),
-    "linear weight": lambda: bik.linear(A, _SPARSE),
-    "bmm": lambda: bik.bmm(_SPARSE.unsqueeze(0), B.unsqueeze(0)),
-    "rms_norm": lambda: bik.rms_norm(_SPARSE, torch.zeros(8)),
-    "rms_norm weight": lambda: bik.rms_norm(A, torch.zeros(8).to_sparse()),
-    "softmax": lambda: bik.softmax(_SPARSE, -1),
-    "log_softmax": lambda: bik.log_softmax(_SPARSE, -1),
-    "mean": lambda: bik.mean(_SPARSE, -1),
-    "sample": lambda: bik.sample(_SPARSE, seed=0, position=0),
-    "attention_varlen": lambda: bik.attention_varlen(
-        torch.zeros(4, 1, 8).to_sparse(), torch.zeros(4, 1, 8), torch.zeros(4, 1, 8),
-        cu_seqlens_q=torch.tensor([0, 4]), cu_seqlens_k=torch.tensor([0, 4])),
-}
+_DENSE_ONLY = {name: call for case in CASES.values() for name, call in case.sparse.items()}
 
 
 @pytest.mark.parametrize("name", list(_DENSE_ONLY))

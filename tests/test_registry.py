@@ -5,7 +5,7 @@
 * every unlisted pair raises BackendUnavailableError naming the op and the backends it has,
   through the public function and the registered op alike (nothing falls back silently);
 * every op either has a backward whose gradients match fp64 autograd within measured bounds
-  (one case per op in GRADIENTS below) or raises NotImplementedError naming the op;
+  (one case per op in tests/op_cases.py) or raises NotImplementedError naming the op;
 * the public functions' ``backend:`` docstring lines and the fingerprint's op list come from
   the table.
 """
@@ -18,10 +18,10 @@ import inspect
 import bik
 import pytest
 import torch
-import torch.nn.functional as F
 from bik.ops._define import DECLARED
 from bik.ops._registry import BACKENDS, TABLE, BackendUnavailableError, backend_doc
 from bik.runtime import cpu_ext
+from op_cases import CASES
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
 
@@ -134,77 +134,14 @@ def test_fingerprint_lists_the_ops_of_the_table():
 
 
 # ---- gradient status ------------------------------------------------------------------------
-# One case per op: (inputs builder, bik call, fp64 reference call or None for a refusal).
+# One case per op (tests/op_cases.py): (inputs, bik call, fp64 reference or None: a refusal).
 # Accuracy: bik's normalised max error against fp64 autograd may be at most RATIO x stock
 # torch's fp32 error, or FLOOR x eps. Measured (CPU, these cases): bik 0.24-2.7 eps, stock
 # 0.24-4.8 eps; the worst ratio 1.8x (log_softmax: 0.92 vs 0.52 eps).
 RATIO, FLOOR = 4.0, 2.0
 
 
-def _mm_inputs(g):
-    return [torch.randn(7, 33, generator=g), torch.randn(33, 9, generator=g),
-            torch.randn(9, generator=g)]
-
-
-def _attn_inputs(g):
-    return [torch.randn(6, 4, 16, generator=g), torch.randn(6, 2, 16, generator=g),
-            torch.randn(6, 2, 16, generator=g)]
-
-
-_CU = torch.tensor([0, 2, 6])
-
-
-def _sdpa(q, k, v):
-    outs = []
-    for a, b in ((0, 2), (2, 6)):
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-        ks, vs = ks.repeat_interleave(2, 0), vs.repeat_interleave(2, 0)
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
-    return torch.cat(outs)
-
-
-def _sample_inputs(g):
-    return [torch.randn(3, 11, generator=g)]
-
-
-GRADIENTS = {
-    "matmul": (_mm_inputs, lambda a, b, c: bik.matmul(a, b, c), lambda a, b, c: a @ b + c),
-    "bmm": (lambda g: [torch.randn(2, 5, 17, generator=g), torch.randn(2, 17, 3, generator=g)],
-            lambda a, b: bik.bmm(a, b), torch.bmm),
-    "rms_norm": (lambda g: [torch.randn(5, 40, generator=g), torch.randn(40, generator=g)],
-                 lambda x, w: bik.rms_norm(x, w, 1e-6),
-                 lambda x, w: F.rms_norm(x, (40,), w, 1e-6)),
-    "fused_add_rms_norm": (
-        lambda g: [torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g),
-                   torch.randn(40, generator=g)],
-        lambda x, r, w: bik.rms_norm(x, w, 1e-6, residual=r)[0],
-        lambda x, r, w: F.rms_norm(x + r, (40,), w, 1e-6)),
-    "softmax": (lambda g: [torch.randn(4, 3, 37, generator=g)], lambda x: bik.softmax(x, 1),
-                lambda x: torch.softmax(x, 1)),
-    "log_softmax": (lambda g: [torch.randn(4, 37, generator=g)],
-                    lambda x: bik.log_softmax(x, -1), lambda x: torch.log_softmax(x, -1)),
-    "mean": (lambda g: [torch.randn(4, 6, 5, generator=g)], lambda x: bik.mean(x, (0, 2)),
-             lambda x: x.mean((0, 2))),
-    "attention_varlen": (
-        _attn_inputs,
-        lambda q, k, v: bik.attention_varlen(q, k, v, cu_seqlens_q=_CU, cu_seqlens_k=_CU).out,
-        _sdpa),
-    "attention": (lambda g: [torch.randn(2, 2, 16, generator=g)],
-                  lambda q: bik.attention(q, torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16),
-                                          cache_seqlens=torch.tensor([4]),
-                                          cu_seqlens_q=torch.tensor([0, 2])), None),
-    "attention_varlen_backward": (
-        _attn_inputs,
-        lambda q, k, v: torch.ops.bik.attention_varlen_backward(
-            torch.ones_like(q), None, q, k, v, torch.zeros_like(q),
-            torch.zeros(q.shape[:2]), _CU, _CU, 0.25, True, "cpu")[0], None),
-    "write_kv_cache": (lambda g: [torch.randn(2, 1, 4, generator=g)], None, None),
-    "sample": (_sample_inputs, lambda x: bik.sample(x, seed=1, position=0).logprobs, None),
-    "verify_draft": (
-        lambda g: [torch.randn(2, 3, 11, generator=g)],
-        lambda x: bik.verify_draft(torch.zeros(2, 2, dtype=torch.int64), 2, x, seed=1,
-                                   position=0).logprobs, None),
-}
+GRADIENTS = {op: case.grad for op, case in CASES.items()}  # tests/op_cases.py
 
 
 def test_every_op_has_a_gradient_case():

@@ -27,56 +27,39 @@ from bik.mode import (
     reset_mode_stats,
     set_batch_invariant_mode,
 )
+from bik.ops import attention as _attention
+from bik.ops import matmul as _matmul
+from bik.ops import reductions as _reductions
+from bik.ops import rms_norm as _rms_norm
+from bik.ops import sampling as _sampling
+from bik.ops.attention import *  # noqa: F403  (each op package's __all__ is its public surface)
+from bik.ops.matmul import *  # noqa: F403
+from bik.ops.reductions import *  # noqa: F403
+from bik.ops.rms_norm import *  # noqa: F403
+from bik.ops.sampling import *  # noqa: F403
 from bik.ops._registry import BACKENDS, BackendUnavailableError
-from bik.ops.attention import (
-    AttentionOutput,
-    AttentionPlan,
-    attention,
-    attention_varlen,
-    plan_attention,
-    plan_attention_varlen,
-    write_kv_cache,
-)
-from bik.ops.matmul import PackedWeight, bmm, linear, matmul
-from bik.ops.reductions import log_softmax, mean, softmax
-from bik.ops.rms_norm import rms_norm
-from bik.ops.sampling import SampleOutput, VerifyOutput, sample, verify_draft
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
-    "AttentionOutput",
-    "AttentionPlan",
     "BackendUnavailableError",
     "BatchInvarianceWarning",
     "Fingerprint",
     "ModeStats",
-    "PackedWeight",
-    "SampleOutput",
-    "VerifyOutput",
-    "attention",
-    "attention_varlen",
     "batch_invariant_mode",
-    "bmm",
     "disable",
     "enable",
     "enabled",
     "fingerprint",
     "is_batch_invariant_mode_enabled",
     "is_enabled",
-    "linear",
-    "log_softmax",
-    "matmul",
-    "mean",
     "mode_stats",
-    "plan_attention",
-    "plan_attention_varlen",
     "reset_mode_stats",
-    "rms_norm",
-    "sample",
     "set_batch_invariant_mode",
-    "softmax",
-    "verify_draft",
-    "write_kv_cache",
 ]
+__all__ += _attention.__all__
+__all__ += _matmul.__all__
+__all__ += _reductions.__all__
+__all__ += _rms_norm.__all__
+__all__ += _sampling.__all__

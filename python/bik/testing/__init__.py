@@ -5,28 +5,10 @@ The harness ships deliberately batch-dependent references (:mod:`bik.testing.con
 that users and tests can see it reject a kernel that is not batch-invariant.
 """
 
-from bik.testing.controls import (
-    row_keyed_sample,
-    split_by_m_matmul,
-    split_by_m_mean,
-    split_by_m_rms_norm,
-    split_by_m_softmax,
-)
-from bik.testing.harness import (
-    InvarianceReport,
-    probe_every_position,
-    rows_alone_vs_batched,
-    same_bits,
-)
+from bik.testing import controls, harness
+from bik.testing.controls import *  # noqa: F403
+from bik.testing.harness import *  # noqa: F403
 
-__all__ = [
-    "InvarianceReport",
-    "probe_every_position",
-    "row_keyed_sample",
-    "rows_alone_vs_batched",
-    "same_bits",
-    "split_by_m_matmul",
-    "split_by_m_mean",
-    "split_by_m_rms_norm",
-    "split_by_m_softmax",
-]
+__all__: list[str] = []
+__all__ += controls.__all__
+__all__ += harness.__all__

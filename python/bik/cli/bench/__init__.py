@@ -2,8 +2,9 @@
 
 ``BENCHES`` maps a bench's name to the module that defines its ``run(device, dtype, args) ->
 records`` (plain dicts), ``render(records, console)`` and ``plot(records, plt, path)`` (None when
-the bench has no plot: ``--plot`` is then refused). Modules are imported when their bench runs,
-so `bik bench boundary` does not import the DVR engine.
+the bench has no plot: ``--plot`` is then refused), and, for a bench that takes ``--backend``,
+``BACKEND_OP``: the op whose backends it chooses among. Modules are imported when their bench
+runs, so `bik bench boundary` does not import the DVR engine.
 """
 
 from __future__ import annotations
@@ -41,19 +42,15 @@ def _save_plot(bench, records: list[dict], path: str) -> None:
     bench.plot(records, plt, path)
 
 
-# The op whose backends a bench's --backend chooses among (benches not listed take none).
-BACKEND_OP = {"matmul": "matmul", "rmsnorm": "rms_norm", "attention": "attention",
-              "sample": "sample", "boundary": "matmul"}
-
-
-def _check_backend(name: str, backend: str | None, device) -> None:
+def _check_backend(name: str, bench, backend: str | None, device) -> None:
     """A --backend the bench cannot run is a one-line error before any work."""
     if backend is None:
         return
-    if name not in BACKEND_OP:
+    op = getattr(bench, "BACKEND_OP", None)
+    if op is None:
         raise SystemExit(f"bik bench {name}: --backend does not apply to this bench")
     try:
-        resolve_backend(BACKEND_OP[name], backend, device)
+        resolve_backend(op, backend, device)
     except (BackendUnavailableError, ValueError) as exc:
         raise SystemExit(f"bik bench {name}: {exc}") from None
 
@@ -64,7 +61,7 @@ def run_bench(args) -> int:
         raise SystemExit(f"bik bench {args.op}: --plot is not available for this bench")
     console = make_console()
     device = pick_device(args.device)
-    _check_backend(args.op, args.backend, device)
+    _check_backend(args.op, bench, args.backend, device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     with streaming(args.json):
         records = bench.run(device, dtype, args)

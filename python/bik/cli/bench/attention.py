@@ -43,8 +43,7 @@ from bik.cli.timing import breakdown_ms, noisy, time_ms
 from bik.ops._registry import resolve_backend
 from bik.testing.harness import same_bits
 
-__all__ = ["attention_workloads", "bench_attention", "plot", "plot_attention", "render",
-           "render_attention", "run"]
+BACKEND_OP = "attention"  # --backend chooses among this op's backends
 
 PAGE = 16
 KV_LIMIT_BYTES = 40e9  # skip decode shapes whose K + V cache would exceed this

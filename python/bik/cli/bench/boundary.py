@@ -20,7 +20,7 @@ from bik.cli.timing import NOISY, time_ms
 from bik.configs import matmul_split
 from bik.ops._registry import resolve_backend
 
-__all__ = ["bench_boundary", "plot", "render", "run"]
+BACKEND_OP = "matmul"  # --backend chooses among this op's backends
 
 LOOP = 200  # calls per sample
 

@@ -26,8 +26,6 @@ from bik.dvr import DVREngine, EngineConfig
 from bik.dvr.kernels import BikKernels, FastKernels
 from bik.dvr.workload import make_workload, run_workload
 
-__all__ = ["bench_dvr", "plot", "render", "render_dvr", "run"]
-
 RUNS = (  # (name, decode kernels, verify, deterministic fraction, forced mismatch rate)
     ("fast path alone", "fast", False, 1.0, 0.0),
     ("bik kernels only", "bik", False, 1.0, 0.0),

@@ -23,8 +23,6 @@ from rich.table import Table
 import bik
 from bik.cli.common import print_table, progress
 
-__all__ = ["plot", "render", "run"]
-
 REPEATS = 3
 NOISY = 1.15  # max / min of the repeats above this: flag the row
 SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,

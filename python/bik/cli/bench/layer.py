@@ -28,8 +28,6 @@ from bik.dvr.kernels import BikKernels, FastKernels
 from bik.dvr.model import random_model
 from bik.dvr.step import KVCache, build_step
 
-__all__ = ["LLAMA3_8B_LAYER", "bench_layer", "plot", "render", "run"]
-
 LLAMA3_8B_LAYER = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
                    "num_key_value_heads": 8, "head_dim": 128}
 CPU_LAYER = {"hidden_size": 512, "intermediate_size": 1792, "num_attention_heads": 4,

@@ -20,7 +20,7 @@ from bik.cli.bench.stream import tags
 from bik.cli.bench.sweep import default_ms, per_backend, plot_sweep, render_sweep, sweep
 from bik.configs import MATMUL_SPLIT_ENV
 
-__all__ = ["bench_matmul", "plot", "render", "run"]
+BACKEND_OP = "matmul"  # --backend chooses among this op's backends
 
 # Llama-3-8B: qkv, o, gate/up, down, LM head (N x K of the weight [N, K]).
 LLAMA_MATMUL = ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096))

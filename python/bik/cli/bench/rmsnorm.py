@@ -11,7 +11,7 @@ import bik
 from bik._dtypes import dtype_name
 from bik.cli.bench.sweep import default_ms, per_backend, plot_sweep, render_sweep, sweep
 
-__all__ = ["bench_rms_norm", "plot", "render", "run"]
+BACKEND_OP = "rms_norm"  # --backend chooses among this op's backends
 
 LLAMA_HIDDEN = (4096, 8192)
 

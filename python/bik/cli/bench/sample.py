@@ -23,7 +23,7 @@ from bik.cli.bench.sweep import per_backend
 from bik.cli.common import print_table
 from bik.cli.timing import breakdown_ms, noisy, time_ms
 
-__all__ = ["bench_sample", "plot", "render", "render_sample", "run"]
+BACKEND_OP = "sample"  # --backend chooses among this op's backends
 
 GPU_BS = (1, 8, 64, 256, 1024)
 GPU_VOCABS = (32000, 128256, 262144)

@@ -14,8 +14,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["emit", "partial_path", "streaming", "tags"]
-
 _path: Path | None = None
 _tags: dict = {}
 

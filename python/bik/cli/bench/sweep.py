@@ -15,9 +15,6 @@ from bik.cli.common import print_table
 from bik.cli.timing import breakdown_ms, noisy, time_ms
 from bik.ops._registry import resolve_backend
 
-__all__ = ["CPU_MS", "GPU_MS", "backends_for", "default_ms", "per_backend", "plot_sweep",
-           "render_sweep", "sweep"]
-
 GPU_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 CPU_MS = (1, 16, 64, 256)
 # The Ms whose device time and CUDA-graph replay are recorded too (on a GPU; each costs a

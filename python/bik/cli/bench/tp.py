@@ -23,8 +23,6 @@ from bik.cli.common import end_spawned_rank, print_table
 from bik.cli.timing import noisy, quantiles_ms
 from bik.configs import MATMUL_TP_MAX
 
-__all__ = ["plot", "render", "run"]
-
 SHAPES = ((4096, 4096), (1024, 14336))  # (N, K): o_proj, down_proj of Llama-3-8B
 QUICK_SHAPES = ((256, 512),)
 REPS = 20

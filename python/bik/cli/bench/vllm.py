@@ -22,8 +22,6 @@ from rich.table import Table
 
 from bik.cli.common import print_table, progress
 
-__all__ = ["plot", "render", "run"]
-
 REPEATS = 3
 NEW_TOKENS = 32
 NOISY = 1.15  # max / min of the repeats above this: flag the row

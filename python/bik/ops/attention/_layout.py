@@ -8,8 +8,6 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SPLIT_PROGRAM_TARGET", "Layout", "Problem", "run_on_gpu", "splits_per_program"]
-
 # SPLIT aims at about this many programs (two waves of an H200's 132 SMs): a program takes more
 # consecutive splits when the (sequence, KV head, tile) items alone come close to it.
 SPLIT_PROGRAM_TARGET = 264

@@ -25,8 +25,6 @@ from bik.ops._pointwise import exp_f32
 from bik.ops._define import define
 from bik.ops.attention.checks import check_cu_seqlens, check_qkv, int_vector
 
-__all__ = ["AUTOGRAD", "attention_varlen_grads"]
-
 _OP = "bik.attention_varlen_backward"
 
 

@@ -13,9 +13,6 @@ import torch
 from bik.ops._checks import check_float_dtype, check_same_device, check_tensor, debug_checks
 from bik.ops.attention._layout import Layout
 
-__all__ = ["AttentionPlan", "cache_call", "cache_layout", "check_cu_seqlens", "check_kv_write",
-           "check_qkv", "int_vector", "scale_for", "varlen_call"]
-
 
 def int_vector(op: str, name: str, t, length: int | None = None) -> None:
     check_tensor(op, name, t, 1)

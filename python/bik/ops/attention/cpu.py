@@ -18,8 +18,6 @@ from bik.ops._pointwise import LOG2E
 from bik.ops.attention._layout import Problem
 from bik.runtime import cpu_ext
 
-__all__ = ["attention_cpu", "attention_f32", "cpu_keys", "run_attention", "write_rows_cpu"]
-
 
 def attention_f32(
     q: torch.Tensor,

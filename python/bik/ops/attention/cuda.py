@@ -21,8 +21,6 @@ from bik.ops.attention._layout import Problem, run_on_gpu, splits_per_program
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_jit import F32, I32, I64, PTR
 
-__all__ = ["KERNELS", "AttentionLaunch", "launch_attention", "plan_attention", "run_attention"]
-
 # csrc/cuda/attention.cu: bik_attention_<dtype>_d<head dim>, one parameter list.
 KERNELS = cuda_jit.declare(
     "attention", [f"bik_attention_{t.cuda}_d{d}" for t in DTYPES for d in CUDA_ATTENTION_HEAD_DIMS],

@@ -13,8 +13,6 @@ from bik.ops._checks import debug_checks
 from bik.ops._define import define
 from bik.ops.attention.checks import check_kv_write
 
-__all__ = ["write_kv_cache"]
-
 
 def _paged_view(cache: torch.Tensor) -> torch.Tensor:
     """A cache as [pages, tokens per page, Hkv, D] (a contiguous [B, max_len] one is already,

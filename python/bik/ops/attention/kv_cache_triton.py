@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["write_block", "write_kv_kernel", "write_rows_triton"]
-
 
 @triton.jit
 def write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slots_ptr, n_slots, page_size,

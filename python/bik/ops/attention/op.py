@@ -29,9 +29,6 @@ from bik.ops.attention.checks import (
 )
 from bik.ops.attention._layout import Layout, Problem
 
-__all__ = ["AttentionOutput", "AttentionPlan", "attention", "attention_varlen", "plan_attention",
-           "plan_attention_varlen"]
-
 # Every backend module (triton.py, cuda.py, cpu.py) defines the row's entry point
 #   run_attention(label, Problem) -> (out [total_q, Hq, D], lse [total_q, Hq] fp32)
 # (bik/ops/attention/_layout.py) for a validated problem whose bounds are checked.

@@ -20,8 +20,6 @@ import torch
 from bik.configs import CPU_ATTENTION_SPLIT
 from bik.ops._pointwise import LN2, LOG2E, unary_f32
 
-__all__ = ["attention_cpu_reference", "merge_partial", "reference_keys"]
-
 
 def _exp2(x: torch.Tensor) -> torch.Tensor:
     return unary_f32("exp2", x)

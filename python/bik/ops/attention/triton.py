@@ -33,8 +33,6 @@ from bik.configs import TRITON_ATTENTION_HEAD_DIMS, attention_config
 from bik.ops._pointwise import LOG2E
 from bik.ops.attention._layout import Problem, run_on_gpu, splits_per_program
 
-__all__ = ["attention_kernel", "launch_attention", "run_attention", "use_split_mode"]
-
 
 @triton.jit
 def merge_partial(m, l, acc, m_j, l_j, acc_j):

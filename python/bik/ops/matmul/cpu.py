@@ -8,8 +8,6 @@ from bik.configs import matmul_split
 from bik.ops._checks import require, require_cpu
 from bik.runtime import cpu_ext
 
-__all__ = ["launch_matmul", "matmul_f32"]
-
 
 def matmul_f32(
     a: torch.Tensor,

@@ -25,8 +25,6 @@ from bik.ops.matmul.schedule import use_spread
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_jit import I32, I64, PTR
 
-__all__ = ["KERNELS", "MatmulLaunch", "launch_matmul", "load_flags", "plan_matmul", "use_spread"]
-
 _REDUCE_THREADS = 256
 _INT32_MAX = 2**31 - 1
 

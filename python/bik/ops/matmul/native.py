@@ -22,8 +22,6 @@ import torch
 from bik import configs
 from bik.runtime import native_ext, cpu_ext
 
-__all__ = ["bmm", "matmul", "ready"]
-
 
 @torch.compiler.assume_constant_result  # asked while Dynamo traces a handler: a constant
 def ready() -> bool:

@@ -23,8 +23,6 @@ from bik.ops._define import define
 from bik.ops._registry import documented, launcher, resolve_backend
 from bik.ops.matmul import native
 
-__all__ = ["bmm", "linear", "matmul", "matmul_shard"]
-
 # Every backend module (triton.py, cuda.py, cpu.py) defines the row's entry point
 #   launch_matmul(a [B, M, K], b [B, K, N], bias [N] | None, out [B, M, N], *,
 #                 layer: (N, K) | None = None, split: int | None = None) -> None

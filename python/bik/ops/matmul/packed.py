@@ -19,8 +19,6 @@ from bik.ops._checks import check_float_dtype, check_tensor
 from bik.ops._registry import backend_variant, resolve_backend
 from bik.runtime import cpu_ext
 
-__all__ = ["PackedWeight"]
-
 _OP = "bik.PackedWeight"
 
 

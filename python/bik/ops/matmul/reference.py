@@ -24,8 +24,6 @@ import torch
 
 from bik.configs import MatmulSplit
 
-__all__ = ["matmul_contract_reference", "split_ranges"]
-
 
 def split_ranges(k: int, plan: MatmulSplit) -> list[list[tuple[int, int]]]:
     """[group][split] -> (lo, hi) of the K range it sums; every group holds at least one split

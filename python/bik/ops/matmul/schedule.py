@@ -16,9 +16,6 @@ import torch
 
 from bik.configs import arch_family
 
-__all__ = ["INTERPRETER_PROGRAMS", "SPREAD_MAX_TILES", "persistent_programs", "use_persistent",
-           "use_spread"]
-
 # SPREAD while the output tiles alone would not fill one wave of an H200's 132 SMs.
 SPREAD_MAX_TILES = 132
 

@@ -29,8 +29,6 @@ from bik._arch import device_arch
 from bik.configs import matmul_config, matmul_split
 from bik.ops.matmul.schedule import persistent_programs, use_persistent, use_spread
 
-__all__ = ["launch_matmul", "matmul_fold_kernel", "matmul_kernel", "matmul_tma_kernel"]
-
 
 @triton.jit
 def _split_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, lo, hi, stride_ak, stride_bk,

@@ -24,8 +24,6 @@ import torch
 
 from bik.ops.reductions.checks import norm_dim, norm_dims
 
-__all__ = ["AUTOGRAD", "row_sums"]
-
 
 def row_sums(rows: torch.Tensor, backend: str) -> torch.Tensor:
     """fp32 [M, n] -> [M, 1]: each row's sum in bik::matmul's fixed order."""

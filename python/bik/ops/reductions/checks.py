@@ -9,8 +9,6 @@ import torch
 
 from bik.ops._checks import SUPPORTED_DTYPES, check_float_dtype, check_tensor
 
-__all__ = ["check_x_and_dtype", "mean_shape", "norm_dim", "norm_dims", "unit_stride_rows"]
-
 
 def check_x_and_dtype(op: str, x, dtype) -> torch.dtype:
     check_tensor(op, "x", x)

@@ -7,8 +7,6 @@ import torch
 from bik.ops._checks import require, require_cpu
 from bik.runtime import cpu_ext
 
-__all__ = ["launch_mean", "launch_softmax", "mean_f32", "softmax_f32"]
-
 
 def softmax_f32(x: torch.Tensor, out: torch.Tensor, *, log: bool = False,
                 num_threads: int | None = None) -> None:

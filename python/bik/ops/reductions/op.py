@@ -28,8 +28,6 @@ from bik.ops.reductions.checks import (
     unit_stride_rows,
 )
 
-__all__ = ["log_softmax", "mean", "softmax"]
-
 # Every backend module (triton.py, cpu.py) defines the rows' entry points, for validated rows
 # with unit stride:
 #   launch_softmax(x [M, N], out [M, N], *, log: bool) -> None

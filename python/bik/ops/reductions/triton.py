@@ -26,8 +26,6 @@ import triton.language as tl
 from bik._arch import device_arch
 from bik.configs import reduction_config
 
-__all__ = ["launch_mean", "launch_softmax", "mean_kernel", "softmax_kernel"]
-
 
 @triton.jit
 def softmax_kernel(x_ptr, out_ptr, N, stride_x, stride_out,

@@ -7,8 +7,6 @@ import torch
 from bik.ops._checks import require, require_cpu
 from bik.runtime import cpu_ext
 
-__all__ = ["launch_rms_norm", "rms_norm_f32"]
-
 
 def rms_norm_f32(
     x: torch.Tensor,

@@ -16,8 +16,6 @@ from bik._dtypes import DTYPES, info
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_jit import F32, I64, PTR
 
-__all__ = ["KERNELS", "launch_rms_norm", "threads_per_block", "vector_width"]
-
 _LANES = 16  # the contract's lane count (csrc/cuda/rms_norm.cuh)
 
 # bik_rms_norm[_vec]_<x dtype>_<weight dtype> (csrc/cuda/rms_norm.cu): one parameter list.

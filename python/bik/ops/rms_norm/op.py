@@ -22,8 +22,6 @@ from bik.ops._checks import (
 from bik.ops._define import define
 from bik.ops._registry import TABLE, documented, resolve_backend
 
-__all__ = ["rms_norm"]
-
 # Every backend module (triton.py, cuda.py, cpu.py) defines the row's entry point
 #   launch_rms_norm(x [M, H], weight [H], eps, out [M, H], residual=None, h_out=None) -> None
 # for validated inputs with unit stride along H (weight contiguous); with a residual it also

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm_cpu_reference"]
-
 
 def rms_norm_cpu_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x [M, H] (fp32) normalised per row by the CPU contract, times w [H]."""

@@ -20,8 +20,6 @@ import triton.language as tl
 from bik._arch import device_arch
 from bik.configs import rms_norm_config
 
-__all__ = ["launch_rms_norm", "rms_norm_kernel"]
-
 
 @triton.jit
 def _load_row_chunk(x_ptr, r_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr):

@@ -15,9 +15,6 @@ from bik.ops._checks import require, require_cpu
 from bik.ops.sampling.noise import STREAM_SAMPLE
 from bik.runtime import cpu_ext
 
-__all__ = ["bik_exp", "bik_log", "gumbel_from_unit", "philox4x32_10", "sample_cpu", "sample_rows",
-           "vocab_sum"]
-
 
 def sample_cpu(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
                temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -17,8 +17,6 @@ from bik.ops.sampling.split_vocab import sample_split_vocab
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_jit import F32, I32, I64, PTR
 
-__all__ = ["KERNELS", "SPLIT", "THREADS", "launch_sample", "sample_rows"]
-
 THREADS = 512
 SPLIT = 16384  # vocabulary entries per pick block
 # The kernels' compiled constants (csrc/cuda/sampling.cuh / .cu; a test reads them there).

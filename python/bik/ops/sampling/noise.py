@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FLT_MIN", "GUMBEL_MAX", "GUMBEL_MIN", "STREAM_SAMPLE", "bik_exp_torch",
-           "bik_log_torch", "group_totals_torch", "gumbel_torch", "log_min_p",
-           "philox4x32_10_torch", "seed_int64"]
-
 STREAM_SAMPLE = 0  # Philox counter word 3; other values are reserved for future draws
 
 

@@ -23,9 +23,6 @@ from bik.ops._define import define
 from bik.ops._registry import documented, resolve_backend
 from bik.ops.sampling.noise import bik_log_torch, log_min_p, seed_int64
 
-__all__ = ["SampleOutput", "VerifyOutput", "accept_drafts", "bik_log_torch", "check_row_params",
-           "check_verify", "greedy_limit", "row_params", "sample", "verify_draft", "window_rows"]
-
 # Every backend module (triton.py, cuda.py, cpu.py) defines the row's entry point
 #   sample_rows(x [B, V], seed, position, temperature, top_k, top_p, log_min_p, max_top_k)
 #       -> (tokens int64 [B], logprobs fp32 [B])

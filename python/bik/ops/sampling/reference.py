@@ -27,8 +27,6 @@ import torch
 from bik.ops.sampling.cpu import gumbel_from_unit, philox4x32_10
 from bik.ops.sampling.noise import STREAM_SAMPLE, bik_exp_torch, bik_log_torch
 
-__all__ = ["filtered_probs", "gumbel_max", "logprob", "noise", "top_p_cut", "vocab_sum"]
-
 
 def noise(seed: int, position: torch.Tensor, vocab: int) -> torch.Tensor:
     """fp32 [B, vocab]: the noise g of every token id for one seed and positions [B] (int64)."""

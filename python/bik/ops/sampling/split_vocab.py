@@ -14,8 +14,6 @@ import torch
 
 from bik.ops.sampling.noise import STREAM_SAMPLE
 
-__all__ = ["sample_split_vocab"]
-
 
 def _topk_threshold(x: torch.Tensor, t_safe: torch.Tensor, greedy: torch.Tensor,
                     top_k: torch.Tensor, max_top_k: int | None):

@@ -46,8 +46,6 @@ from bik.ops.sampling.triton_common import (
 from bik.ops.sampling.triton_groups import finish_plain_rows, launch_group_mass, launch_group_max
 from bik.ops.sampling.triton_top_p import launch_top_p_stats
 
-__all__ = ["gumbel_pick_kernel", "launch_sample", "philox4x32_10", "sample_rows", "unit_gumbel"]
-
 INT32_MAX = tl.constexpr(2**31 - 1)
 # The noise's exact extremes over all 2^23 u (fp32): a token with fl(z + G_MAX) < fl(m + G_MIN)
 # scores below the max token whatever the noise, so its noise need not be computed.

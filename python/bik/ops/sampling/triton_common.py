@@ -23,8 +23,6 @@ import triton.language as tl
 
 from bik.configs import sampling_config
 
-__all__ = ["NO_FUSION", "bik_exp", "bik_log", "chunk_sums", "group_mass", "max_and_flag"]
-
 NO_FUSION = {"enable_fp_fusion": False}
 
 

@@ -26,9 +26,6 @@ import triton.language as tl
 from bik.ops.sampling.noise import bik_log_torch
 from bik.ops.sampling.triton_common import group_mass, max_and_flag
 
-__all__ = ["finish_plain_rows", "group_mass_kernel", "group_max_kernel", "launch_group_mass",
-           "launch_group_max"]
-
 
 @triton.jit
 def group_max_kernel(x_ptr, stride_x, GROUP_LEN, temp_ptr, vk_ptr, ik_ptr, gmax_ptr, gbad_ptr,

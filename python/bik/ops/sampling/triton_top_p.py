@@ -51,9 +51,6 @@ from bik.ops.sampling.triton_common import (
     chunk_sums,
 )
 
-__all__ = ["TOP_P_CANDIDATES", "TOP_P_LANES", "TOP_P_PASSES", "launch_top_p_stats",
-           "top_p_pass_kernel"]
-
 TOP_P_LANES = 16  # thresholds probed per pass
 TOP_P_CANDIDATES = 256  # tokens of the bracket a split pass keeps for the candidates pass
 
