@@ -161,21 +161,9 @@ def _describe(group: frozenset[str], cycle: list[str], edges) -> str:
     return " -> ".join([*steps, cycle[-1]]) + f"  [the group: {', '.join(sorted(group))}]"
 
 
-# Cycles that predate the check, each to be broken (then deleted here: the test below fails
-# once one is gone). vllm/attention.py's install() imports attention_cuda.py, which imports
-# attention.py's mixin.
-KNOWN_CYCLES = {frozenset({"bik.integrations.vllm.attention",
-                           "bik.integrations.vllm.attention_cuda"})}
-
-
 def test_no_import_cycles():
-    cycles = [(g, c) for g, c in import_cycles(EDGES) if g not in KNOWN_CYCLES]
+    cycles = list(import_cycles(EDGES))
     assert not cycles, "import cycles:\n" + "\n".join(_describe(g, c, EDGES) for g, c in cycles)
-
-
-def test_known_cycles_are_still_cycles():
-    found = {group for group, _ in import_cycles(EDGES)}
-    assert KNOWN_CYCLES <= found, f"broken, delete from KNOWN_CYCLES: {KNOWN_CYCLES - found}"
 
 
 def test_the_cycle_check_sees_a_cycle_through_lazy_imports():

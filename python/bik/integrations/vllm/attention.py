@@ -3,7 +3,7 @@
 vLLM-CPU's attention kernel splits the keys by load when more than one thread runs it, and
 vLLM's CUDA backends pick their KV split by the batch, so a token's bits follow the batch.
 Each bik backend subclasses one of vLLM's (its metadata builder and its cache tensor) and
-replaces the cache write and the attention call (:class:`BikAttentionMixin`): the backend's
+replaces the cache write and the attention call (:class:`.attention_mixin.BikAttentionMixin`): the backend's
 layer cache is written and read in place by bik.write_kv_cache and bik.attention as bik's
 paged layout (strided views), with vLLM's slot mapping, block table, sequence lengths and host
 maxima as bik's metadata, so neither call reads anything back. What bik does not serve is
@@ -14,84 +14,12 @@ refused when a layer is built or, for what a step asks, when it runs. This modul
 from __future__ import annotations
 
 import torch
-from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-import bik
+from bik.integrations.vllm.attention_mixin import CALLS, BikAttentionMixin
 
 __all__ = ["CALLS", "BikAttentionMixin", "BikCPUAttentionBackend", "BikCPUAttentionImpl",
            "cpu_paged_kv", "install"]
-
-CALLS = [0]  # bik.attention calls from vLLM layers in this process
-
-
-class BikAttentionMixin:
-    """The attention call and the cache write on bik, over a vLLM backend's layer cache.
-    Mixed in ahead of a vLLM AttentionImpl; ``paged_kv`` maps that backend's cache tensor to
-    bik's paged K and V [num_blocks, block_size, Hkv, D] (views, never copies)."""
-
-    paged_kv = None  # staticmethod(kv_cache) -> (k_cache, v_cache), set by each backend
-
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                 kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
-                 kv_sharing_target_layer_name=None, sinks=None):
-        refused = {
-            "ALiBi": alibi_slopes is not None,
-            f"a sliding window ({sliding_window})": sliding_window not in (None, -1),
-            f"a logits soft-cap ({logits_soft_cap})": logits_soft_cap not in (None, 0),
-            "attention sinks": sinks is not None,
-            f"a {kv_cache_dtype} KV cache": kv_cache_dtype not in ("auto", "bfloat16",
-                                                                   "float16", "float32"),
-            f"{attn_type} attention": attn_type != AttentionType.DECODER,
-        }
-        for what, present in refused.items():
-            if present:
-                raise NotImplementedError(f"bik.integrations.vllm: {what} is not served by "
-                                          f"bik.attention; unset BIK_VLLM for this model")
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
-                         sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
-                         kv_sharing_target_layer_name, sinks)
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("bik.integrations.vllm: fused output quantization is not "
-                                      "served")
-        if attn_metadata is None:  # warm-up
-            return output
-        _refuse_metadata(attn_metadata, getattr(self, "dcp_world_size", 1))
-        n = attn_metadata.num_actual_tokens
-        k_cache, v_cache = self.paged_kv(kv_cache)
-        out = bik.attention(
-            query[:n], k_cache, v_cache, cache_seqlens=attn_metadata.seq_lens,
-            cu_seqlens_q=attn_metadata.query_start_loc, block_table=attn_metadata.block_table,
-            scale=self.scale, max_seqlen_q=attn_metadata.max_query_len,
-            max_seqlen_k=attn_metadata.max_seq_len)
-        CALLS[0] += 1
-        output[:n].copy_(out.reshape(output[:n].shape))
-        return output
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        # The keys may be padded past the slot mapping (CUDA graphs); the mapping's length is
-        # the number of real tokens, and a padding slot is -1, which bik skips.
-        n = slot_mapping.shape[0]
-        k_cache, v_cache = self.paged_kv(kv_cache)
-        bik.write_kv_cache(k_cache, v_cache, key[:n], value[:n], slot_mapping, validate=False)
-
-
-def _refuse_metadata(md, dcp_world_size: int) -> None:
-    """What a step's metadata may ask for that bik.attention does not serve."""
-    refused = {
-        "non-causal attention": getattr(md, "dynamic_causal", None) is not None
-        or isinstance(md.causal, torch.Tensor) or not md.causal,
-        "multimodal prefix (bidirectional) attention":
-            getattr(md, "mm_prefix_query_range_tensor", None) is not None,
-        "reference sliding-window attention": getattr(md, "rswa_window", None) is not None,
-        f"decode context parallel size {dcp_world_size}": dcp_world_size > 1,
-    }
-    for what, present in refused.items():
-        if present:
-            raise NotImplementedError(f"bik.integrations.vllm: {what} is not served")
 
 
 def cpu_paged_kv(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
-from bik.integrations.vllm.attention import BikAttentionMixin
+from bik.integrations.vllm.attention_mixin import BikAttentionMixin
 
 __all__ = ["BikFlashAttentionBackend", "BikFlashAttentionImpl", "flash_paged_kv"]
 
