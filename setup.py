@@ -98,5 +98,10 @@ class BuildPyWithCuda(build_py):
             print(f"bik: built CUDA fatbins {sorted(manifest['files'])} for {manifest['archs']}")
 
 
-setup(ext_modules=[cpu_ext],
+# BIK_BUILD_CPU_EXT=0: install without building the extension. The vLLM venv (Makefile) uses the
+# one `make venv` built in place (python/bik, same Python ABI): its editable install would
+# otherwise rebuild it into the same path while the main venv's tests have it loaded.
+_BUILD_CPU_EXT = os.environ.get("BIK_BUILD_CPU_EXT", "1") != "0"
+
+setup(ext_modules=[cpu_ext] if _BUILD_CPU_EXT else [],
       cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithCuda})

@@ -216,10 +216,10 @@ QUICK = (
 )
 
 # Tests sharing a module-scoped fixture too costly to build twice go to one xdist worker
-# (--dist loadgroup; not applied with pytest 9.2 + pytest-xdist 3.8.0, which sets item._nodeid
-# that pytest 9.2 no longer reads: pytest-dev/pytest-xdist#1386; the build caches cover it): Triton's compiles of one arch (test_sampling_kernel_code compiles the
-# sampler kernels compile_all compiles, and meets them in Triton's cache), the NVRTC + nvcc
-# fixture of test_cuda_compile, and the vLLM engine of test_vllm_plugin's bik_fp32 fixture.
+# (--dist loadgroup, scheduled by pytest_xdist_make_scheduler below): Triton's compiles of one
+# arch (test_sampling_kernel_code compiles the sampler kernels compile_all compiles, and meets
+# them in Triton's cache), the NVRTC + nvcc fixture of test_cuda_compile, and the vLLM engine
+# of test_vllm_plugin's bik_fp32 fixture.
 GROUPS = {
     "tests/test_triton_compile.py::*[sm90]": "triton-sm90",
     "tests/test_triton_compile.py::*[sm80]": "triton-sm80",
@@ -235,6 +235,35 @@ GROUPS = {
     "tests/vllm_plugin/test_vllm_plugin.py::test_plugin_chunked_prefill_equals_one_prefill":
         "vllm-fp32",
 }
+
+
+def _group(nodeid: str) -> str | None:
+    return next((g for p, g in GROUPS.items() if _matches(nodeid, (p,))), None)
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not loaded
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup with each test's group looked up in GROUPS by the controller.
+
+    pytest-xdist 3.8's loadgroup learns a test's group from a ``@group`` suffix its workers
+    write into ``item._nodeid``, which pytest 9.2 no longer reads (pytest-dev/pytest-xdist#1386):
+    every group was ignored, and each worker built the fixtures the groups exist to share (the
+    Triton compiles of an arch twice: ~190 s of the plain process's worker time). Here the
+    controller's scheduler, xdist's own LoadScopeScheduling, takes the group from the node id
+    (a ``@group`` suffix where xdist still writes one); an ungrouped test is its own unit, as
+    in loadgroup."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):
+                return nodeid.rsplit("@", 1)[1]
+            return _group(nodeid) or nodeid
+
+    return GroupScheduling(config, log)
+
 
 
 @functools.cache
@@ -277,9 +306,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if _matches(item.nodeid, QUICK):
             item.add_marker(pytest.mark.quick)
-        for pattern, group in GROUPS.items():
-            if _matches(item.nodeid, (pattern,)):
-                item.add_marker(pytest.mark.xdist_group(group))
+        group = _group(item.nodeid)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     _check_tables(config, items)
 
 

@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from bik._arch import interpreter_active
 from bik.runtime import cpu_ext
-from conftest import INTERPRETER
 
 __all__ = ["CPU", "GPU_CUDA", "GPU_TRITON", "TRITON_INTERPRETER", "Target", "targets"]
 
@@ -28,7 +28,7 @@ class Target(NamedTuple):
 
 
 _NO_EXT = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
-_NEEDS_INTERPRETER = pytest.mark.skipif(not INTERPRETER,
+_NEEDS_INTERPRETER = pytest.mark.skipif(not interpreter_active(),
                                         reason="needs TRITON_INTERPRET=1 (own process)")
 _NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

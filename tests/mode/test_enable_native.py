@@ -89,6 +89,78 @@ def test_native_kernels_give_the_python_kernels_bits(name, dtype, layout, gen):
     assert same_bits(native, python)
 
 
+PUBLIC = {
+    "bik.matmul": lambda a, b, bias: bik.matmul(a, b, bias),
+    "bik.linear 3-D input": lambda a, b, bias: bik.linear(a.unsqueeze(0).expand(2, -1, -1), b.t()),
+    "bik.bmm": lambda a, b, bias: bik.bmm(a.expand(3, -1, -1), b.unsqueeze(0).expand(3, -1, -1)),
+}
+
+
+def _python_launchers_refuse(monkeypatch):
+    """The CPU backend's Python launchers raise: a call that reaches one did not go native."""
+    from bik.ops.matmul import cpu
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Python launcher ran")
+
+    monkeypatch.setattr(cpu, "launch_matmul", refuse)  # bik::matmul's and bik::bmm's entry
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(PUBLIC))
+def test_loaded_kernels_serve_the_public_functions_direct_route(name, dtype, gen, monkeypatch):
+    """Once the C++ kernels are loaded (bik.enable() loads them), bik.matmul / linear / bmm's
+    direct route runs them after the op's check instead of the Python launcher: the same bits,
+    with BIK_ENABLE_NATIVE=0 the Python launcher again (the spy shows each route ran)."""
+    from bik.ops.matmul import native
+
+    assert native.ready()  # loads them
+    a, b = _operands(gen, dtype, "b = w.t()")
+    bias = torch.randn(b.shape[1], generator=gen).to(dtype)
+    with torch.no_grad():
+        monkeypatch.setenv("BIK_ENABLE_NATIVE", "0")
+        python = PUBLIC[name](a, b, bias)
+        monkeypatch.setenv("BIK_ENABLE_NATIVE", "1")
+        with monkeypatch.context() as patched:
+            _python_launchers_refuse(patched)
+            got = PUBLIC[name](a, b, bias)
+            patched.setenv("BIK_ENABLE_NATIVE", "0")
+            with pytest.raises(AssertionError, match="Python launcher ran"):
+                PUBLIC[name](a, b, bias)
+    assert same_bits(got, python)
+    with pytest.raises(ValueError, match="bik.matmul"):  # the op's own check ran first
+        bik.matmul(a, b[:-1])
+
+
+@needs_native
+def test_the_direct_route_leaves_the_loaded_kernels_when_they_would_differ(gen, monkeypatch):
+    """The kernels keep the split rule they loaded with: under another rule, and with the CPU
+    extension masked, a direct call goes to the Python launcher (the rule's bits; the build
+    hint), as the spy shows."""
+    from bik.ops.matmul import native
+    from bik.runtime import cpu_ext
+
+    assert native.ready()
+    a, b = torch.randn(3, 3000, generator=gen), torch.randn(3000, 5, generator=gen)
+    with torch.no_grad():
+        loaded = bik.matmul(a, b)
+        monkeypatch.setenv("BIK_MATMUL_SPLIT", "none")
+        with monkeypatch.context() as patched:
+            _python_launchers_refuse(patched)
+            with pytest.raises(AssertionError, match="Python launcher ran"):
+                bik.matmul(a, b)
+        unsplit = bik.matmul(a, b)
+        monkeypatch.delenv("BIK_MATMUL_SPLIT")
+        assert same_bits(bik.matmul(a, b), loaded)
+        with monkeypatch.context() as masked:
+            masked.setattr(cpu_ext, "_ext", None)
+            masked.setattr(cpu_ext, "_IMPORT_ERROR", "ImportError: masked by the test")
+            with pytest.raises(RuntimeError, match="not built"):
+                bik.matmul(a, b)
+    assert not same_bits(unsplit, loaded)  # K = 3000: two splits vs one, other bits
+
+
 @needs_native
 def test_native_counts_join_mode_stats_and_reset_with_them(gen):
     a, b = torch.randn(2, 8, generator=gen), torch.randn(8, 4, generator=gen)

@@ -31,6 +31,7 @@ def ready() -> bool:
 
 
 _lock = threading.Lock()  # enable() and a compile trace in another thread may both ask first
+_loaded_rule = None  # the matmul split rule _load() handed the kernels, once they loaded
 
 
 @functools.cache
@@ -42,9 +43,12 @@ def _load() -> bool:
             if not native_ext.load():
                 raise RuntimeError(native_ext.unavailable_reason())
             entries = cpu_ext.require().c_entry_points()  # absent from an older build
+            rule = configs.matmul_split_rule()
             torch.ops.bik_native.set_cpu_kernels(entries["matmul_f32"], entries["abi_version"],
-                                               list(configs.matmul_split_rule()))
+                                               list(rule))
             _register_fakes()
+            global _loaded_rule
+            _loaded_rule = rule
         except Exception as exc:  # noqa: BLE001 - any failure keeps the Python kernels
             warnings.warn(f"bik: its C++ dispatcher kernels for mm / addmm / bmm are "
                           f"unavailable ({exc}); Python kernels serve them (about 15 µs a "
@@ -65,11 +69,22 @@ def _register_fakes() -> None:
         return torch.ops.bik.bmm(a, b, out_dtype, "cpu")
 
 
-def matmul():
-    """``bik_native::matmul`` (bik::matmul's arguments without the backend) when ready."""
-    return torch.ops.bik_native.matmul if ready() else None
+def _loaded() -> bool:
+    """ready(), but False where nothing in this process has loaded the kernels yet (an eager
+    call must not start a build, about 15 s), and where the kernels would not give the Python
+    launcher's bits or errors: they keep the split rule they loaded with (``BIK_MATMUL_SPLIT``
+    may change it since) and the extension's entry point (which a caller may have unloaded;
+    then the launcher raises the build hint)."""
+    return (_loaded_rule is not None and os.environ.get("BIK_ENABLE_NATIVE", "1") != "0"
+            and cpu_ext.available() and _loaded_rule == configs.matmul_split_rule())
 
 
-def bmm():
-    """``bik_native::bmm`` when ready."""
-    return torch.ops.bik_native.bmm if ready() else None
+def matmul(*, loaded_only: bool = False):
+    """``bik_native::matmul`` (bik::matmul's arguments without the backend) when ready
+    (``loaded_only``: and already loaded)."""
+    return torch.ops.bik_native.matmul if (_loaded() if loaded_only else ready()) else None
+
+
+def bmm(*, loaded_only: bool = False):
+    """``bik_native::bmm`` when ready (``loaded_only``: and already loaded)."""
+    return torch.ops.bik_native.bmm if (_loaded() if loaded_only else ready()) else None
