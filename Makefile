@@ -70,7 +70,9 @@ test: $(STAMP) $(CHECKPOINT)
 	$(PLAIN) -m "not interpreter" tests
 	$(INTERP) -m interpreter tests
 
-# Everything a CPU machine runs: both processes, then the vLLM plugin's venv and tests.
+# Everything a CPU machine runs, with the sweeps CI sizes down at full size (BIK_TEST_FULL=1,
+# tests/checks.py): both processes, then the vLLM plugin's venv and tests.
+test-all: export BIK_TEST_FULL = 1
 test-all: test test-vllm
 
 # The developer loop: both processes without the slow tests (tests/conftest.py's SLOW).
@@ -104,10 +106,10 @@ $(VLLM_STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*) $(wildcard csrc/na
 	$(VLLM_VENV)/bin/python $(BUILD_NATIVE)
 	touch $(VLLM_STAMP)
 
-# bik's vLLM plugin end to end on the real checkpoint (converted by the main venv). One worker
-# unless VLLM_XDIST is set (e.g. VLLM_XDIST="$(XDIST)"): two vLLM engines at once on the CI
-# machine are not measured yet; tests/conftest.py's GROUPS keep the fp32 engine's tests together.
-VLLM_XDIST ?=
+# bik's vLLM plugin end to end on the real checkpoint (converted by the main venv), on JOBS
+# workers: each engine runs in its own process; tests/conftest.py's GROUPS keep the fp32
+# engine's tests together. Measured on the 2-core machine: 151 s on two workers, 315 s on one.
+VLLM_XDIST ?= $(XDIST)
 test-vllm: $(VLLM_STAMP) $(CHECKPOINT)
 	$(VLLM_VENV)/bin/python -m pytest -q $(VLLM_XDIST) tests/vllm_plugin
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-__all__ = ["ACCURACY_FLOOR", "ACCURACY_RATIO", "DTYPES", "EVERY_M", "GPU_M_MAX", "accuracy_bound",
+__all__ = ["ACCURACY_FLOOR", "ACCURACY_RATIO", "DTYPES", "EVERY_M", "FULL", "GPU_M_MAX",
+           "accuracy_bound",
            "alone_rows", "assert_invariant", "check_grads_against_stock", "first_bad_m",
            "grad_rows", "grads_of", "max_err", "randn", "sequential_row_sum"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# BIK_TEST_FULL=1 (`make test-all`): a sweep sized for CI runs at its full size. A sized-down
+# sweep keeps every claim in CI (each case it drops repeats one it keeps, at another size).
+FULL = os.environ.get("BIK_TEST_FULL", "") == "1"
 
 # Accuracy against fp64: bik's max error may be at most RATIO x the error of an independent
 # implementation in the same dtype (torch on the CPU) plus FLOOR x eps(dtype) x scale. The

@@ -75,7 +75,8 @@ def test_bench_boundary(tmp_path):
     recs = json.loads(out.read_text())["records"]
     calls = {r["call"]: r for r in recs}
     assert recs[0]["call"] == "raw kernel call (extension)" and recs[0]["ratio"] == 1.0
-    assert {"torch.mm under bik.enabled()", "x + x under batch_invariant_mode()"} <= set(calls)
+    assert {"torch.mm under bik.enabled()", "x + x under batch_invariant_mode()", "bik.linear",
+            "F.linear under bik.enabled()", "bik.linear, C++ kernels loaded"} <= set(calls)
     assert all(r["p20"] <= r["p50"] <= r["p80"] for r in recs)
 
 

@@ -11,6 +11,7 @@ within 2 x the raw kernel call) is shown as the ratio column.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
@@ -56,12 +57,17 @@ def bench_boundary(device, dtype, backend, budget_s: float = 0.3) -> list[dict]:
     calls |= {
         "torch.ops.bik.matmul": lambda: torch.ops.bik.matmul(a, b, None, None, backend),
         "bik.matmul": lambda: bik.matmul(a, b, backend=backend),
+        "bik.linear": lambda: bik.linear(a, b, backend=backend),
         "torch.mm (stock)": lambda: torch.mm(a, b),
+        "F.linear (stock)": lambda: F.linear(a, b),
     }
     fronts = {"bik.enabled()": bik.enabled, "batch_invariant_mode()": bik.batch_invariant_mode}
+    # Once bik.enabled() has loaded the C++ dispatcher kernels, the CPU direct route runs them.
+    loaded = {"bik.matmul, C++ kernels loaded": calls["bik.matmul"],
+              "bik.linear, C++ kernels loaded": calls["bik.linear"]} if backend == "cpu" else {}
     records = []
-    with torch.no_grad(), progress("bik bench boundary", len(calls) + 1 + 2 * len(fronts)) \
-            as advance:
+    steps = len(calls) + 1 + 3 * len(fronts) + len(loaded)
+    with torch.no_grad(), progress("bik bench boundary", steps) as advance:
         def timed(name, fn):
             records.append({"call": name, **_per_call_us(fn, device, budget_s)})
             advance()
@@ -72,7 +78,10 @@ def bench_boundary(device, dtype, backend, budget_s: float = 0.3) -> list[dict]:
         for front, ctx in fronts.items():
             with ctx():
                 timed(f"torch.mm under {front}", lambda: torch.mm(a, b))
+                timed(f"F.linear under {front}", lambda: F.linear(a, b))
                 timed(f"x + x under {front}", lambda: a + a)
+        for name, fn in loaded.items():
+            timed(name, fn)
     floor = records[0]["p50"]
     for r in records:
         r.update(op="boundary", ratio=r["p50"] / floor, noisy=r["p80"] > NOISY * r["p20"],
