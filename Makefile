@@ -33,8 +33,9 @@ JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 XDIST ?= -n $(JOBS) --dist loadgroup
 # The two processes (TRITON_INTERPRET is process-wide and must be set before triton kernels
 # load); the selections add to their -m.
-PLAIN := BIK_REQUIRE_CHECKPOINT=1 $(PY) -m pytest -q $(XDIST)
-INTERP := TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST)
+# --durations: the CI log names the slowest tests (docs/testing.md's stage table).
+PLAIN := BIK_REQUIRE_CHECKPOINT=1 $(PY) -m pytest -q $(XDIST) --durations=15
+INTERP := TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) --durations=15
 
 .PHONY: venv venv-vllm checkpoint demo test test-all test-fast test-quick test-interpreter \
 	test-compile test-vllm bench check clean

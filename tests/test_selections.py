@@ -3,7 +3,8 @@ one unit of work (so one worker builds their shared fixture), every other test i
 
 from __future__ import annotations
 
-import conftest
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("xdist")
@@ -19,14 +20,20 @@ class _Config:
         return self._values[name]
 
 
-def _make(dist: str):
-    return conftest.pytest_xdist_make_scheduler(_Config(dist), None)
+@pytest.fixture
+def make(pytestconfig):
+    """tests/conftest.py's hook, from the plugin pytest loaded (``import conftest`` may give
+    another directory's conftest.py: they share the module name)."""
+    path = str(Path(__file__).with_name("conftest.py"))
+    (root,) = [p for p in pytestconfig.pluginmanager.get_plugins()
+               if getattr(p, "__file__", None) == path]
+    return lambda dist: root.pytest_xdist_make_scheduler(_Config(dist), None)
 
 
-def test_group_members_share_a_unit_and_others_stand_alone():
+def test_group_members_share_a_unit_and_others_stand_alone(make):
     from xdist.scheduler import LoadScopeScheduling
 
-    sched = _make("loadgroup")
+    sched = make("loadgroup")
     assert isinstance(sched, LoadScopeScheduling)
     sm90 = ["tests/test_triton_compile.py::test_no_spills[sm90]",
             "tests/sampling/test_sampling_kernel_code.py::test_x[gumbel_pick_kernel-90]"]
@@ -39,5 +46,5 @@ def test_group_members_share_a_unit_and_others_stand_alone():
     assert sched._split_scope(alone + "@mine") == "mine"
 
 
-def test_other_dist_modes_keep_xdists_scheduler():
-    assert _make("load") is None
+def test_other_dist_modes_keep_xdists_scheduler(make):
+    assert make("load") is None

@@ -28,7 +28,9 @@ from bik.ops._registry import TABLE, documented, resolve_backend
 # writes h_out = x + residual rounded to x's dtype, and normalises h_out.
 
 
-def _check_norm(op: str, x, weight, eps, residual=None) -> None:
+def _check_norm(op: str, x, weight, eps, residual=None):
+    """bik::rms_norm's check (its arguments back, as they are); with ``residual``, the part
+    of bik::fused_add_rms_norm's check they share."""
     check_tensor(op, "x", x, 2)
     check_tensor(op, "weight", weight, 1)
     check_float_dtype(op, "x", x)
@@ -46,15 +48,11 @@ def _check_norm(op: str, x, weight, eps, residual=None) -> None:
             raise TypeError(f"{op}: residual ({residual.dtype}) must have x's dtype ({x.dtype})")
     check_eps(op, eps)
     check_same_device(op, x=x, weight=weight, residual=residual)
+    return x, weight, eps
 
 
 def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
-
-
-def _check_rms_norm(op, x, weight, eps):
-    _check_norm(op, x, weight, eps)
-    return x, weight, eps
 
 
 def _run_rms_norm(launch, x, weight, eps):
@@ -99,8 +97,10 @@ def _mean_backend(backend: str) -> str:
     return backend if backend in TABLE["mean"].backends else "triton"
 
 
-def _rms_norm_grads(x, weight, eps, backend, grad, need_x, need_w):
-    x32, g32, w32 = x.float(), grad.float(), weight.float()
+def _rms_norm_grads(ctx, h, weight, grad, need_x, need_w):
+    """grad_x and grad_w of out = rms_norm(h) (the formula above), eps and backend from ctx."""
+    eps, backend = ctx.eps, ctx.backend
+    x32, g32, w32 = h.float(), grad.float(), weight.float()
     mean_backend = _mean_backend(backend)
     mean = torch.ops.bik.mean
     rstd = 1.0 / torch.sqrt(mean(x32 * x32, [1], True, torch.float32, mean_backend) + eps)
@@ -128,7 +128,7 @@ def _rms_norm_setup(ctx, inputs, output):
 def _rms_norm_backward(ctx, grad):
     x, weight = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[:2]
-    grad_x, grad_w = _rms_norm_grads(x, weight, ctx.eps, ctx.backend, grad, need_x, need_w)
+    grad_x, grad_w = _rms_norm_grads(ctx, x, weight, grad, need_x, need_w)
     return None if grad_x is None else grad_x.to(x.dtype), grad_w, None, None
 
 
@@ -141,8 +141,7 @@ def _fused_setup(ctx, inputs, output):
 def _fused_backward(ctx, grad_out, grad_h):
     h, weight = ctx.saved_tensors
     need_x, need_r, need_w = ctx.needs_input_grad[:3]
-    grad_hn, grad_w = _rms_norm_grads(h, weight, ctx.eps, ctx.backend, grad_out,
-                                      need_x or need_r, need_w)
+    grad_hn, grad_w = _rms_norm_grads(ctx, h, weight, grad_out, need_x or need_r, need_w)
     grad_x = grad_r = None
     if need_x or need_r:
         # h's rounding is taken as the identity: d h / d x = d h / d residual = 1.
@@ -154,7 +153,7 @@ def _fused_backward(ctx, grad_out, grad_h):
 
 
 define("rms_norm", "(Tensor x, Tensor weight, float eps, str backend) -> Tensor",
-       check=_check_rms_norm, run=_run_rms_norm, fake=_fake_rms_norm,
+       check=_check_norm, run=_run_rms_norm, fake=_fake_rms_norm,
        autograd=(_rms_norm_backward, _rms_norm_setup))
 define("fused_add_rms_norm",
        "(Tensor x, Tensor residual, Tensor weight, float eps, str backend) -> (Tensor, Tensor)",
