@@ -73,6 +73,39 @@ def test_an_edited_input_is_a_miss(root, tmp_path):
     assert build_cache.digest("cmd", before) != build_cache.digest("cmd", "other")
 
 
+def test_a_key_names_what_is_built_not_where_the_clone_lives(tmp_path, monkeypatch):
+    """Two clones of the same sources, each its own REPO: the same keys (nvcc's -I and the
+    inputs named by path), while an edited input in one of them is a miss."""
+    keys = []
+    for clone in ("a", "b"):
+        src = tmp_path / clone / "csrc"
+        src.mkdir(parents=True)
+        (src / "k.cu").write_text("one")
+        monkeypatch.setattr(build_cache, "REPO", tmp_path / clone)
+        keys.append(build_cache.digest("nvcc", ["-I", str(src), str(src / "k.cu")],
+                                       build_cache.files_digest([src])))
+    assert keys[0] == keys[1]
+    (src / "k.cu").write_text("two")
+    assert build_cache.digest("nvcc", ["-I", str(src), str(src / "k.cu")],
+                              build_cache.files_digest([src])) != keys[1]
+    assert build_cache.digest("ptx", f".file 1 \"{sys.prefix}/x.py\"") == \
+        build_cache.digest("ptx", '.file 1 "<venv>/x.py"')
+
+
+def test_ptxas_reports_are_keyed_by_code_not_by_debug_paths():
+    """Triton's PTX names its source by absolute path (.file and the DWARF bytes): two clones'
+    PTX of one kernel share a ptxas report; another instruction does not."""
+    from triton_compile import _code_of
+
+    def ptx(path: str, op: str) -> str:
+        dwarf = " ".join(f".b8 {b}" for b in path.encode())
+        return (f'.target sm_90a\n\t.file\t1 "{path}"\n\t.loc\t1 3 0\n\t{op} %r1, %r2, %r3;\n'
+                f".section\t.debug_info\n{{\n.b32 {len(path)}\n{dwarf}\n}}\n")
+
+    assert _code_of(ptx("/tmp/a/k.py", "add.s32")) == _code_of(ptx("/work/bb/k.py", "add.s32"))
+    assert _code_of(ptx("/tmp/a/k.py", "add.s32")) != _code_of(ptx("/tmp/a/k.py", "sub.s32"))
+
+
 def test_a_failed_build_stores_nothing(root):
     def fail(out: Path) -> None:
         out.write_text("half")

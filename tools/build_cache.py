@@ -23,14 +23,15 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-__all__ = ["cache_root", "cached_bytes", "cached_file", "digest", "enabled", "files_digest",
-           "locked", "tool_version"]
+__all__ = ["REPO", "cache_root", "cached_bytes", "cached_file", "digest", "enabled",
+           "files_digest", "locked", "portable", "tool_version"]
 
 
 @cache
@@ -55,13 +56,39 @@ def cache_root() -> Path:
     return Path(os.environ.get("BIK_CACHE_DIR") or Path.home() / ".cache" / "bik") / "build"
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+@cache
+def _venv_packages() -> tuple:
+    """The versions of the packages whose files a key may name by their place in the venv."""
+    from importlib import metadata
+
+    return tuple(sorted((dist.metadata["Name"] or "", dist.version)
+                        for dist in metadata.distributions()
+                        if (dist.metadata["Name"] or "").lower().startswith(("nvidia-", "triton"))))
+
+
+def portable(text: str) -> str:
+    """``text`` with this checkout's and this venv's locations as placeholders. A key names what
+    is built, not where the clone lives: input files are hashed by content and the venv's
+    packages by version, so a fresh clone meets the entries an earlier one built (Triton's PTX
+    names its source files by absolute path; nvcc's command lines name the include dirs)."""
+    return text.replace(sys.prefix, "<venv>").replace(str(REPO), "<repo>")  # .venv in REPO
+
+
 def digest(*parts) -> str:
-    """A short hex hash of ``parts`` (their ``repr``)."""
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+    """A short hex hash of ``parts`` (their ``repr``, :func:`portable`; with the venv's package
+    versions where it names a file inside the venv)."""
+    text = portable(repr(parts))
+    if "<venv>" in text:
+        text += repr(_venv_packages())
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def files_digest(paths: Iterable[Path]) -> str:
-    """Hash of the names and bytes of ``paths`` (directories: every file below them)."""
+    """Hash of the names (:func:`portable`) and bytes of ``paths`` (directories: every file below
+    them)."""
     h = hashlib.sha256()
     files = []
     for p in map(Path, paths):
@@ -69,7 +96,7 @@ def files_digest(paths: Iterable[Path]) -> str:
     for f in files:
         if "__pycache__" in f.parts:
             continue
-        h.update(str(f).encode() + b"\0" + f.read_bytes() + b"\0")
+        h.update(portable(str(f)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:24]
 
 

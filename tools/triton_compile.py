@@ -14,7 +14,6 @@ build_cache.py; Triton caches its own compiles).
 
 from __future__ import annotations
 
-import hashlib
 import re
 import subprocess
 import tempfile
@@ -148,8 +147,7 @@ def _ptxas_spills(ptx: str) -> tuple[int, int]:
                                  check=True)
         return (res.stdout + res.stderr).encode()
 
-    key = build_cache.digest("ptxas-v", target, build_cache.tool_version(ptxas),
-                             hashlib.sha256(ptx.encode()).hexdigest())
+    key = build_cache.digest("ptxas-v", target, build_cache.tool_version(ptxas), _code_of(ptx))
     text = build_cache.cached_bytes("ptxas.txt", key, report).decode()
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     return int(spills.group(1)), int(spills.group(2))
@@ -176,6 +174,14 @@ def compile_kernel(kernel, args: dict, constexprs: dict, *, arch: int, num_warps
                          SHARED_LIMIT[arch], regs, stack, local, spill_st, spill_ld,
                          mma_instructions(compiled.asm["ptx"]),
                          "cp.async.bulk.tensor" in compiled.asm["ptx"])
+
+
+def _code_of(ptx: str) -> str:
+    """The PTX without its debug information (``.file`` / ``.loc`` and the DWARF sections, which
+    spell out the kernel's source by absolute path, so two clones' PTX differ there): what
+    ptxas's register and spill report depends on, and so the part its cache key hashes."""
+    ptx = re.sub(r"^\s*\.section\s+\.debug\w*\s*\{.*?^\s*\}", "", ptx, flags=re.M | re.S)
+    return re.sub(r"^\s*\.(?:file|loc)\b.*$", "", ptx, flags=re.M)
 
 
 def mma_instructions(ptx: str) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -185,6 +186,14 @@ def test_cache_key_follows_sources_arch_and_options(monkeypatch):
     assert k != cuda_jit._cache_key("rms_norm", "sm_90a", ("BIK_X=1",))
     monkeypatch.setattr(cuda_jit, "_sources_hash", lambda: "changed")
     assert k != cuda_jit._cache_key("rms_norm", "sm_90a", ())
+
+
+def test_cache_key_names_no_location():
+    """Another clone or venv with the same sources and packages meets the same entries: the
+    key holds the headers' place inside the venv and the nvidia-* versions, not sys.prefix."""
+    dirs, versions = cuda_jit._toolkit_identity()
+    assert sys.prefix not in repr(dirs)
+    assert any(name.lower().startswith("nvidia-cuda-nvrtc") for name, _ in versions), versions
 
 
 def test_disk_cache_roundtrip(tmp_path, monkeypatch):

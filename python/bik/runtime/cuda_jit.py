@@ -33,6 +33,7 @@ import functools
 import hashlib
 import io
 import os
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -309,9 +310,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BIK_CUDA_CACHE") or Path.home() / ".cache" / "bik" / "cuda")
 
 
+@functools.cache
+def _toolkit_identity() -> tuple:
+    """The toolkit headers as the cache key sees them: where they sit inside this environment
+    and the versions of the nvidia-* packages that ship them, not where the environment lives
+    (a fresh venv with the same packages meets the cubins an earlier one compiled)."""
+    from importlib import metadata
+
+    dirs = tuple(d.replace(sys.prefix, "<venv>") for d in _toolkit_include_dirs())
+    versions = sorted((dist.metadata["Name"] or "", dist.version)
+                      for dist in metadata.distributions()
+                      if (dist.metadata["Name"] or "").lower().startswith("nvidia-"))
+    return dirs, tuple(versions)
+
+
 def _cache_key(name: str, arch: str, options) -> str:
     payload = repr((_JIT_FORMAT, _sources_hash(), name, arch, tuple(options), nvrtc_version(),
-                    _toolkit_include_dirs()))
+                    _toolkit_identity()))
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
