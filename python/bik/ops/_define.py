@@ -15,6 +15,8 @@ An op's ``op.py`` declares, next to its row in ``ops/_registry.TABLE``::
   backend's entry point (the row's ``entry``); a ``run`` with a keyword-only ``backend``
   parameter also gets the backend's name (an op built from other bik ops passes it on).
 * ``fake(*args)`` returns outputs of the right shapes and dtypes (torch.compile, opcheck).
+  Optional: without it the fake is ``run`` with a launch that does nothing, which is exact for
+  an op whose ``run`` only allocates its outputs and launches (reads no tensor data).
 
 From these, ``define`` registers the op's CPU/CUDA implementation (check, then run on the
 backend the call names), its fake implementation (check, then fake), its autograd formula or
@@ -42,7 +44,7 @@ class Declared:
     label: str  # the public function the messages name
     check: Callable  # (label, *args) -> args normalised
     run: Callable  # (launch, *args) -> outputs
-    fake: Callable  # (*args) -> outputs with shapes only
+    fake: Callable | None  # (*args) -> outputs with shapes only; None: run, launching nothing
     native: Callable | None  # () -> the C++ dispatcher op for compiled CPU graphs, or None
     arguments: tuple[str, ...]  # the schema's argument names
     backend_at: int | None  # position of ``str backend`` among them (None: no backend)
@@ -78,7 +80,11 @@ def _trailing_defaults(arguments) -> tuple:
     return tuple(reversed(defaults))
 
 
-def define(op: str, schema: str, *, check: Callable, run: Callable, fake: Callable,
+def _no_launch(*args, **kwargs) -> None:
+    """The launch a derived fake passes to ``run``: the outputs it allocated stay as they are."""
+
+
+def define(op: str, schema: str, *, check: Callable, run: Callable, fake: Callable | None = None,
            label: str | None = None, fake_check: Callable | None = None,
            autograd: tuple[Callable, Callable] | None = None,
            native: Callable | None = None) -> Declared:
@@ -117,7 +123,12 @@ def define(op: str, schema: str, *, check: Callable, run: Callable, fake: Callab
         return decl.run_on(implementation(op, backend, device, label=label), backend, body)
 
     def fake_impl(*args):
-        return fake(*shape_check(label, *decl.without_backend(decl.complete(args))))
+        args = decl.complete(args)
+        body = shape_check(label, *decl.without_backend(args))
+        if fake is not None:
+            return fake(*body)
+        backend = None if decl.backend_at is None else args[decl.backend_at]
+        return decl.run_on(_no_launch, backend, body)
 
     torch.library.impl(f"bik::{op}", ("cpu", "cuda"), impl)
     torch.library.register_fake(f"bik::{op}", fake_impl)

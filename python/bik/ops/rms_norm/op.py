@@ -62,10 +62,6 @@ def _run_rms_norm(launch, x, weight, eps):
     return out
 
 
-def _fake_rms_norm(x, weight, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
 def _check_fused(op, x, residual, weight, eps):
     _check_norm(op, x, weight, eps, residual)
     return x, residual, weight, eps
@@ -77,11 +73,6 @@ def _run_fused(launch, x, residual, weight, eps):
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     launch(x, weight.contiguous(), float(eps), out, residual=residual, h_out=h)
     return out, h
-
-
-def _fake_fused(x, residual, weight, eps):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 # ---- backward (docs/design.md#backward): fp32, built only from bik ops and correctly rounded
@@ -153,11 +144,11 @@ def _fused_backward(ctx, grad_out, grad_h):
 
 
 define("rms_norm", "(Tensor x, Tensor weight, float eps, str backend) -> Tensor",
-       check=_check_norm, run=_run_rms_norm, fake=_fake_rms_norm,
+       check=_check_norm, run=_run_rms_norm,
        autograd=(_rms_norm_backward, _rms_norm_setup))
 define("fused_add_rms_norm",
        "(Tensor x, Tensor residual, Tensor weight, float eps, str backend) -> (Tensor, Tensor)",
-       label="bik.rms_norm", check=_check_fused, run=_run_fused, fake=_fake_fused,
+       label="bik.rms_norm", check=_check_fused, run=_run_fused,
        autograd=(_fused_backward, _fused_setup))
 
 
