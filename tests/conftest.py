@@ -265,7 +265,6 @@ def pytest_xdist_make_scheduler(config, log):
     return GroupScheduling(config, log)
 
 
-
 @functools.cache
 def _regex(pattern: str) -> re.Pattern:
     return re.compile(".*".join(map(re.escape, pattern.split("*"))))
