@@ -224,6 +224,25 @@ def test_native_route_is_batch_invariant_where_stock_and_a_split_by_m_reference_
 
 
 @needs_native
+def test_direct_route_on_loaded_kernels_is_batch_invariant_where_controls_fail(gen, monkeypatch):
+    """bik.linear's direct route once the kernels are loaded (the Python launcher refused, so
+    every call below ran the C++ kernel): rows alone = rows batched, with the stock product and
+    a split-by-M reference failing the same check here."""
+    from bik.ops.matmul import native
+
+    assert native.ready()
+    w = torch.randn(192, 256, generator=gen)
+    pool = torch.randn(16, 256, generator=gen)
+    check = lambda f: rows_alone_vs_batched(f, pool, (1, 4, 16))
+    with torch.no_grad():
+        assert not check(lambda x: F.linear(x, w)).ok  # stock, measured here
+        assert not check(lambda x: split_by_m_matmul(x, w.t())).ok
+        _python_launchers_refuse(monkeypatch)
+        report = check(lambda x: bik.linear(x, w))
+    assert report.ok, report.summary()
+
+
+@needs_native
 def test_disable_restores_the_dispatch_tables_exactly():
     names = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mm.out")
     before = {n: torch._C._dispatch_dump_table(n) for n in names}
