@@ -157,7 +157,7 @@ SLOW = (
     "tests/cuda/test_cuda_compile.py::test_rms_norm_vector_instance_moves_16_bytes*",
     "tests/cuda/test_cuda_compile.py::test_disk_cache_roundtrip",
     "tests/cuda/test_cuda_sm90_host.py::test_sm90a_build_uses_hgmma_and_sm80_build_traps",
-    "tests/distributed/*",  # gloo worlds of 1-4 spawned processes, 2-6 s each
+    "tests/distributed/*",  # gloo worlds of 1-4 spawned processes, ~10-30 s a degree
     "tests/models/test_smollm2.py::test_hf_generate_left_padded_batch_equals_each_prompt_alone*",
     "tests/models/test_smollm2.py::test_bik_demo_real_runs",
     "tests/models/test_smollm2.py::test_bench_dvr_on_smollm2_quick",
@@ -228,6 +228,10 @@ GROUPS = {
     "tests/cuda/test_cuda_compile.py::test_nvrtc_compiles_within_budgets*": "cuda-compile",
     "tests/cuda/test_cuda_compile.py::test_nvcc_compiles_without_spills*": "cuda-compile",
     "tests/cuda/test_cuda_compile.py::test_every_compiled_kernel_is_declared*": "cuda-compile",
+    # One gloo world per degree runs that degree's scenarios (tests/distributed/tp_world.py).
+    "tests/distributed/test_tp_linear.py::*[1]": "gloo-1",
+    "tests/distributed/test_tp_linear.py::*[2]": "gloo-2",
+    "tests/distributed/test_tp_linear.py::*[4]": "gloo-4",
     # .venv-vllm (`make test-vllm`): the tests reading the bik fp32 engine's results.
     "tests/vllm_plugin/test_vllm_plugin.py::test_plugin_fp32_alone_equals_batched": "vllm-fp32",
     "tests/vllm_plugin/test_vllm_plugin.py::test_plugin_prefix_cache_cold_equals_hot": "vllm-fp32",

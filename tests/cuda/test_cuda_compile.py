@@ -173,8 +173,15 @@ def test_matmul_tile_comes_from_configs_only(tmp_path):
     assert (tile.block_m, tile.block_n, tile.block_k) == tuple(
         configs.CUDA_DEFINES["matmul"][f"BIK_MM_TC_{x}"] for x in ("BM", "BN", "BK"))
     assert cuda_aot.read_literal(Path(configs.__file__), "CUDA_DEFINES") == configs.CUDA_DEFINES
-    manifest = cuda_aot.build_fatbins(src.parent, tmp_path / "out", nvcc=NVCC, archs=("sm_80",),
+    # Built from a copy holding the headers and two kernels: one with options, one without.
+    copy = tmp_path / "src"
+    copy.mkdir()
+    for path in cuda_aot.source_files(src.parent):
+        if path.suffix != ".cu" or path.stem in ("matmul", "rms_norm"):
+            shutil.copy(path, copy / path.name)
+    manifest = cuda_aot.build_fatbins(copy, tmp_path / "out", nvcc=NVCC, archs=("sm_80",),
                                       defines=configs.CUDA_DEFINES)
+    assert sorted(manifest["options"]) == ["matmul", "rms_norm"]
     assert manifest["options"]["matmul"] == list(configs.cuda_options("matmul"))
     assert manifest["options"]["rms_norm"] == []
 

@@ -335,3 +335,17 @@ def vocab_parallel_sample_refuses_on_every_rank(rank, world):
                        lambda: vocab_parallel_sample(shard, **{**params, "top_p": 1.5}))
     assert torch.equal(vocab_parallel_sample(shard, **params).tokens,
                        bik.sample(x, **params).tokens)
+
+
+# ---- the runner's own control (tests/distributed/test_tp_linear.py) -------------------------
+
+def control_passes(rank, world):
+    dist.barrier()
+
+
+def control_fails_on_the_last_rank(rank, world):
+    assert rank != world - 1, f"rank {rank} of {world} fails on purpose"
+
+
+def control_never_reached(rank, world):
+    raise AssertionError("ran after a failed scenario")

@@ -318,3 +318,16 @@ def test_a_failed_build_warns_and_keeps_the_python_route(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=False,
                           text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_the_build_key_names_no_location(monkeypatch):
+    """Another clone or venv with the same sources and torch meets the same build: the key holds
+    the sources' hash, the torch version and the command with its directories as placeholders;
+    a change of source or torch version is another build."""
+    material = native_ext.key_material()
+    assert str(native_ext._PKG.parents[1]) not in material and sys.prefix not in material
+    assert native_ext.source_hash() in material and torch.__version__ in material
+    assert "<torch>/include" in material and "<source>/native_cpu.cpp" in material
+    before = native_ext.library_path()
+    monkeypatch.setattr(native_ext, "source_hash", lambda: "edited")
+    assert native_ext.library_path() != before

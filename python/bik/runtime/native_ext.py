@@ -3,8 +3,8 @@
 Unlike ``bik._cpu_kernels`` (no torch headers, built at install time), these kernels register
 at torch's dispatcher, so they are compiled against the torch this process runs: at first use,
 with the C++ compiler torch's own extensions use, into ``$BIK_NATIVE_CACHE`` or
-``~/.cache/bik/native``, keyed by the sources, the torch build and the compiler (another venv or
-torch gets its own build). About 10 s once; ``python -c "import bik.runtime.native_ext as a;
+``~/.cache/bik/native``, keyed by the sources, the torch version, the flags and the compiler, not
+by where the venv or the clone lives (:func:`key_material`). About 10 s once; ``python -c "import bik.runtime.native_ext as a;
 a.build()"`` builds ahead of time (``make venv`` does). A tmp file + ``os.replace`` makes
 concurrent builders safe.
 
@@ -22,8 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["available", "build", "cache_dir", "library_path", "load", "source_hash",
-           "unavailable_reason"]
+__all__ = ["available", "build", "cache_dir", "key_material", "library_path", "load",
+           "source_hash", "unavailable_reason"]
 
 _PKG = Path(__file__).resolve().parents[1]
 _BUILD_TIMEOUT_S = 600
@@ -70,14 +70,25 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def library_path() -> Path:
-    """Where the build for this torch and these sources lives (it may not exist yet)."""
+def key_material() -> str:
+    """What a build is keyed by: the sources' hash, the torch version and the compile command
+    with torch's and the sources' directories written as placeholders, so another clone or venv
+    with the same sources and torch meets the same build (make venv and make venv-vllm build
+    once between them). The ``-rpath`` to a venv's torch/lib a build carries is not needed: the
+    library loads after torch, whose libc10 / libtorch_cpu the loader finds by soname."""
     import torch
 
-    cxx = _compiler() or "c++"
-    h = hashlib.sha256(source_hash().encode())
-    h.update(" ".join(_command(cxx, Path("out"))).encode())  # torch's path, flags, compiler
-    h.update(torch.__version__.encode())
+    source, include = _sources()
+    command = " ".join(_command(_compiler() or "c++", Path("out")))
+    for place, name in ((Path(torch.__file__).parent, "<torch>"), (source.parent, "<source>"),
+                        (include, "<include>")):
+        command = command.replace(str(place), name)
+    return f"{source_hash()} {torch.__version__} {command}"
+
+
+def library_path() -> Path:
+    """Where the build for this torch and these sources lives (it may not exist yet)."""
+    h = hashlib.sha256(key_material().encode())
     return cache_dir() / f"bik_native-{h.hexdigest()[:16]}.so"
 
 
