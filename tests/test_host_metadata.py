@@ -247,10 +247,12 @@ def test_too_small_a_max_top_k_changes_tokens(target):
     is drawn. (The CPU kernel reads each row's top_k itself and ignores the bound.)"""
     x, params = _logits(target.device, rows=1, vocab=100)
     dev = target.device
-    params = {**params, "top_k": torch.tensor([60], device=dev), "temperature": 5.0}
-    draws = lambda bound: torch.stack([
-        bik.sample(x, **{**params, "seed": torch.tensor([s], device=dev)}, max_top_k=bound,
-                   backend=target.backend).tokens for s in range(16)])
+    # One row's logits drawn with 16 seeds, as 16 rows of one call (rows are independent).
+    params = {**params, "top_k": torch.full((16,), 60, device=dev), "temperature": 5.0,
+              "seed": torch.arange(16, device=dev), "position": torch.full((16,), 3, device=dev)}
+    x = x.expand(16, -1).contiguous()
+    draws = lambda bound: bik.sample(x, **params, max_top_k=bound,
+                                     backend=target.backend).tokens
     assert torch.equal(draws(60), draws(99))
     assert not torch.equal(draws(60), draws(1))
 

@@ -36,7 +36,10 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,
            "Translate 'hello' to German:", "My favourite food is"]
 LONG = ("Here is a story about a lighthouse keeper who counted the ships that passed each night "
         "and wrote their names in a book. ") * 12 + "The keeper's favourite ship was"
-NEW_TOKENS = 24
+# BIK_TEST_FULL=1 (`make test-all`) decodes 24 tokens per request; CI 12: the steps past 12 are
+# more decode steps of the same kind (every context already past the 130 tokens where stock
+# vLLM's attention split moves), and decode steps are most of an engine's time here.
+NEW_TOKENS = 24 if os.environ.get("BIK_TEST_FULL", "") == "1" else 12
 
 
 def _outputs(llm, prompts, params):
