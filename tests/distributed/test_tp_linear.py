@@ -130,5 +130,5 @@ def test_a_shared_world_reports_each_scenario(tmp_path):
                         "control_never_reached"], tmp_path, deadline=120)
     assert run.passed == ["control_passes"]
     assert run.failed == "control_fails_on_the_last_rank"
-    assert "rank 1 of 2 fails on purpose" in run.message
+    assert run.message.startswith("rank 1: ") and "rank 1 of 2 fails on purpose" in run.message
     assert run.not_run() == ["control_never_reached"]

@@ -16,6 +16,7 @@ import datetime
 import importlib
 import os
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,13 @@ def _entry(rank: int, world: int, init_file: str, module: str, scenarios: list[s
             dist.barrier()
             with open(f"{record}.{rank}", "a") as done:
                 done.write(scenario + "\n")
+    except BaseException:
+        # Written before this rank exits, so before a peer can see it gone: the parent reads
+        # every rank's traceback, the first one written first (torch.multiprocessing reports
+        # whichever failed rank it notices, often a peer's "connection closed" instead).
+        with open(f"{record}.{rank}.error", "w") as error:
+            error.write(f"rank {rank}: {traceback.format_exc()}")
+        raise
     finally:
         dist.destroy_process_group()
     end_spawned_rank()
@@ -79,7 +87,8 @@ def run_world(world: int, scenarios: list[str] | str, tmp_path, *,
                     p.kill()
                 raise TimeoutError(f"{world} ranks ran past {deadline} s")
     except Exception as exc:  # noqa: BLE001 - a rank's failure, reported on its scenario
-        run.message = f"{type(exc).__name__}: {exc}"
+        errors = sorted(Path(tmp_path).glob(f"done-{stamp}.*.error"), key=os.path.getmtime)
+        run.message = "\n".join(e.read_text() for e in errors) or f"{type(exc).__name__}: {exc}"
     done = [set(Path(f"{record}.{r}").read_text().split()) if Path(f"{record}.{r}").exists()
             else set() for r in range(world)]
     run.passed = [s for s in scenarios if all(s in d for d in done)]
