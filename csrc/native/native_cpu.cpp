@@ -1,6 +1,6 @@
 // bik's CPU products at torch's dispatcher, in C++ (torch.ops.bik_native). A one-row product's
 // kernel takes about a microsecond; a Python kernel at the dispatcher costs ~15 us around it
-// (bik bench boundary), and a model's decode step is mostly such calls. Two users:
+// (bik bench boundary), and a model's decode step is mostly such calls. Three users:
 //
 // * bik.enable() (mode/_enable.py) installs kernels for aten::mm, aten::addmm and aten::bmm at
 //   the CPU key. Each serves the calls it can be sure bik's handler would serve (served dtypes,
@@ -10,6 +10,8 @@
 // * batch_invariant_mode() under torch.compile with grad off (ops/_call.py) puts
 //   bik_native::matmul / bik_native::bmm in the graph: bik::matmul / bik::bmm on the CPU backend
 //   without their Python impl and autograd wrapper; any call they do not serve is bik's op.
+// * the public functions' direct route (ops/_call.py) once the kernels are loaded: matmul / bmm
+//   as a Python module's functions (PYBIND11_MODULE below), without the dispatcher.
 //
 // Both run bik's fixed-order CPU matmul through the entry point bik._cpu_kernels runs (handed
 // over by address: one copy of the kernel in the process, c_abi.h), so the bits are the Python
@@ -20,6 +22,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
+#include <torch/extension.h>
 #include <torch/library.h>
 
 #include <array>
@@ -269,4 +272,14 @@ TORCH_LIBRARY(bik_native, m) {
 TORCH_LIBRARY_IMPL(bik_native, CPU, m) {
   m.impl("matmul", TORCH_FN(compiled_matmul));
   m.impl("bmm", TORCH_FN(compiled_bmm));
+}
+
+// The direct route's entry (bik/ops/matmul/native.py): a call through torch.ops matches its
+// arguments against the schema in Python, ~5 us around a ~1 us one-row product; a pybind11
+// function with tensor arguments costs ~0.3 us. Same kernels: the bits and the fallback to
+// bik::matmul / bik::bmm are the dispatcher op's. The GIL is released around the product (a
+// fallback to the Python op takes it back).
+PYBIND11_MODULE(bik_native, m) {
+  m.def("matmul", &compiled_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("bmm", &compiled_bmm, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

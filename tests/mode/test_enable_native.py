@@ -331,3 +331,24 @@ def test_the_build_key_names_no_location(monkeypatch):
     before = native_ext.library_path()
     monkeypatch.setattr(native_ext, "source_hash", lambda: "edited")
     assert native_ext.library_path() != before
+
+
+@needs_native
+def test_the_direct_route_calls_the_loaded_librarys_python_functions(gen):
+    """The direct route's native entry is the loaded library's own Python function (no
+    dispatcher around the product): bik::matmul's bits, and a call the C++ kernel does not serve
+    goes to bik::matmul, whose error keeps its type and names the op."""
+    from bik.ops.matmul import native
+
+    assert native.ready()
+    module = native_ext.module()
+    assert native.matmul(loaded_only=True) is module.matmul
+    assert native.bmm(loaded_only=True) is module.bmm
+    a, b = torch.randn(3, 70, generator=gen), torch.randn(70, 5, generator=gen)
+    with torch.no_grad():
+        assert same_bits(module.matmul(a, b, None, None), torch.ops.bik.matmul(a, b, None, None,
+                                                                              "cpu"))
+        assert same_bits(module.bmm(a[None], b[None], None), torch.ops.bik.bmm(a[None], b[None],
+                                                                              None, "cpu"))
+    with pytest.raises(TypeError, match="bik.matmul: a has dtype float64"):
+        module.matmul(a.double(), b.double(), None, None)

@@ -13,9 +13,11 @@ Three routes compute the same bits; what differs is who can observe the call:
   kernel on the CPU in a graph compiled with grad off (the compiled step then runs no Python
   around it), and on the direct route once the kernels are loaded (``bik.enable()`` or a
   compiled graph loaded them; the direct route never starts their build): after the op's
-  check, the C++ kernel runs in place of the Python launcher (bik.matmul 22 -> 14 µs on a
-  1 x 64 x 64 product, bik bench boundary), while it gives the launcher's bits and errors:
-  the split rule it loaded with is today's and the CPU extension is loaded (``native.py``).
+  check, the C++ kernel runs in place of the Python launcher, called as the loaded module's
+  function rather than through torch.ops (bik.linear 25 -> 17 -> 16 µs on a 1 x 64 x 64
+  product: bench/results/cpu-boundary-pybind-2026-12-05.json), while it gives the launcher's
+  bits and errors: the split rule it loaded with is today's and the CPU extension is loaded
+  (``native.py``).
   Same kernel entry, same bits (tests/mode/test_enable_native.py).
 * **torch.ops.bik**: everything else (tracing, autograd, subclasses, other modes).
 

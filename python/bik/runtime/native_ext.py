@@ -3,10 +3,12 @@
 Unlike ``bik._cpu_kernels`` (no torch headers, built at install time), these kernels register
 at torch's dispatcher, so they are compiled against the torch this process runs: at first use,
 with the C++ compiler torch's own extensions use, into ``$BIK_NATIVE_CACHE`` or
-``~/.cache/bik/native``, keyed by the sources, the torch version, the flags and the compiler, not
-by where the venv or the clone lives (:func:`key_material`). About 10 s once; ``python -c "import bik.runtime.native_ext as a;
-a.build()"`` builds ahead of time (``make venv`` does). A tmp file + ``os.replace`` makes
-concurrent builders safe.
+``~/.cache/bik/native``, keyed by the sources, the torch version, the Python ABI, the flags and
+the compiler, not by where the venv or the clone lives (:func:`key_material`). About 25 s once;
+``python -c "import bik.runtime.native_ext as a; a.build()"`` builds ahead of time (``make
+venv`` does). A tmp file + ``os.replace`` makes concurrent builders safe. The library is also a
+Python extension module (:func:`module`): the direct route calls its functions without the
+dispatcher.
 
 It never raises at import; :func:`load` returns False (and :func:`unavailable_reason` says why)
 when there is no compiler or the build fails, and callers then keep their Python route.
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from pathlib import Path
 
-__all__ = ["available", "build", "cache_dir", "key_material", "library_path", "load",
+__all__ = ["available", "build", "cache_dir", "key_material", "library_path", "load", "module",
            "source_hash", "unavailable_reason"]
 
 _PKG = Path(__file__).resolve().parents[1]
@@ -54,11 +58,15 @@ def _command(cxx: str, out: Path) -> list[str]:
 
     source, include = _sources()
     torch_lib = Path(torch.__file__).parent / "lib"
+    # A Python extension module too (the direct route's functions): Python's headers, torch's
+    # pybind11 type casters (libtorch_python), the module name its PyInit_ carries.
     return [cxx, "-O2", "-std=c++20", "-fPIC", "-shared", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{include}",
+            "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=bik_native",
+            *(f"-I{p}" for p in cpp_extension.include_paths()),
+            f"-I{sysconfig.get_paths()['include']}", f"-I{include}",
             str(source), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
-            f"-Wl,-rpath,{torch_lib}"]
+            "-ltorch_python", f"-Wl,-rpath,{torch_lib}"]
 
 
 def source_hash() -> str:
@@ -83,7 +91,8 @@ def key_material() -> str:
     for place, name in ((Path(torch.__file__).parent, "<torch>"), (source.parent, "<source>"),
                         (include, "<include>")):
         command = command.replace(str(place), name)
-    return f"{source_hash()} {torch.__version__} {command}"
+    return (f"{source_hash()} {torch.__version__} {sysconfig.get_config_var('EXT_SUFFIX')} "
+            f"{command}")
 
 
 def library_path() -> Path:
@@ -125,11 +134,27 @@ def load() -> bool:
     import torch
 
     try:
-        torch.ops.load_library(str(build()))
+        path = build()
+        torch.ops.load_library(str(path))
+        # The same library, imported as a module (its functions: the direct route's entry).
+        spec = importlib.util.spec_from_file_location("bik_native", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - no compiler, a failed build, a bad .so
         _errors.append(f"{type(exc).__name__}: {exc}")
         return False
+    global _module
+    _module = module
     return True
+
+
+_module = None
+
+
+def module():
+    """The loaded kernels as a Python module (``matmul``, ``bmm``: bik_native::matmul / bmm's
+    kernels without the dispatcher), or None before :func:`load` has loaded them."""
+    return _module
 
 
 def available() -> bool:
