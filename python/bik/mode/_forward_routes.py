@@ -194,7 +194,8 @@ def _mean(func, x, dim=None, keepdim=False, *, dtype=None):
     return _call("mean", x, dims, bool(keepdim), None, backend)
 
 
-def _rms_norm_args(func, x, normalized_shape, weight, eps):
+def _rms_norm_parts(func, x, normalized_shape, weight=None, eps=None):
+    """aten rms_norm's arguments -> (out, x as rows, eps, backend): both rms_norm handlers."""
     backend = prepare(func, x)
     if weight is not None:
         prepare(func, weight)
@@ -212,15 +213,15 @@ def _rms_norm_args(func, x, normalized_shape, weight, eps):
     return out.reshape(x.shape), x2, eps, backend
 
 
-def _rms_norm(func, x, normalized_shape, weight=None, eps=None):
-    return _rms_norm_args(func, x, normalized_shape, weight, eps)[0]
+def _rms_norm(func, *args, **kwargs):
+    return _rms_norm_parts(func, *args, **kwargs)[0]
 
 
-def _fused_rms_norm(func, x, normalized_shape, weight=None, eps=None):
-    out, x2, eps, backend = _rms_norm_args(func, x, normalized_shape, weight, eps)
+def _fused_rms_norm(func, *args, **kwargs):
+    out, x2, eps, backend = _rms_norm_parts(func, *args, **kwargs)
     x32 = x2.float()
     ms = _call("mean", x32 * x32, [1], True, None, backend)
-    return out, torch.rsqrt(ms + eps).reshape(*x.shape[:-1], 1)
+    return out, torch.rsqrt(ms + eps).reshape(*out.shape[:-1], 1)
 
 
 def _silu(func, x):
