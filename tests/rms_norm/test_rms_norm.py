@@ -94,7 +94,7 @@ def test_opcheck(target, gen):
     backend, dtype = target.backend, torch.float32
     x, r, w = randn(gen, 3, 40, dtype=dtype), randn(gen, 3, 40, dtype=dtype), randn(gen, 40)
     opcheck(torch.ops.bik.rms_norm.default, (x, w, 1e-6, backend))
-    opcheck(torch.ops.bik.fused_add_rms_norm.default, (x, r, w, 1e-5, backend))
+    opcheck(torch.ops.bik.fused_add_rms_norm.default, (x, w, 1e-5, r, backend))
 
 
 @pytest.mark.parametrize("target", targets("cpu"))

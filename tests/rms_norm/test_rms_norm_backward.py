@@ -93,7 +93,7 @@ def test_opcheck_with_grad(target, dtype, gen):
 
     x, r = leaf(3, 40), leaf(3, 40)
     opcheck(torch.ops.bik.rms_norm.default, (x, leaf(40), 1e-6, target.backend))
-    opcheck(torch.ops.bik.fused_add_rms_norm.default, (x, r, leaf(40), 1e-5, target.backend))
+    opcheck(torch.ops.bik.fused_add_rms_norm.default, (x, leaf(40), 1e-5, r, target.backend))
 
 
 @pytest.mark.parametrize("target", targets("cpu"))

@@ -28,9 +28,9 @@ from bik.ops._registry import TABLE, documented, resolve_backend
 # writes h_out = x + residual rounded to x's dtype, and normalises h_out.
 
 
-def _check_norm(op: str, x, weight, eps, residual=None):
-    """bik::rms_norm's check (its arguments back, as they are); with ``residual``, the part
-    of bik::fused_add_rms_norm's check they share."""
+def _check_norm(op: str, x, weight, eps, *residual):
+    """The check of bik::rms_norm and, with ``residual``, of bik::fused_add_rms_norm (whose
+    arguments are rms_norm's, then the residual): the arguments back, as they are."""
     check_tensor(op, "x", x, 2)
     check_tensor(op, "weight", weight, 1)
     check_float_dtype(op, "x", x)
@@ -40,6 +40,7 @@ def _check_norm(op: str, x, weight, eps, residual=None):
             f"{op}: weight {list(weight.shape)} does not match the hidden size of x "
             f"{list(x.shape)}"
         )
+    residual = residual[0] if residual else None
     if residual is not None:
         check_tensor(op, "residual", residual, 2)
         if residual.shape != x.shape:
@@ -48,30 +49,23 @@ def _check_norm(op: str, x, weight, eps, residual=None):
             raise TypeError(f"{op}: residual ({residual.dtype}) must have x's dtype ({x.dtype})")
     check_eps(op, eps)
     check_same_device(op, x=x, weight=weight, residual=residual)
-    return x, weight, eps
+    return (x, weight, eps) if residual is None else (x, weight, eps, residual)
 
 
 def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
 
 
-def _run_rms_norm(launch, x, weight, eps):
+def _run_norm(launch, x, weight, eps, residual=None):
+    """bik::rms_norm's out, or with ``residual`` bik::fused_add_rms_norm's (out, h)."""
     x = _unit_stride_rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    launch(x, weight.contiguous(), float(eps), out)
-    return out
-
-
-def _check_fused(op, x, residual, weight, eps):
-    _check_norm(op, x, weight, eps, residual)
-    return x, residual, weight, eps
-
-
-def _run_fused(launch, x, residual, weight, eps):
-    x, residual = _unit_stride_rows(x), _unit_stride_rows(residual)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        launch(x, weight.contiguous(), float(eps), out)
+        return out
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    launch(x, weight.contiguous(), float(eps), out, residual=residual, h_out=h)
+    launch(x, weight.contiguous(), float(eps), out, residual=_unit_stride_rows(residual),
+           h_out=h)
     return out, h
 
 
@@ -124,14 +118,14 @@ def _rms_norm_backward(ctx, grad):
 
 
 def _fused_setup(ctx, inputs, output):
-    _, _, weight, eps, backend = inputs
+    _, weight, eps, _, backend = inputs
     ctx.save_for_backward(output[1], weight)  # h = x + residual as rounded and normalised
     ctx.eps, ctx.backend = eps, backend
 
 
 def _fused_backward(ctx, grad_out, grad_h):
     h, weight = ctx.saved_tensors
-    need_x, need_r, need_w = ctx.needs_input_grad[:3]
+    need_x, need_w, _, need_r = ctx.needs_input_grad[:4]
     grad_hn, grad_w = _rms_norm_grads(ctx, h, weight, grad_out, need_x or need_r, need_w)
     grad_x = grad_r = None
     if need_x or need_r:
@@ -140,15 +134,16 @@ def _fused_backward(ctx, grad_out, grad_h):
         total = total.to(h.dtype)
         grad_x = total if need_x else None
         grad_r = (total.clone() if need_x else total) if need_r else None
-    return grad_x, grad_r, grad_w, None, None
+    return grad_x, grad_w, None, grad_r, None
 
 
+# One check and one run for both ops: the fused op's arguments are rms_norm's, then residual.
 define("rms_norm", "(Tensor x, Tensor weight, float eps, str backend) -> Tensor",
-       check=_check_norm, run=_run_rms_norm,
+       check=_check_norm, run=_run_norm,
        autograd=(_rms_norm_backward, _rms_norm_setup))
 define("fused_add_rms_norm",
-       "(Tensor x, Tensor residual, Tensor weight, float eps, str backend) -> (Tensor, Tensor)",
-       label="bik.rms_norm", check=_check_fused, run=_run_fused,
+       "(Tensor x, Tensor weight, float eps, Tensor residual, str backend) -> (Tensor, Tensor)",
+       label="bik.rms_norm", check=_check_norm, run=_run_norm,
        autograd=(_fused_backward, _fused_setup))
 
 
@@ -187,5 +182,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     if residual.shape != x.shape:
         raise ValueError(f"{op}: residual {list(residual.shape)} must match x {list(x.shape)}")
     r2 = residual.reshape(rows, x.shape[-1])
-    out, h = call("fused_add_rms_norm", x2, r2, weight, eps, backend)
+    out, h = call("fused_add_rms_norm", x2, weight, eps, r2, backend)
     return out.reshape(x.shape), h.reshape(x.shape)
