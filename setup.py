@@ -9,8 +9,12 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
+import pybind11
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -53,11 +57,6 @@ class OptionalBuildExt(build_ext):
         root = _cache_root()
         if root is None:
             return None
-        import pybind11
-        import subprocess
-        import sys
-        import sysconfig
-
         compiler = list(getattr(self.compiler, "compiler_so", None) or ["c++"])
         version = subprocess.run([compiler[0], "--version"], capture_output=True, text=True,
                                  check=False).stdout
@@ -75,7 +74,9 @@ class OptionalBuildExt(build_ext):
             cached = None
         if cached is not None and cached.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(cached, target)
+            # A fresh mtime (shutil.copy, not copy2): setuptools copies an editable build into
+            # the source tree only when it is newer than the file already there.
+            shutil.copy(cached, target)
             print(f"bik: CPU extension from the build cache ({cached})")
             return
         try:

@@ -138,10 +138,21 @@ def test_an_edit_changes_the_hash_unless_the_file_is_excluded(tmp_path, edit, ha
 
 
 def test_cpu_extension_carries_its_source_hash():
+    """The loaded extension was built from the checkout's csrc/cpu (setup.py's hash of the
+    sources, baked in): a stale build in place, e.g. one the build cache handed over without
+    setuptools copying it into the source tree, is caught here."""
+    import hashlib
+
     from bik.runtime import cpu_ext
 
     if cpu_ext.available():
         assert cpu_ext.source_hash() not in (None, "unknown")
+        sources = sorted((Path(bik.__file__).parents[2] / "csrc" / "cpu").glob("*.[ch]*"))
+        if sources:  # a checkout (an editable install), not a wheel
+            h = hashlib.sha256()
+            for path in sources:
+                h.update(path.name.encode() + path.read_bytes())
+            assert cpu_ext.source_hash() == h.hexdigest()[:16]
 
 
 def test_a_device_it_cannot_describe_is_a_clear_error():

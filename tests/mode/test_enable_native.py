@@ -208,14 +208,22 @@ def test_declined_calls_get_the_python_kernels_result_or_torchs_error(name, gen)
     assert same_bits(native, python)
 
 
-@needs_native
-def test_native_route_is_batch_invariant_where_stock_and_a_split_by_m_reference_fail(gen):
+def _linear_rows_check_failing_its_controls(gen):
+    """(w, check): check(f) compares f's rows alone and batched over a pool of rows, and fails
+    here for the stock product and a split-by-M reference (both measured, under no_grad)."""
     w = torch.randn(192, 256, generator=gen)
     pool = torch.randn(16, 256, generator=gen)
     check = lambda f: rows_alone_vs_batched(f, pool, (1, 4, 16))
     with torch.no_grad():
         assert not check(lambda x: F.linear(x, w)).ok  # stock, measured here
         assert not check(lambda x: split_by_m_matmul(x, w.t())).ok
+    return w, check
+
+
+@needs_native
+def test_native_route_is_batch_invariant_where_stock_and_a_split_by_m_reference_fail(gen):
+    w, check = _linear_rows_check_failing_its_controls(gen)
+    with torch.no_grad():
         before = _native_served()
         with bik.enabled():
             report = check(lambda x: F.linear(x, w))
@@ -231,12 +239,8 @@ def test_direct_route_on_loaded_kernels_is_batch_invariant_where_controls_fail(g
     from bik.ops.matmul import native
 
     assert native.ready()
-    w = torch.randn(192, 256, generator=gen)
-    pool = torch.randn(16, 256, generator=gen)
-    check = lambda f: rows_alone_vs_batched(f, pool, (1, 4, 16))
+    w, check = _linear_rows_check_failing_its_controls(gen)
     with torch.no_grad():
-        assert not check(lambda x: F.linear(x, w)).ok  # stock, measured here
-        assert not check(lambda x: split_by_m_matmul(x, w.t())).ok
         _python_launchers_refuse(monkeypatch)
         report = check(lambda x: bik.linear(x, w))
     assert report.ok, report.summary()
