@@ -163,6 +163,7 @@ def test_verify_draft_equals_cpu():
 
 def test_cuda_graph_capture_of_a_launch():
     """Launches run on torch's current stream: captured into a graph, replay reproduces them."""
+    from bik.ops._define import DECLARED
     from bik.ops.rms_norm.cuda import launch_rms_norm
 
     gen = torch.Generator().manual_seed(8)
@@ -172,11 +173,11 @@ def test_cuda_graph_capture_of_a_launch():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        launch_rms_norm(x, w, 1e-6, out)  # warm-up: compile, load, stream object
+        launch_rms_norm(DECLARED["rms_norm"].Args(x, w, 1e-6), out)  # warm-up: compile, load, stream object
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        launch_rms_norm(x, w, 1e-6, out)
+        launch_rms_norm(DECLARED["rms_norm"].Args(x, w, 1e-6), out)
     x.copy_(torch.randn(64, 4096, generator=gen).cuda())
     out.zero_()
     graph.replay()

@@ -71,16 +71,18 @@ def test_rms_norm_launcher_matches_kernel_abi(recorder, dtype, wdtype, hidden):
     """H = 128 takes the 16-byte instance (64 threads: 16 fp32 or 32 16-bit rows per block), H = 111
     the scalar one (8 rows per 128-thread block); a row view off the vector alignment falls
     back to the scalar one."""
+    from bik.ops._define import DECLARED
     from bik.ops.rms_norm.cuda import launch_rms_norm
 
+    norm_args, fused_args = DECLARED["rms_norm"].Args, DECLARED["fused_add_rms_norm"].Args
     x = torch.randn(19, hidden).to(dtype)
     w = torch.randn(hidden).to(wdtype)
     out = torch.empty_like(x)
-    launch_rms_norm(x, w, 1e-6, out)
-    launch_rms_norm(x, w, 1e-6, out, residual=x.clone(), h_out=torch.empty_like(x))
-    launch_rms_norm(x[:0], w, 1e-6, out[:0])  # empty: no launch
+    launch_rms_norm(norm_args(x, w, 1e-6), out)
+    launch_rms_norm(fused_args(x, w, 1e-6, x.clone()), out, torch.empty_like(x))
+    launch_rms_norm(norm_args(x[:0], w, 1e-6), out[:0])  # empty: no launch
     wide = torch.randn(19, hidden + 1).to(dtype)
-    launch_rms_norm(wide[:, 1:], w, 1e-6, out)  # rows start off the 16-byte grid
+    launch_rms_norm(norm_args(wide[:, 1:], w, 1e-6), out)  # rows start off the 16-byte grid
     assert len(recorder.launches) == 3
     vec = 16 // x.element_size() if hidden == 128 else 1
     for i, launch in enumerate(recorder.launches):

@@ -465,3 +465,28 @@ def test_unrouted_matmul_variants_are_counted(gen):
         warnings.simplefilter("ignore", bik.BatchInvarianceWarning)
         torch.baddbmm(torch.zeros(2, 3, 5), a3, b3)
     assert any(key.startswith("aten.baddbmm") for key in bik.mode_stats().fallbacks)
+
+
+def test_aten_arguments_are_read_by_aten_s_names():
+    """The rms_norm handlers read aten's call through its schema (mode/_kit.aten_args):
+    positional, keyword and defaulted arguments land on their names."""
+    from bik.mode._kit import aten_args
+
+    rms = torch.ops.aten.rms_norm.default
+    x, w = torch.ones(2, 4), torch.ones(4)
+    got = aten_args(rms, (x, [4]), {"eps": 0.5})
+    assert got._fields == ("input", "normalized_shape", "weight", "eps")
+    assert got.input is x and got.weight is None and got.eps == 0.5
+    assert aten_args(rms, (x, [4], w), {}).weight is w and aten_args(rms, (x, [4], w), {}).eps \
+        is None
+
+
+def test_an_aten_keyword_eps_reaches_bik(gen):
+    """aten::rms_norm called with eps as a keyword: bik's bits for that eps (a handler that
+    dropped the keyword would use the fp32 epsilon and differ)."""
+    x, w = torch.randn(3, 64, generator=gen), torch.rand(64, generator=gen) + 0.5
+    with torch.inference_mode(), bik.batch_invariant_mode():
+        got = torch.ops.aten.rms_norm(x, [64], weight=w, eps=0.25)
+    assert _routed("aten.rms_norm.default") == 1
+    assert same_bits(got, bik.rms_norm(x, w, 0.25))
+    assert not same_bits(got, bik.rms_norm(x, w, torch.finfo(torch.float32).eps))

@@ -13,6 +13,7 @@ import bik.ops  # noqa: F401  (registers torch.ops.bik.*)
 from bik.mode._kit import (
     Fallback,
     WarnedFallback,
+    aten_args,
     cast_first,
     handler_table,
     prepare,
@@ -194,8 +195,11 @@ def _mean(func, x, dim=None, keepdim=False, *, dtype=None):
     return _call("mean", x, dims, bool(keepdim), None, backend)
 
 
-def _rms_norm_parts(func, x, normalized_shape, weight=None, eps=None):
-    """aten rms_norm's arguments -> (out, x as rows, eps, backend): both rms_norm handlers."""
+def _rms_norm_parts(func, args: tuple, kwargs: dict):
+    """aten rms_norm's call -> (out, x as rows, eps, backend): both rms_norm handlers."""
+    call_args = aten_args(func, args, kwargs)
+    x, weight, eps, normalized_shape = (call_args.input, call_args.weight, call_args.eps,
+                                        call_args.normalized_shape)
     backend = prepare(func, x)
     if weight is not None:
         prepare(func, weight)
@@ -214,11 +218,11 @@ def _rms_norm_parts(func, x, normalized_shape, weight=None, eps=None):
 
 
 def _rms_norm(func, *args, **kwargs):
-    return _rms_norm_parts(func, *args, **kwargs)[0]
+    return _rms_norm_parts(func, args, kwargs)[0]
 
 
 def _fused_rms_norm(func, *args, **kwargs):
-    out, x2, eps, backend = _rms_norm_parts(func, *args, **kwargs)
+    out, x2, eps, backend = _rms_norm_parts(func, args, kwargs)
     x32 = x2.float()
     ms = _call("mean", x32 * x32, [1], True, None, backend)
     return out, torch.rsqrt(ms + eps).reshape(*out.shape[:-1], 1)

@@ -7,13 +7,16 @@ and warned once where ``warn``), which also gives input torch rejects torch's ow
 
 from __future__ import annotations
 
+from collections import namedtuple
+from functools import cache
+
 import torch
 
 from bik._dtypes import dtype_name
 from bik.ops._checks import SUPPORTED_DTYPES
 from bik.ops._registry import default_backend
 
-__all__ = ["Fallback", "WarnedFallback", "backend_for", "cast_first", "handler_table", "prepare",
+__all__ = ["Fallback", "WarnedFallback", "aten_args", "backend_for", "cast_first", "handler_table", "prepare",
            "reduced_dims", "torch_raises"]
 
 aten = torch.ops.aten
@@ -35,6 +38,25 @@ class WarnedFallback(Fallback):
     """A Fallback worth a :class:`bik.BatchInvarianceWarning` (once per reason)."""
 
     warn = True
+
+
+@cache
+def _aten_record(func) -> tuple[type, tuple]:
+    arguments = func._schema.arguments
+    record = namedtuple(f"{func._schema.name.split('::')[-1]}_args", [a.name for a in arguments])
+    defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
+    return record, defaults
+
+
+def aten_args(func, args: tuple, kwargs: dict):
+    """The call's arguments as a record named by aten's own schema of ``func`` (``.input``,
+    ``.weight``), defaults filled in: a handler reads aten's arguments by name rather than
+    restating aten's signature as its parameters."""
+    record, defaults = _aten_record(func)
+    values = list(args)
+    for name, default in zip(record._fields[len(args):], defaults[len(args):]):
+        values.append(kwargs.get(name, default))
+    return record._make(values)
 
 
 def backend_for(t: torch.Tensor) -> str:

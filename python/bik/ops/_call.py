@@ -68,16 +68,16 @@ def call(op: str, *args, validated: bool = False):
     """Run ``bik::<op>`` on ``args`` (the schema's arguments in order, ``backend`` resolved).
 
     ``validated=True``: the caller has checked the arguments and passes them in the form the
-    op's ``check`` returns (dtypes resolved, dims normalised); the direct route then skips the
+    op's ``check`` returns (dims normalised); the direct route then skips the
     check. The other routes check anyway: they are the op itself."""
     decl = DECLARED[op]
     if direct_ok(*[args[i] for i in decl.tensors]):
         args = decl.complete(args)
-        body = decl.without_backend(args)
+        body = decl.record(args)
         if not validated:
-            body = decl.check(decl.label, *body)
+            body = decl.check(decl.label, body)
         if decl.backend_at is None:
-            return decl.run(None, *body)
+            return decl.run(None, body)
         backend = args[decl.backend_at]
         if decl.native is not None and backend == "cpu":
             kernel = decl.native(loaded_only=True)
@@ -89,5 +89,5 @@ def call(op: str, *args, validated: bool = False):
             and _compiling_without_grad():
         kernel = decl.native()
         if kernel is not None:
-            return kernel(*decl.without_backend(decl.complete(args)))
+            return kernel(*decl.record(decl.complete(args)))
     return getattr(torch.ops.bik, op)(*args)

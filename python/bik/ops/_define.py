@@ -1,20 +1,22 @@
 """One declaration per op: :func:`define` registers ``bik::<op>`` and keeps what every route
-needs (ops/_call.py), so an op's interface is written in its schema, its ``check`` and its
-``run``, and nowhere else.
+needs (ops/_call.py), so an op's interface is written in its schema and nowhere else: its
+``check``, ``run`` and ``fake`` take one record of the schema's arguments and read them by name.
 
 An op's ``op.py`` declares, next to its row in ``ops/_registry.TABLE``::
 
     define("bmm", "(Tensor a, Tensor b, ScalarType? out_dtype, str backend) -> Tensor",
            check=check_bmm, run=run_bmm, fake=fake_bmm, autograd=(backward, setup_context))
 
-* ``check(label, *args)`` validates the schema's arguments (``backend`` left out) and returns
-  them normalised (dtypes resolved, dims sorted and >= 0). A normalised tuple is itself a valid
+* ``args``, the record they take, is ``Declared.Args``: a named tuple of the schema's arguments
+  in order, ``backend`` left out (``args.x``, ``args.weight``), built from the schema.
+* ``check(label, args)`` validates them and returns the record normalised (dims sorted and
+  >= 0, ``args._replace(...)``), or ``args`` itself. A normalised record is itself a valid
   call of the op: a caller that has validated its inputs may pass them on without a second
   check (``call(..., validated=True)``).
-* ``run(launch, *args)`` computes the op from arguments in that form with ``launch``, a
+* ``run(launch, args)`` computes the op from a record in that form with ``launch``, a
   backend's entry point (the row's ``entry``); a ``run`` with a keyword-only ``backend``
   parameter also gets the backend's name (an op built from other bik ops passes it on).
-* ``fake(*args)`` returns outputs of the right shapes and dtypes (torch.compile, opcheck).
+* ``fake(args)`` returns outputs of the right shapes and dtypes (torch.compile, opcheck).
   Optional: without it the fake is ``run`` with a launch that does nothing, which is exact for
   an op whose ``run`` only allocates its outputs and launches (reads no tensor data).
 
@@ -26,6 +28,7 @@ the row's refusal, and records the op in :data:`DECLARED` for the route chooser.
 from __future__ import annotations
 
 import inspect
+from collections import namedtuple
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,11 +45,12 @@ class Declared:
 
     op: str
     label: str  # the public function the messages name
-    check: Callable  # (label, *args) -> args normalised
-    run: Callable  # (launch, *args) -> outputs
-    fake: Callable | None  # (*args) -> outputs with shapes only; None: run, launching nothing
+    check: Callable  # (label, args) -> args normalised
+    run: Callable  # (launch, args) -> outputs
+    fake: Callable | None  # (args) -> outputs with shapes only; None: run, launching nothing
     native: Callable | None  # () -> the C++ dispatcher op for compiled CPU graphs, or None
     arguments: tuple[str, ...]  # the schema's argument names
+    Args: type  # the record check / run / fake take: a named tuple of the arguments but backend
     backend_at: int | None  # position of ``str backend`` among them (None: no backend)
     tensors: tuple[int, ...]  # positions of the Tensor / Tensor? arguments
     trailing: tuple  # defaults of the trailing arguments a call may leave out
@@ -57,15 +61,16 @@ class Declared:
         missing = len(self.arguments) - len(args)
         return args + self.trailing[len(self.trailing) - missing:] if missing else args
 
-    def without_backend(self, args: tuple) -> tuple:
+    def record(self, args: tuple):
+        """The ``Args`` record of a complete call's ``args`` (``backend`` dropped)."""
         at = self.backend_at
-        return args if at is None else args[:at] + args[at + 1:]
+        return tuple.__new__(self.Args, args if at is None else args[:at] + args[at + 1:])
 
-    def run_on(self, launch, backend: str, body: tuple):
-        """``run`` with ``launch`` on the validated ``body``."""
+    def run_on(self, launch, backend: str, body):
+        """``run`` with ``launch`` on the validated record ``body``."""
         if self.run_takes_backend:
-            return self.run(launch, *body, backend=backend)
-        return self.run(launch, *body)
+            return self.run(launch, body, backend=backend)
+        return self.run(launch, body)
 
 
 DECLARED: dict[str, Declared] = {}
@@ -106,6 +111,7 @@ def define(op: str, schema: str, *, check: Callable, run: Callable, fake: Callab
     names = tuple(a.name for a in arguments)
     decl = Declared(op=op, label=label, check=check, run=run, fake=fake, native=native,
                     arguments=names,
+                    Args=namedtuple(f"{op}_args", [n for n in names if n != "backend"]),
                     backend_at=names.index("backend") if "backend" in names else None,
                     tensors=tuple(i for i, a in enumerate(arguments)
                                   if str(a.type).startswith("Tensor")),
@@ -115,18 +121,18 @@ def define(op: str, schema: str, *, check: Callable, run: Callable, fake: Callab
 
     def impl(*args):
         args = decl.complete(args)
-        body = check(label, *decl.without_backend(args))
+        body = check(label, decl.record(args))
         if decl.backend_at is None:  # data movement: no backend to choose
-            return run(None, *body)
+            return run(None, body)
         backend = args[decl.backend_at]
         device = args[decl.tensors[0]].device
         return decl.run_on(implementation(op, backend, device, label=label), backend, body)
 
     def fake_impl(*args):
         args = decl.complete(args)
-        body = shape_check(label, *decl.without_backend(args))
+        body = shape_check(label, decl.record(args))
         if fake is not None:
-            return fake(*body)
+            return fake(body)
         backend = None if decl.backend_at is None else args[decl.backend_at]
         return decl.run_on(_no_launch, backend, body)
 

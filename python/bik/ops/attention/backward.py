@@ -28,12 +28,15 @@ from bik.ops.attention.checks import check_cu_seqlens, check_qkv, int_vector
 _OP = "bik.attention_varlen_backward"
 
 
-def _check(op, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, scale, causal):
-    check_qkv(op, q, k, v, 3)
-    check_same_device(op, q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out,
-                      grad_lse=grad_lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    for name, t, shape in (("out", out, q.shape), ("grad_out", grad_out, q.shape),
-                           ("lse", lse, q.shape[:2]), ("grad_lse", grad_lse, q.shape[:2])):
+def _check(op, args):
+    q, cu_q, cu_k = args.q, args.cu_seqlens_q, args.cu_seqlens_k
+    check_qkv(op, q, args.k, args.v, 3)
+    check_same_device(op, q=q, k=args.k, v=args.v, out=args.out, lse=args.lse,
+                      grad_out=args.grad_out, grad_lse=args.grad_lse, cu_seqlens_q=cu_q,
+                      cu_seqlens_k=cu_k)
+    for name, shape in (("out", q.shape), ("grad_out", q.shape), ("lse", q.shape[:2]),
+                        ("grad_lse", q.shape[:2])):
+        t = getattr(args, name)
         if t is None:
             continue
         check_tensor(op, name, t)
@@ -43,7 +46,7 @@ def _check(op, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, scale, causal)
             raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
     int_vector(op, "cu_seqlens_k", cu_k)
     int_vector(op, "cu_seqlens_q", cu_q, cu_k.shape[0])
-    return grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, scale, causal
+    return args
 
 
 def _lengths(cu_q, cu_k, total_q: int, total_k: int) -> tuple[list, list]:
@@ -102,32 +105,32 @@ def sequence_grads(q, k, v, out, lse, grad_out, grad_lse, scale, causal, backend
     return _unrows(dq, t), dk.transpose(0, 1), None if dv is None else dv.transpose(0, 1)
 
 
-def _run(launch, grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale,
-         causal, *, backend):
+def _run(launch, args, *, backend):
     """``launch`` is :func:`sequence_grads` (the row's entry): one sequence at a time."""
+    q, k, v, grad_out, grad_lse = args.q, args.k, args.v, args.grad_out, args.grad_lse
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     if grad_out is None and grad_lse is None:
         return dq, dk, dv
-    cq, ck = _lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    cq, ck = _lengths(args.cu_seqlens_q, args.cu_seqlens_k, q.shape[0], k.shape[0])
     for b in range(len(cq) - 1):
         qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
         if qs.stop == qs.start:
             continue  # no queries: this sequence's keys get zero gradients
         g_q, g_k, g_v = launch(
-            q[qs], k[ks], v[ks], out[qs], lse[qs], None if grad_out is None else grad_out[qs],
-            None if grad_lse is None else grad_lse[qs], scale, causal, backend)
+            q[qs], k[ks], v[ks], args.out[qs], args.lse[qs],
+            None if grad_out is None else grad_out[qs],
+            None if grad_lse is None else grad_lse[qs], args.scale, args.causal, backend)
         dq[qs], dk[ks] = g_q.to(q.dtype), g_k.to(k.dtype)
         if g_v is not None:
             dv[ks] = g_v.to(v.dtype)
     return dq, dk, dv
 
 
-def _fake(grad_out, grad_lse, q, k, v, *rest):
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+def _fake(args):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                 for t in (args.q, args.k, args.v))
 
 
 define("attention_varlen_backward",

@@ -168,16 +168,17 @@ def _check_pages(op: str, block_table, lens: list[int], num_blocks: int, block_s
                          f"blocks: {block_table[b, : int(pages[b])].tolist()}")
 
 
-def cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, scale,
-               max_seqlen_q, max_seqlen_k) -> AttentionPlan:
-    """Every check of a bik::attention call; its bounds. With host metadata it reads no
-    device data (unless BIK_DEBUG_CHECKS=1); without, it reads the lengths once."""
+def cache_call(op, args) -> AttentionPlan:
+    """Every check of a bik::attention call (its record); its bounds. With host metadata it
+    reads no device data (unless BIK_DEBUG_CHECKS=1); without, it reads the lengths once."""
+    q, k_cache, v_cache, block_table = args.q, args.k_cache, args.v_cache, args.block_table
+    cache_seqlens, cu_seqlens_q = args.cache_seqlens, args.cu_seqlens_q
     check_qkv(op, q, k_cache, v_cache, 4)
     check_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                       cu_seqlens_q=cu_seqlens_q, block_table=block_table)
-    _check_scale(op, scale)
+    _check_scale(op, args.scale)
     capacity = _cache_capacity(op, q, k_cache, cache_seqlens, cu_seqlens_q, block_table)
-    given = _given_bounds(op, max_seqlen_q, max_seqlen_k, capacity)
+    given = _given_bounds(op, args.max_seqlen_q, args.max_seqlen_k, capacity)
     if given is not None and not debug_checks():
         return given
     cu, lens = _read_lengths(op, cu_seqlens_q, cache_seqlens, q.shape[0], capacity)
@@ -186,18 +187,20 @@ def cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table
     return _bounds(op, given, cu, lens)
 
 
-def varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k):
-    """Every check of a bik::attention_varlen call; its bounds. Reads no device data with
-    host metadata (unless BIK_DEBUG_CHECKS=1), else the lengths once."""
+def varlen_call(op, args):
+    """Every check of a bik::attention_varlen call (its record); its bounds. Reads no device
+    data with host metadata (unless BIK_DEBUG_CHECKS=1), else the lengths once."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k = args.q, args.k, args.v, args.cu_seqlens_q, \
+        args.cu_seqlens_k
     check_qkv(op, q, k, v, 3)
     check_same_device(op, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    _check_scale(op, scale)
+    _check_scale(op, args.scale)
     int_vector(op, "cu_seqlens_k", cu_seqlens_k)
     int_vector(op, "cu_seqlens_q", cu_seqlens_q, cu_seqlens_k.shape[0])
     _check_some_sequence(op, cu_seqlens_k.shape[0] - 1, q.shape[0])
     if k.stride(-1) != 1:
         raise ValueError(f"{op}: k/v need unit stride along head_dim")
-    given = _given_bounds(op, max_seqlen_q, max_seqlen_k, k.shape[0])
+    given = _given_bounds(op, args.max_seqlen_q, args.max_seqlen_k, k.shape[0])
     if given is not None and not debug_checks():
         return given
     seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]

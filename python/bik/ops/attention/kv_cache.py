@@ -20,17 +20,18 @@ def _paged_view(cache: torch.Tensor) -> torch.Tensor:
     return cache if cache.dim() == 4 else cache.unsqueeze(1)
 
 
-def _shapes(op, k_cache, v_cache, k, v, slot_mapping, validate):
-    check_kv_write(op, k_cache, v_cache, k, v, slot_mapping)
-    return k_cache, v_cache, k, v, slot_mapping, validate
+def _shapes(op, args):
+    check_kv_write(op, args.k_cache, args.v_cache, args.k, args.v, args.slot_mapping)
+    return args
 
 
-def _check(op, k_cache, v_cache, k, v, slot_mapping, validate):
+def _check(op, args):
     """The shapes, then (``validate`` or BIK_DEBUG_CHECKS=1) the slots: one host sync."""
-    _shapes(op, k_cache, v_cache, k, v, slot_mapping, validate)
-    if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():  # (not in the fake)
+    _shapes(op, args)
+    k_cache, slot_mapping = args.k_cache, args.slot_mapping
+    if k_cache.numel() and k_cache.data_ptr() == args.v_cache.data_ptr():  # (not in the fake)
         raise ValueError(f"{op}: k_cache and v_cache are the same memory (v would overwrite k)")
-    if (validate or debug_checks()) and slot_mapping.numel():
+    if (args.validate or debug_checks()) and slot_mapping.numel():
         slots = slot_mapping.long()
         used = torch.sort(torch.where(slots >= 0, slots, -1)).values
         twice = (used[1:] == used[:-1]) & (used[1:] >= 0)
@@ -40,23 +41,24 @@ def _check(op, k_cache, v_cache, k, v, slot_mapping, validate):
         if n_twice:  # which token's K/V would land there is up to the kernel: refuse
             raise ValueError(f"{op}: slot_mapping names a slot more than once ({n_twice} "
                              f"repeats)")
-    return k_cache, v_cache, k, v, slot_mapping, validate
+    return args
 
 
 def _slots(cache: torch.Tensor) -> int:
     return cache.numel() // (cache.shape[-2] * cache.shape[-1])
 
 
-def _run(launch, k_cache, v_cache, k, v, slot_mapping, validate):
-    del launch, validate  # no backend to choose; the slots are checked
+def _run(launch, args):
+    del launch  # no backend to choose; the slots are checked
+    k_cache, v_cache, k, v = args.k_cache, args.v_cache, args.k, args.v
     if k_cache.device.type != "cpu":
         from bik.ops.attention.kv_cache_triton import write_rows_triton
 
-        write_rows_triton(_paged_view(k_cache), _paged_view(v_cache), k, v, slot_mapping)
+        write_rows_triton(_paged_view(k_cache), _paged_view(v_cache), k, v, args.slot_mapping)
         return
     from bik.ops.attention.cpu import write_rows_cpu
 
-    slots = slot_mapping.long()
+    slots = args.slot_mapping.long()
     # Negative slots mark padding tokens and unchecked slots past the cache are skipped (as
     # the GPU kernel does): both by the C++ copy loop, or here by a mask.
     if all(write_rows_cpu(_paged_view(c), new, slots) for c, new in ((k_cache, k), (v_cache, v))):
@@ -69,7 +71,7 @@ def _run(launch, k_cache, v_cache, k, v, slot_mapping, validate):
         pages[rows // block, rows % block] = new[keep]
 
 
-def _fake(*args):
+def _fake(args):
     return None
 
 

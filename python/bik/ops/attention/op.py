@@ -16,7 +16,7 @@ import torch
 
 from bik.ops._call import call
 from bik.ops._checks import check_same_device, check_tensor
-from bik.ops._define import define
+from bik.ops._define import DECLARED, define
 from bik.ops._registry import documented, resolve_backend
 from bik.ops.attention.backward import AUTOGRAD
 from bik.ops.attention.checks import (
@@ -41,34 +41,32 @@ class AttentionOutput(NamedTuple):
 
 # ---- bik::attention (a paged or contiguous KV cache) -------------------------------------------
 
-def _check_attention(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, scale,
-                     causal, max_seqlen_q=None, max_seqlen_k=None):
-    """Every check; the call with its host bounds filled in (read from the device once when
+def _check_attention(op, args):
+    """Every check; the record with its host bounds filled in (read from the device once when
     the caller gave none)."""
-    bounds = cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
-                        scale, max_seqlen_q, max_seqlen_k)
-    return (q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, scale, causal,
-            *bounds)
+    bounds = cache_call(op, args)
+    return args._replace(max_seqlen_q=bounds.max_seqlen_q, max_seqlen_k=bounds.max_seqlen_k)
 
 
-def _shapes_attention(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, *rest):
+def _shapes_attention(op, args):
     """The checks a fake call can make (no device data)."""
-    check_qkv(op, q, k_cache, v_cache, 4)
-    check_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
-                      cu_seqlens_q=cu_seqlens_q, block_table=block_table)
-    return (q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, *rest)
+    check_qkv(op, args.q, args.k_cache, args.v_cache, 4)
+    check_same_device(op, q=args.q, k_cache=args.k_cache, v_cache=args.v_cache,
+                      cache_seqlens=args.cache_seqlens, cu_seqlens_q=args.cu_seqlens_q,
+                      block_table=args.block_table)
+    return args
 
 
-def _run_attention(label, launch, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
-                   scale, causal, max_seqlen_q, max_seqlen_k):
-    layout = cache_layout(q, k_cache, cache_seqlens, block_table)
-    problem = Problem(q, k_cache, v_cache, layout, cu_seqlens_q, cache_seqlens, max_seqlen_q,
-                      max_seqlen_k, scale, causal)
+def _run_attention(label, launch, args):
+    layout = cache_layout(args.q, args.k_cache, args.cache_seqlens, args.block_table)
+    problem = Problem(args.q, args.k_cache, args.v_cache, layout, args.cu_seqlens_q,
+                      args.cache_seqlens, args.max_seqlen_q, args.max_seqlen_k, args.scale,
+                      args.causal)
     return launch(label, problem)[0]
 
 
-def _fake_attention(q, *rest):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+def _fake_attention(args):
+    return torch.empty_like(args.q, memory_format=torch.contiguous_format)
 
 
 # The backend sits before the host bounds so that calls may leave the bounds out.
@@ -82,31 +80,32 @@ define("attention",
 
 # ---- bik::attention_varlen (packed K/V, no cache) -----------------------------------------------
 
-def _check_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, max_seqlen_q=None,
-                  max_seqlen_k=None):
-    bounds = varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q,
-                         max_seqlen_k)
-    return q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, *bounds
+def _check_varlen(op, args):
+    bounds = varlen_call(op, args)
+    return args._replace(max_seqlen_q=bounds.max_seqlen_q, max_seqlen_k=bounds.max_seqlen_k)
 
 
-def _shapes_varlen(op, q, k, v, cu_seqlens_q, cu_seqlens_k, *rest):
-    check_qkv(op, q, k, v, 3)
-    check_same_device(op, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    return (q, k, v, cu_seqlens_q, cu_seqlens_k, *rest)
+def _shapes_varlen(op, args):
+    check_qkv(op, args.q, args.k, args.v, 3)
+    check_same_device(op, q=args.q, k=args.k, v=args.v, cu_seqlens_q=args.cu_seqlens_q,
+                      cu_seqlens_k=args.cu_seqlens_k)
+    return args
 
 
-def _run_varlen(launch, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, max_seqlen_q,
-                max_seqlen_k):
+def _run_varlen(launch, args):
+    k, cu_seqlens_k = args.k, args.cu_seqlens_k
     # Clamped so an absurd entry stays outside k rather than wrapping into it (the CPU kernel
     # then refuses it); a sound one is unchanged.
     base = cu_seqlens_k[:-1].to(torch.int64).clamp(-1, k.shape[0]) * k.stride(0)
     layout = Layout(None, base, 1, 0, k.stride(0), k.stride(0))
     seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    return launch("bik.attention_varlen", Problem(q, k, v, layout, cu_seqlens_q, seqlens_k,
-                                                  max_seqlen_q, max_seqlen_k, scale, causal))
+    return launch("bik.attention_varlen",
+                  Problem(args.q, k, args.v, layout, args.cu_seqlens_q, seqlens_k,
+                          args.max_seqlen_q, args.max_seqlen_k, args.scale, args.causal))
 
 
-def _fake_varlen(q, *rest):
+def _fake_varlen(args):
+    q = args.q
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32))
 
@@ -198,8 +197,8 @@ def plan_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     pass ``**plan._asdict()`` to that step's attention calls (every layer shares it).
     """
     op = "bik.plan_attention"
-    return cache_call(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, 1.0,
-                      None, None)
+    return cache_call(op, DECLARED["attention"].Args(
+        q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table, 1.0, False, None, None))
 
 
 def plan_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -207,7 +206,8 @@ def plan_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                           cu_seqlens_k: torch.Tensor) -> AttentionPlan:
     """:func:`plan_attention` for :func:`attention_varlen`."""
     op = "bik.plan_attention_varlen"
-    return varlen_call(op, q, k, v, cu_seqlens_q, cu_seqlens_k, 1.0, None, None)
+    return varlen_call(op, DECLARED["attention_varlen"].Args(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, 1.0, False, None, None))
 
 
 for _fn in (attention, attention_varlen):

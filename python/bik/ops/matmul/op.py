@@ -32,8 +32,10 @@ from bik.ops.matmul import native
 # knobs that change speed only, default None (tests/test_registry.py checks the signatures).
 
 
-def _check_mm(op: str, a, b, bias, out_dtype, a_rank: int = 2) -> torch.dtype:
-    """Validate a 2-D (or batched 3-D) product; return the output dtype."""
+def _check_mm(op: str, args, a_rank: int = 2):
+    """Validate a 2-D product (bik::matmul's record) or a batched 3-D one (bik::bmm's, which
+    has no bias); return the record as it is (an out_dtype of None stands for a's dtype)."""
+    a, b, bias = args.a, args.b, getattr(args, "bias", None)
     check_tensor(op, "a", a, a_rank)
     check_tensor(op, "b", b, a_rank)
     check_float_dtype(op, "a", a)
@@ -53,36 +55,37 @@ def _check_mm(op: str, a, b, bias, out_dtype, a_rank: int = 2) -> torch.dtype:
         if bias.shape[0] != b.shape[-1]:
             raise ValueError(f"{op}: bias {list(bias.shape)} does not match N = {b.shape[-1]}")
     check_same_device(op, a=a, b=b, bias=bias)
-    return check_out_dtype(op, out_dtype, a.dtype)
+    check_out_dtype(op, args.out_dtype, a.dtype)
+    return args
 
 
-def _check_matmul(op, a, b, bias, out_dtype):
-    return a, b, bias, _check_mm(op, a, b, bias, out_dtype)
-
-
-def _run_matmul(launch, a, b, bias, out_dtype):
-    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype, device=a.device)
-    launch(a.unsqueeze(0), b.unsqueeze(0), bias, out.unsqueeze(0))
+def _run_matmul(launch, args):
+    a, b = args.a, args.b
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=args.out_dtype or a.dtype,
+                      device=a.device)
+    launch(a.unsqueeze(0), b.unsqueeze(0), args.bias, out.unsqueeze(0))
     return out
 
 
-def _fake_matmul(a, b, bias, out_dtype):
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+def _fake_matmul(args):
+    return args.a.new_empty((args.a.shape[0], args.b.shape[1]), dtype=args.out_dtype)
 
 
-def _check_bmm(op, a, b, out_dtype):
-    return a, b, _check_mm(op, a, b, None, out_dtype, a_rank=3)
+def _check_bmm(op, args):
+    return _check_mm(op, args, a_rank=3)
 
 
-def _run_bmm(launch, a, b, out_dtype):
-    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype or a.dtype,
+def _run_bmm(launch, args):
+    a, b = args.a, args.b
+    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=args.out_dtype or a.dtype,
                       device=a.device)
     launch(a, b, None, out)
     return out
 
 
-def _fake_bmm(a, b, out_dtype):
-    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype)
+def _fake_bmm(args):
+    a = args.a
+    return a.new_empty((a.shape[0], a.shape[1], args.b.shape[2]), dtype=args.out_dtype)
 
 
 # ---- backward (docs/design.md#backward): built only from bik ops, so every backend keeps
@@ -147,7 +150,7 @@ def _bmm_backward(ctx, grad):
 
 define("matmul",
        "(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype, str backend) -> Tensor",
-       check=_check_matmul, run=_run_matmul, fake=_fake_matmul,
+       check=_check_mm, run=_run_matmul, fake=_fake_matmul,
        autograd=(_matmul_backward, _matmul_setup), native=native.matmul)
 define("bmm", "(Tensor a, Tensor b, ScalarType? out_dtype, str backend) -> Tensor",
        check=_check_bmm, run=_run_bmm, fake=_fake_bmm, autograd=(_bmm_backward, _bmm_setup),

@@ -37,36 +37,40 @@ from bik.ops.reductions.checks import (
 
 # ---- softmax / log_softmax -------------------------------------------------------------------
 
-def _check_softmax(op, x, dim, dtype):
-    return x, norm_dim(op, x, dim), check_x_and_dtype(op, x, dtype)
+def _check_softmax(op, args):
+    x = args.x
+    return args._replace(dim=norm_dim(op, x, args.dim), dtype=check_x_and_dtype(op, x, args.dtype))
 
 
-def _run_softmax(launch, x, d: int, out_dtype, *, log: bool) -> torch.Tensor:
-    """softmax / log_softmax along the normalised dim ``d`` of a validated x."""
+def _run_softmax(launch, args, *, log: bool) -> torch.Tensor:
+    """softmax / log_softmax along the normalised dim of a validated x."""
+    x, d = args.x, args.dim
     xm = x.reshape(1) if x.dim() == 0 else x.movedim(d, -1)
     n = xm.shape[-1]
     rows = math.prod(xm.shape[:-1])  # not reshape(-1, n): n may be 0
     x2 = unit_stride_rows(xm.reshape(rows, n))
-    out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty(rows, n, dtype=args.dtype or x.dtype, device=x.device)
     launch(x2, out, log=log)
     if x.dim() == 0:
         return out.reshape(())
     return out.reshape(xm.shape).movedim(-1, d).contiguous()
 
 
-def _fake_softmax(x, d, out_dtype):
-    return torch.empty(x.shape, dtype=out_dtype, device=x.device)
+def _fake_softmax(args):
+    return torch.empty(args.x.shape, dtype=args.dtype, device=args.x.device)
 
 
-def _check_mean(op, x, dim, keepdim, dtype):
-    out_dtype = check_x_and_dtype(op, x, dtype)
-    return x, norm_dims(op, x, dim), keepdim, out_dtype
+def _check_mean(op, args):
+    x = args.x
+    dtype = check_x_and_dtype(op, x, args.dtype)
+    return args._replace(dim=norm_dims(op, x, args.dim), dtype=dtype)
 
 
-def _run_mean(launch, x, dims: list[int], keepdim: bool, out_dtype) -> torch.Tensor:
-    """mean over the normalised (sorted, distinct) ``dims`` of a validated x."""
-    out_dtype = out_dtype or x.dtype
-    shape = mean_shape(x, dims, keepdim)
+def _run_mean(launch, args) -> torch.Tensor:
+    """mean over the normalised (sorted, distinct) dims of a validated x."""
+    x, dims = args.x, args.dim
+    out_dtype = args.dtype or x.dtype
+    shape = mean_shape(x, dims, args.keepdim)
     kept = [d for d in range(x.dim()) if d not in dims]
     rows = math.prod([x.shape[d] for d in kept])
     n = math.prod([x.shape[d] for d in dims])
@@ -81,8 +85,9 @@ def _run_mean(launch, x, dims: list[int], keepdim: bool, out_dtype) -> torch.Ten
     return out.reshape(shape)
 
 
-def _fake_mean(x, dims, keepdim, out_dtype):
-    return torch.empty(mean_shape(x, dims, keepdim), dtype=out_dtype, device=x.device)
+def _fake_mean(args):
+    x = args.x
+    return torch.empty(mean_shape(x, args.dim, args.keepdim), dtype=args.dtype, device=x.device)
 
 
 define("softmax", "(Tensor x, int dim, ScalarType? dtype, str backend) -> Tensor",

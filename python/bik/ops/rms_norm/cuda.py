@@ -44,14 +44,15 @@ def vector_width(x: torch.Tensor, weight: torch.Tensor, tensors) -> int:
     return vec if aligned else 1
 
 
-def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
-                    residual: torch.Tensor | None = None,
-                    h_out: torch.Tensor | None = None) -> None:
-    """Normalise rows of x [M, H] into out [M, H]; with residual, also write h_out = x + r.
+def launch_rms_norm(args, out: torch.Tensor, h_out: torch.Tensor | None = None) -> None:
+    """Normalise the rows of args.x [M, H] into out [M, H]; with h_out, also write
+    h_out = x + args.residual (the entry point in ops/rms_norm/op.py).
 
     x, residual, out, h_out: CUDA, one dtype (fp32/bf16/fp16), unit stride along H; weight [H]
     contiguous (fp32/bf16/fp16, used in fp32). eps is rounded to fp32 (as on the CPU).
     """
+    x, weight, eps = args.x, args.weight, args.eps
+    residual = None if h_out is None else args.residual
     m, hidden = x.shape
     if m == 0 or hidden == 0:
         return

@@ -67,18 +67,19 @@ def rms_norm_kernel(
         tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
-                    residual: torch.Tensor | None = None,
-                    h_out: torch.Tensor | None = None) -> None:
-    """Normalise rows of x [M, H] (unit stride along H) into out; with residual, write h_out."""
+def launch_rms_norm(args, out: torch.Tensor, h_out: torch.Tensor | None = None) -> None:
+    """Normalise the rows of args.x [M, H] (unit stride along H) into out; with h_out, write
+    h_out = x + args.residual and normalise it (the entry point in ops/rms_norm/op.py)."""
+    x = args.x
     m, hidden = x.shape
     if m == 0 or hidden == 0:
         return
     cfg = rms_norm_config(x.dtype, hidden, device_arch(x.device))
-    has_res = residual is not None
+    has_res = h_out is not None
+    residual = args.residual if has_res else None
     rms_norm_kernel[(m,)](
-        x, residual if has_res else x, weight, out, h_out if has_res else out,
-        hidden, eps,
+        x, residual if has_res else x, args.weight, out, h_out if has_res else out,
+        hidden, args.eps,
         x.stride(0), residual.stride(0) if has_res else 0, out.stride(0),
         h_out.stride(0) if has_res else 0,
         HAS_RESIDUAL=has_res, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps,

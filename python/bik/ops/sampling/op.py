@@ -90,14 +90,20 @@ def check_row_params(op: str, rows: int, vocab: int, device, seed, position, tem
             raise ValueError(f"{op}: {msg}")
 
 
-def _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p, values=True,
-                  max_top_k=None):
+def _row_params(args) -> tuple:
+    """The per-row parameters of a sample or verify_draft record, in their schema order."""
+    return args.seed, args.position, args.temperature, args.top_k, args.top_p, args.min_p
+
+
+def _check_sample(op, args, values: bool):
+    logits = args.logits
     check_tensor(op, "logits", logits, 2)
     check_float_dtype(op, "logits", logits)
     if logits.shape[1] == 0:
         raise ValueError(f"{op}: logits {list(logits.shape)} has an empty vocabulary (V = 0)")
-    check_row_params(op, logits.shape[0], logits.shape[1], logits.device, seed, position,
-                  temperature, top_k, top_p, min_p, values, max_top_k)
+    check_row_params(op, logits.shape[0], logits.shape[1], logits.device, *_row_params(args),
+                     values, args.max_top_k)
+    return args
 
 
 def _checks_values(max_top_k) -> bool:
@@ -114,34 +120,33 @@ def greedy_limit(temperature: torch.Tensor) -> torch.Tensor:
     return torch.where(temperature < SAMPLER_GREEDY_BELOW, 0.0, temperature)
 
 
-def _sample_rows(sample_rows, logits, seed, position, temperature, top_k, top_p, min_p,
-                 max_top_k):
-    temperature = greedy_limit(temperature)
+def _draw(sample_rows, logits, params, max_top_k):
+    """Rows of ``logits`` drawn with their ``params`` (seed, position, ... in schema order)."""
+    seed, position, temperature, top_k, top_p, min_p = params
     x = logits
     if x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
-    return sample_rows(x, seed.contiguous(), position.contiguous(), temperature.contiguous(),
-                       top_k.contiguous(), top_p.contiguous(), log_min_p(min_p).contiguous(),
-                       max_top_k)
+    return sample_rows(x, seed.contiguous(), position.contiguous(),
+                       greedy_limit(temperature).contiguous(), top_k.contiguous(),
+                       top_p.contiguous(), log_min_p(min_p).contiguous(), max_top_k)
 
 
-def _check_sample_call(op, logits, seed, position, temperature, top_k, top_p, min_p,
-                       max_top_k=None):
-    _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p,
-                  _checks_values(max_top_k), max_top_k)
-    return logits, seed, position, temperature, top_k, top_p, min_p, max_top_k
+def _sample_rows(sample_rows, args):
+    return _draw(sample_rows, args.logits, _row_params(args), args.max_top_k)
 
 
-def _shapes_sample(op, logits, seed, position, temperature, top_k, top_p, min_p,
-                   max_top_k=None):
-    _check_sample(op, logits, seed, position, temperature, top_k, top_p, min_p, values=False)
-    return logits, seed, position, temperature, top_k, top_p, min_p, max_top_k
+def _check_sample_call(op, args):
+    return _check_sample(op, args, _checks_values(args.max_top_k))
 
 
-def _fake_sample(logits, *rest):
-    rows = logits.shape[0]
-    return (logits.new_empty(rows, dtype=torch.int64),
-            logits.new_empty(rows, dtype=torch.float32))
+def _shapes_sample(op, args):
+    return _check_sample(op, args, values=False)
+
+
+def _fake_sample(args):
+    rows = args.logits.shape[0]
+    return (args.logits.new_empty(rows, dtype=torch.int64),
+            args.logits.new_empty(rows, dtype=torch.float32))
 
 
 define("sample",
@@ -175,28 +180,24 @@ def check_verify(op, draft_tokens, num_drafts, logits, params, values=True, max_
                          f"{num_drafts.tolist()}")
 
 
-def _check_verify_call(op, draft_tokens, num_drafts, logits, seed, position, temperature,
-                       top_k, top_p, min_p, max_top_k=None):
-    params = (seed, position, temperature, top_k, top_p, min_p)
-    check_verify(op, draft_tokens, num_drafts, logits, params, _checks_values(max_top_k),
-                 max_top_k)
-    return (draft_tokens, num_drafts, logits, *params, max_top_k)
+def _check_verify_call(op, args):
+    check_verify(op, args.draft_tokens, args.num_drafts, args.logits, _row_params(args),
+                 _checks_values(args.max_top_k), args.max_top_k)
+    return args
 
 
-def _shapes_verify(op, draft_tokens, num_drafts, logits, seed, position, temperature, top_k,
-                   top_p, min_p, max_top_k=None):
-    params = (seed, position, temperature, top_k, top_p, min_p)
-    check_verify(op, draft_tokens, num_drafts, logits, params, values=False)
-    return (draft_tokens, num_drafts, logits, *params, max_top_k)
+def _shapes_verify(op, args):
+    check_verify(op, args.draft_tokens, args.num_drafts, args.logits, _row_params(args),
+                 values=False)
+    return args
 
 
-def _run_verify(sample_rows, draft_tokens, num_drafts, logits, seed, position, temperature,
-                top_k, top_p, min_p, max_top_k):
-    params = (seed, position, temperature, top_k, top_p, min_p)
+def _run_verify(sample_rows, args):
+    logits = args.logits
     rows, window, vocab = logits.shape
-    tokens, logprobs = _sample_rows(sample_rows, logits.reshape(rows * window, vocab),
-                                    *window_rows(params, window), max_top_k)
-    return accept_drafts(draft_tokens, num_drafts, tokens.reshape(rows, window),
+    tokens, logprobs = _draw(sample_rows, logits.reshape(rows * window, vocab),
+                             window_rows(_row_params(args), window), args.max_top_k)
+    return accept_drafts(args.draft_tokens, args.num_drafts, tokens.reshape(rows, window),
                          logprobs.reshape(rows, window))
 
 
@@ -225,7 +226,8 @@ def accept_drafts(draft_tokens, num_drafts, tokens, logprobs):
     return num_accepted, tokens, logprobs
 
 
-def _fake_verify(draft_tokens, num_drafts, logits, *rest):
+def _fake_verify(args):
+    logits = args.logits
     rows, window = logits.shape[:2]
     return (logits.new_empty(rows, dtype=torch.int64),
             logits.new_empty(rows, window, dtype=torch.int64),
