@@ -38,7 +38,7 @@ def _run(dtype: str, cases: str, *, plugin: bool, chunked: bool = False,
 
 @pytest.fixture(scope="module")
 def bik_fp32():
-    return _run("float32", "batch,needle,prefix,seeded,resumed", plugin=True)
+    return _run("float32", "batch,needle,prefix,seeded,resumed,trainer", plugin=True)
 
 
 def test_stock_vllm_is_not_batch_invariant():
@@ -47,11 +47,14 @@ def test_stock_vllm_is_not_batch_invariant():
     logprobs_differ 1 (the long prompt 0), needle {1, 3, 15} all unequal, from vLLM's CPU
     attention splitting a long decode row's KV by batch (0 and all equal with
     VLLM_CPU_ATTN_SPLIT_KV=0; with short prompts only, stock was invariant on that CPU)."""
-    stock = _run("float32", "batch,needle,resumed", plugin=False)
+    stock = _run("float32", "batch,needle,resumed,trainer", plugin=False)
     assert stock["batch"]["logprobs_differ"] > 0, stock
     assert not all(stock["needle"].values()), stock
     # vLLM keys a seeded row's noise by its request's step count, not by position.
     assert not stock["resumed"]["tokens_equal"], stock
+    # Stock vLLM and stock transformers: other logprobs for most sampled tokens (2 of 64
+    # equal with the plugin on but vLLM's RoPE kernel kept, before rope.py).
+    assert stock["trainer"]["equal"] < stock["trainer"]["total"], stock["trainer"]
 
 
 def test_plugin_fp32_alone_equals_batched(bik_fp32):
@@ -60,6 +63,17 @@ def test_plugin_fp32_alone_equals_batched(bik_fp32):
     stats = bik_fp32["stats"]
     assert stats["linear_calls"] > 0 and stats["attention_calls"] > 0 and stats["norm_calls"] > 0
     assert stats["unrouted"] == {}, stats  # no vLLM batch-dependent kernel ran
+
+
+def test_trainer_logprobs_equal_the_engines_fp32(bik_fp32):
+    """On-policy RL's premise (issue 32): the logprob the engine reports for each sampled
+    token, greedy and at T = 1.0 / 0.7 with seeds, is bit for bit the one a Hugging Face
+    trainer computes (train mode, grad on, bik.enable(), log_softmax of the fp32 logits).
+    The control is stock vLLM against stock transformers (test_stock_vllm_is_not_batch_invariant)."""
+    trainer = bik_fp32["trainer"]
+    assert trainer["grad"] and trainer["total"] >= 4 * 12  # 4 requests, ignore_eos
+    assert trainer["equal"] == trainer["total"], trainer
+    assert bik_fp32["stats"]["rope_calls"] > 0
 
 
 def test_plugin_prefix_cache_cold_equals_hot(bik_fp32):

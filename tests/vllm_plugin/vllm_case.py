@@ -8,8 +8,10 @@ share one.
 Cases: batch (8 prompts alone vs in one batch, greedy, logprobs), needle (prompt 0 among 1,
 3, 15 others), prefix (a long prompt cold, then hot from the prefix cache), seeded (T = 0.8
 with a seed per request, alone vs batched), resumed (T = 0.8, seeded: the prompt plus the
-first half of its sampled tokens, fed back as a prompt, goes on with the second half).
-Tokens and logprobs are compared exactly.
+first half of its sampled tokens, fed back as a prompt, goes on with the second half),
+trainer (the engine's raw logprobs of its sampled tokens against those Hugging Face
+transformers computes as a trainer does, in this process: under bik.enable() when the plugin
+is on, stock when it is off). Tokens and logprobs are compared exactly.
 
 Prompt 0 of batch, needle and seeded is LONG (294 tokens), the others short (4-11 tokens), with
 or without --chunked. The long prompt is what makes stock vLLM fail on an AVX2 CPU too: vLLM's
@@ -71,6 +73,38 @@ def _resumed(llm) -> dict:
     return {"tokens_equal": rest[0] == tokens[half:], "logprobs_equal": rest[1] == logprobs[half:]}
 
 
+def _trainer(llm, dtype: str) -> dict:
+    """Greedy and seeded requests (T = 1.0, 0.7) in one batch, their raw logprobs (vLLM's
+    default logprobs mode: log_softmax of the untempered logits); then each prompt + completion
+    through transformers' LlamaForCausalLM in train mode with grad enabled, one sequence a
+    forward, and log_softmax(logits.float()) gathered at the sampled tokens."""
+    import torch
+    import transformers
+    from bik.models import smollm2
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=NEW_TOKENS, logprobs=0,
+                             ignore_eos=True)
+              for t, s in ((0.0, None), (1.0, 3), (0.7, 5), (1.0, 11))]
+    outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        str(smollm2.cache_dir()), dtype=getattr(torch, dtype))
+    model.train()
+    equal = total = 0
+    worst = 0.0
+    for out in outs:
+        prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+        engine = torch.tensor([d[t].logprob for d, t in zip(out.outputs[0].logprobs, tokens)])
+        logits = model(torch.tensor([prompt + tokens])).logits
+        rows = torch.log_softmax(logits.float(), -1)[0, len(prompt) - 1:-1]
+        trainer = rows.gather(1, torch.tensor(tokens)[:, None])[:, 0].detach()
+        equal += int((trainer == engine).sum())
+        total += len(tokens)
+        worst = max(worst, float((trainer - engine).abs().max()))
+    return {"equal": equal, "total": total, "max_abs": worst,
+            "grad": bool(logits.requires_grad)}
+
+
 def main() -> None:
     dtype, cases = sys.argv[1], sys.argv[2].split(",")
     chunked = "--chunked" in sys.argv
@@ -104,6 +138,12 @@ def main() -> None:
         result["seeded"] = _differ(alone, _outputs(llm, prompts, params))
     if "resumed" in cases:
         result["resumed"] = _resumed(llm)
+    if "trainer" in cases:
+        import time
+
+        t0 = time.perf_counter()
+        result["trainer"] = _trainer(llm, dtype)
+        result["trainer"]["seconds"] = round(time.perf_counter() - t0, 1)
     try:
         from bik.integrations import vllm as plugin
 

