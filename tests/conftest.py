@@ -238,6 +238,8 @@ GROUPS = {
     "tests/vllm_plugin/test_vllm_plugin.py::test_plugin_seeded_sampling_*": "vllm-fp32",
     "tests/vllm_plugin/test_vllm_plugin.py::test_plugin_chunked_prefill_equals_one_prefill":
         "vllm-fp32",
+    "tests/vllm_plugin/test_vllm_plugin.py::test_trainer_logprobs_equal_the_engines_fp32":
+        "vllm-fp32",
 }
 
 

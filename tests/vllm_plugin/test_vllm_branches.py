@@ -65,6 +65,29 @@ def test_rms_norm_ir_ops_run_bik_first(norm_installed):
     assert guard.UNROUTED == {}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_has_transformers_rounding_points(norm_installed, dtype):
+    """transformers' LlamaRMSNorm under bik.enable() (its mean on bik) gives the plugin's
+    bits, plain and after the residual add (which transformers rounds to the dtype first).
+    In bf16 bik's own one-rounding (h * rstd) * weight does not: the control."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    ops, current_platform = norm_installed
+    _priority(current_platform).set_default()
+    torch.manual_seed(1)
+    x, residual = torch.randn(7, 576).to(dtype), torch.randn(7, 576).to(dtype)
+    hf = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.rand(576) + 0.5)
+        with bik.enabled():
+            want, want_fused = hf(x), hf((x + residual).to(dtype))
+    assert torch.equal(ops.rms_norm(x, hf.weight.detach(), 1e-5), want)
+    out, h = ops.fused_add_rms_norm(x, residual, hf.weight.detach(), 1e-5)
+    assert torch.equal(out, want_fused) and torch.equal(h, (x + residual).to(dtype))
+    one_rounding = bik.rms_norm(x, hf.weight.detach(), 1e-5)
+    assert torch.equal(one_rounding, want) == (dtype == torch.float32)
+
+
 def test_rms_norm_priority_set_elsewhere_is_reported(norm_installed):
     ops, _ = norm_installed
     ops.rms_norm.set_default(["native"])  # e.g. ir_op_priority={"rms_norm": ["native"]}

@@ -65,7 +65,7 @@ def test_plugin_fp32_alone_equals_batched(bik_fp32):
     assert stats["unrouted"] == {}, stats  # no vLLM batch-dependent kernel ran
 
 
-def test_trainer_logprobs_equal_the_engines_fp32(bik_fp32):
+def test_trainer_logprobs_equal_the_engines_fp32(bik_fp32):  # bf16: below
     """On-policy RL's premise (issue 32): the logprob the engine reports for each sampled
     token, greedy and at T = 1.0 / 0.7 with seeds, is bit for bit the one a Hugging Face
     trainer computes (train mode, grad on, bik.enable(), log_softmax of the fp32 logits).
@@ -101,6 +101,23 @@ def test_plugin_chunked_prefill_equals_one_prefill(bik_fp32):
 
 def test_plugin_bf16_in_vllms_worker_process():
     """The default engine: the model runs in a worker process, which loads the plugin too."""
-    got = _run("bfloat16", "batch,needle", plugin=True, multiprocess=True)
+    got = _run("bfloat16", "batch,needle,trainer", plugin=True, multiprocess=True)
     assert got["batch"] == {"tokens_differ": 0, "logprobs_differ": 0}
     assert all(got["needle"].values()), got["needle"]
+    # The trainer's bf16 logprobs are the engine's too (the model in vLLM's worker process,
+    # the trainer in the driver): RMSNorm's weight is multiplied as transformers does.
+    assert got["trainer"]["equal"] == got["trainer"]["total"] > 0, got["trainer"]
+
+
+def test_every_reader_of_the_fp32_engine_shares_its_worker():
+    """A test reading bik_fp32 outside tests/conftest.py's "vllm-fp32" group would build the
+    engine again on the other xdist worker (~65 s of make test-vllm)."""
+    import inspect
+
+    from conftest import _group
+
+    readers = [name for name, fn in globals().items() if name.startswith("test_")
+               and "bik_fp32" in inspect.signature(fn).parameters]
+    assert len(readers) >= 5
+    assert {n: _group(f"tests/vllm_plugin/test_vllm_plugin.py::{n}") for n in readers} == \
+        dict.fromkeys(readers, "vllm-fp32")

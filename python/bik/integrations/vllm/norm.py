@@ -4,7 +4,8 @@ vLLM computes RMSNorm through its IR ops ``vllm.ir.ops.rms_norm`` / ``fused_add_
 each dispatched to the first implementation in a per-op priority list that the platform sets:
 on CUDA ``vllm_c`` (``_C::rms_norm``, whose block size follows the number of tokens) or, when
 Inductor compiles, ``native`` (torch ops that Inductor fuses its own way); on the CPU
-``native``. This module registers a ``bik`` implementation of both ops through vLLM's own
+``native``. This module registers a ``bik`` implementation of both ops (``bik.rms_norm`` with
+a weight of ones, then the weight multiplied as Hugging Face's Llama does) through vLLM's own
 ``register_impl`` and puts it first in the platform's default priority, so one code path
 serves the CPU and CUDA. A ``variance_size`` override (RMS over a prefix of the row) is not
 bik's contract: those calls keep vLLM's native implementation, whose mean reaches bik's
@@ -26,21 +27,31 @@ CALLS = [0]  # bik.rms_norm calls from vLLM's IR ops in this process
 _OPS = ("rms_norm", "fused_add_rms_norm")
 
 
-def _weight(x: Tensor, weight: Tensor | None) -> Tensor:
-    # has_weight=False layers pass None; a weight of ones multiplies exactly in fp32.
-    return torch.ones(x.shape[-1], dtype=x.dtype, device=x.device) if weight is None else weight
+def _ones(x: Tensor) -> Tensor:
+    return torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+
+
+def _times_weight(out: Tensor, weight: Tensor | None) -> Tensor:
+    """Hugging Face's Llama rounding points: the normalised rows rounded to x's dtype, then
+    times the weight in that dtype (``weight * hidden.to(input_dtype)``), so a trainer under
+    bik.enable() gets the engine's bits in bf16 too. In fp32 this is bik's one rounding of
+    (h * rstd) * weight; a layer without a weight (has_weight=False) keeps the rows."""
+    if weight is None:
+        return out
+    return (weight * out).to(out.dtype)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, epsilon: float,
              variance_size: int | None = None) -> Tensor:
     CALLS[0] += 1
-    return bik.rms_norm(x, _weight(x, weight), epsilon)
+    return _times_weight(bik.rms_norm(x, _ones(x), epsilon), weight)
 
 
 def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
                        variance_size: int | None = None) -> tuple[Tensor, Tensor]:
     CALLS[0] += 1
-    return bik.rms_norm(x, _weight(x, weight), epsilon, residual=x_residual)
+    out, h = bik.rms_norm(x, _ones(x), epsilon, residual=x_residual)
+    return _times_weight(out, weight), h
 
 
 def _rms_norm_args(x: Tensor, weight: Tensor | None, epsilon: float,
