@@ -76,8 +76,9 @@ def _resumed(llm) -> dict:
 def _trainer(llm, dtype: str) -> dict:
     """Greedy and seeded requests (T = 1.0, 0.7) in one batch, their raw logprobs (vLLM's
     default logprobs mode: log_softmax of the untempered logits); then each prompt + completion
-    through transformers' LlamaForCausalLM in train mode with grad enabled, one sequence a
-    forward, and log_softmax(logits.float()) gathered at the sampled tokens."""
+    through transformers' LlamaForCausalLM in train mode with grad enabled, log_softmax of the
+    fp32 logits gathered at the sampled tokens: one sequence per forward ("alone"), and all in
+    one right-padded batch with its attention mask ("padded")."""
     import torch
     import transformers
     from bik.models import smollm2
@@ -90,19 +91,26 @@ def _trainer(llm, dtype: str) -> dict:
     model = transformers.LlamaForCausalLM.from_pretrained(
         str(smollm2.cache_dir()), dtype=getattr(torch, dtype))
     model.train()
-    equal = total = 0
-    worst = 0.0
-    for out in outs:
+    seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    padded = torch.log_softmax(model(ids, attention_mask=mask).logits.float(), -1)
+    result = {"alone": {"equal": 0, "max_abs": 0.0}, "padded": {"equal": 0, "max_abs": 0.0},
+              "total": 0, "grad": bool(padded.requires_grad)}
+    for b, out in enumerate(outs):
         prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
         engine = torch.tensor([d[t].logprob for d, t in zip(out.outputs[0].logprobs, tokens)])
-        logits = model(torch.tensor([prompt + tokens])).logits
-        rows = torch.log_softmax(logits.float(), -1)[0, len(prompt) - 1:-1]
-        trainer = rows.gather(1, torch.tensor(tokens)[:, None])[:, 0].detach()
-        equal += int((trainer == engine).sum())
-        total += len(tokens)
-        worst = max(worst, float((trainer - engine).abs().max()))
-    return {"equal": equal, "total": total, "max_abs": worst,
-            "grad": bool(logits.requires_grad)}
+        alone = torch.log_softmax(model(torch.tensor([seqs[b]])).logits.float(), -1)[0]
+        at = torch.tensor(tokens)[:, None]
+        rows = slice(len(prompt) - 1, len(seqs[b]) - 1)
+        for name, lp in (("alone", alone[rows]), ("padded", padded[b, rows])):
+            trainer = lp.gather(1, at)[:, 0].detach()
+            result[name]["equal"] += int((trainer == engine).sum())
+            result[name]["max_abs"] = max(result[name]["max_abs"],
+                                          float((trainer - engine).abs().max()))
+        result["total"] += len(tokens)
+    return result
 
 
 def main() -> None:

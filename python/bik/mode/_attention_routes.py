@@ -2,7 +2,10 @@
 
 Without a mask (or with is_causal) the batch is reshaped into equal-length varlen sequences;
 with a padding (+ causal) mask each sequence's real queries and keys are compacted into one
-(the mask analysis: mode/_masks.py). Fused CUDA attention below autograd is not routed.
+(the mask analysis: mode/_masks.py), with or without grad: a trainer's padded batch then
+computes each sequence's forward bits alone (a Hugging Face trainer's logprobs equal to the
+vLLM plugin's), while the masked backward stays torch's formula on those outputs (the
+backward route serves unmasked calls). Fused CUDA attention below autograd is not routed.
 """
 
 from __future__ import annotations
@@ -83,8 +86,6 @@ def _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, sto
     computes rows that see no key: stock(q_rows, k_b, v_b, mask_rows) -> (out, lse)."""
     if dropout_p != 0 or is_causal:
         raise WarnedFallback("attn_mask with dropout_p > 0 or is_causal")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise WarnedFallback("attn_mask while autograd records (the mask's backward is stock)")
     if torch.compiler.is_compiling():
         raise WarnedFallback("attn_mask under torch.compile (the mask's structure is data)")
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
