@@ -159,3 +159,30 @@ def test_left_padding_keeps_the_bits_with_positions_from_the_mask():
 
 
 # Forward and backward under grad through the mode: tests/mode/test_hf_llama_backward.py.
+
+
+@pytest.mark.parametrize("front", [bik.batch_invariant_mode, bik.enabled],
+                         ids=["mode", "enabled"])
+def test_a_trainers_right_padded_batch_keeps_each_sequences_bits(front):
+    """SDPA, train mode, grad on: four sequences of 5-17 tokens right-padded into one batch
+    with HF's attention mask give every real position the logits of the sequence alone, and
+    the backward runs (the masked backward is torch's formula). Stock fails the same check
+    (measured here)."""
+    model = make_model(attention="sdpa").train()
+    gen = torch.Generator().manual_seed(7)
+    lengths = (5, 9, 13, 17)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
+    ids = torch.stack([torch.cat([s, torch.zeros(17 - len(s), dtype=s.dtype)]) for s in seqs])
+    mask = torch.stack([(torch.arange(17) < len(s)).long() for s in seqs])
+
+    def differing(batch_logits, alone) -> list[int]:
+        return [b for b, s in enumerate(seqs)
+                if not same_bits(batch_logits[b, :len(s)], alone(s[None])[0])]
+
+    stock = model(ids, attention_mask=mask).logits
+    assert differing(stock, lambda x: model(x).logits), "stock kept every sequence's bits"
+    with front():
+        logits = model(ids, attention_mask=mask).logits
+        assert differing(logits, lambda x: model(x).logits) == []
+        logits.float().log_softmax(-1).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
