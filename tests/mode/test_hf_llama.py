@@ -186,3 +186,33 @@ def test_a_trainers_right_padded_batch_keeps_each_sequences_bits(front):
         assert differing(logits, lambda x: model(x).logits) == []
         logits.float().log_softmax(-1).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("front", [bik.batch_invariant_mode, bik.enabled],
+                         ids=["mode", "enabled"])
+def test_a_trainers_packed_sequences_keep_each_sequences_bits(front):
+    """SDPA, train mode, grad on, no cache (as trainers run): four sequences packed into one
+    row with position_ids restarting per sequence (transformers then builds a block-diagonal
+    causal mask) give
+    every position the logits of its sequence alone; each block is one varlen sequence
+    (mode/_masks.py). Stock fails the same check (measured here)."""
+    model = make_model(attention="sdpa").train()
+    gen = torch.Generator().manual_seed(8)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (5, 9, 13, 17)]
+    ids = torch.cat(seqs)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    bounds = [0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()]
+
+    def differing(packed_logits, alone) -> list[int]:
+        return [i for i, s in enumerate(seqs)
+                if not same_bits(packed_logits[0, bounds[i]:bounds[i + 1]], alone(s[None])[0])]
+
+    stock = model(ids, position_ids=positions, use_cache=False).logits
+    assert differing(stock, lambda x: model(x).logits), "stock kept every sequence's bits"
+    bik.reset_mode_stats()
+    with front():
+        logits = model(ids, position_ids=positions, use_cache=False).logits
+        assert differing(logits, lambda x: model(x).logits) == []
+        logits.float().log_softmax(-1).sum().backward()
+    assert not any("scaled_dot_product_attention" in key and "backward" not in key
+                   for key in bik.mode_stats().fallbacks), bik.mode_stats().fallbacks

@@ -237,6 +237,57 @@ def test_right_padded_rows_equal_their_sequence_alone(front, kind):
     assert reference_failures > 0
 
 
+def _packed(rows_of_seqs, kind):
+    """Each batch row: its sequences packed one after another, zero-padded to the longest
+    row, with transformers' block-diagonal causal mask (a packed row's pad queries see no
+    key)."""
+    width = max(sum(s[1].shape[2] for s in row) for row in rows_of_seqs)
+    qs, ks, vs, masks = [], [], [], []
+    for row in rows_of_seqs:
+        lens = [s[1].shape[2] for s in row]
+        pad = width - sum(lens)
+        qs.append(torch.cat([s[0] for s in row] + [torch.zeros(1, H, pad, D)], 2))
+        ks.append(torch.cat([s[1] for s in row] + [torch.zeros(1, HKV, pad, D)], 2))
+        vs.append(torch.cat([s[2] for s in row] + [torch.zeros(1, HKV, pad, D)], 2))
+        block = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)]
+                          + [torch.full((pad,), -1)])
+        keep = (block[:, None] == block[None, :]) & (block[:, None] >= 0)
+        masks.append(keep & torch.ones(width, width, dtype=torch.bool).tril())
+    mask = torch.stack(masks)[:, None]
+    if kind != "bool":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), mask
+
+
+@pytest.mark.parametrize("front", FRONTS)
+@pytest.mark.parametrize("kind", ["bool", "-inf"])
+def test_packed_rows_equal_their_sequence_alone(front, kind):
+    """Several sequences packed into one batch row (a trainer's packed batch: a block-diagonal
+    causal mask): each block is one varlen sequence with its own bits alone, whatever it is
+    packed with. The deliberately batch-dependent reference fails the same check."""
+    seqs = _sequences((5, 9, 1, 7, 3), (0, 0, 0, 0, 0))
+    rows = [[seqs[0], seqs[1], seqs[2]], [seqs[3], seqs[4]]]
+    q, k, v, mask = _packed(rows, kind)
+    bik.reset_mode_stats()
+    with torch.no_grad():
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        with FRONTS[front]():
+            got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    reference_failures = 0
+    for b, row in enumerate(rows):
+        at = 0
+        for s in row:
+            n = s[0].shape[2]
+            assert torch.equal(got[b, :, at:at + n], _alone(s)[0]), (b, at)
+            causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+            reference_failures += not torch.equal(
+                _split_by_length(q, k, v, mask)[b, :, at:at + n], _split_by_length(*s, causal)[0])
+            at += n
+    torch.testing.assert_close(got, want, equal_nan=True)  # pad rows: stock's values
+    assert bik.mode_stats().fallbacks == {}
+    assert reference_failures > 0
+
+
 @pytest.mark.parametrize("front", ["mode", "enable"])
 def test_masked_sdpa_under_autograd_routes_the_forward(front):
     """A trainer's padded batch: while autograd records, each sequence's rows are still its

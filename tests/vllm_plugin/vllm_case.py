@@ -29,6 +29,7 @@ another kernel depends on the batch as well (not measured here).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -77,8 +78,10 @@ def _trainer(llm, dtype: str) -> dict:
     """Greedy and seeded requests (T = 1.0, 0.7) in one batch, their raw logprobs (vLLM's
     default logprobs mode: log_softmax of the untempered logits); then each prompt + completion
     through transformers' LlamaForCausalLM in train mode with grad enabled, log_softmax of the
-    fp32 logits gathered at the sampled tokens: one sequence per forward ("alone"), and all in
-    one right-padded batch with its attention mask ("padded")."""
+    fp32 logits gathered at the sampled tokens: one sequence per forward ("alone"), all in
+    one right-padded batch with its attention mask ("padded"), and all packed into one row
+    with position_ids restarting per sequence ("packed"; no cache, as trainers run, so
+    transformers builds its block-diagonal mask)."""
     import torch
     import transformers
     from bik.models import smollm2
@@ -96,15 +99,21 @@ def _trainer(llm, dtype: str) -> dict:
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
     padded = torch.log_softmax(model(ids, attention_mask=mask).logits.float(), -1)
-    result = {"alone": {"equal": 0, "max_abs": 0.0}, "padded": {"equal": 0, "max_abs": 0.0},
-              "total": 0, "grad": bool(padded.requires_grad)}
+    starts = [0, *itertools.accumulate(map(len, seqs))]
+    packed = torch.log_softmax(model(
+        torch.tensor([sum(seqs, [])]), use_cache=False,
+        position_ids=torch.cat([torch.arange(len(s)) for s in seqs])[None]).logits.float(), -1)
+    result = {name: {"equal": 0, "max_abs": 0.0} for name in ("alone", "padded", "packed")}
+    result |= {"total": 0, "grad": bool(padded.requires_grad)}
     for b, out in enumerate(outs):
         prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
         engine = torch.tensor([d[t].logprob for d, t in zip(out.outputs[0].logprobs, tokens)])
         alone = torch.log_softmax(model(torch.tensor([seqs[b]])).logits.float(), -1)[0]
         at = torch.tensor(tokens)[:, None]
         rows = slice(len(prompt) - 1, len(seqs[b]) - 1)
-        for name, lp in (("alone", alone[rows]), ("padded", padded[b, rows])):
+        packed_rows = slice(starts[b] + rows.start, starts[b] + rows.stop)
+        for name, lp in (("alone", alone[rows]), ("padded", padded[b, rows]),
+                         ("packed", packed[0, packed_rows])):
             trainer = lp.gather(1, at)[:, 0].detach()
             result[name]["equal"] += int((trainer == engine).sum())
             result[name]["max_abs"] = max(result[name]["max_abs"],

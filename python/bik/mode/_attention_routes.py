@@ -95,16 +95,16 @@ def _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, sto
         spans = padded_spans(attn_mask, nb, lq, lk)
     except MaskNotServed as exc:
         raise WarnedFallback(str(exc)) from None
-    seqs = [b for b in range(nb) if spans.qb[b] > spans.qa[b]]
+    seqs = [i for i in range(len(spans.batch)) if spans.qb[i] > spans.qa[i]]
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((nb, hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
     if seqs:
         def pack(t, a, z):  # [B, H, L, D] rows a..z of each sequence -> [sum L, H, D]
-            return torch.cat([t[b, :, a[b]:z[b]].transpose(0, 1) for b in seqs])
+            return torch.cat([t[spans.batch[i], :, a[i]:z[i]].transpose(0, 1) for i in seqs])
 
         his = [h + 1 for h in spans.hi]
-        lens_q = [spans.qb[b] - spans.qa[b] for b in seqs]
-        lens_k = [his[b] - spans.lo[b] for b in seqs]
+        lens_q = [spans.qb[i] - spans.qa[i] for i in seqs]
+        lens_k = [his[i] - spans.lo[i] for i in seqs]
         starts = [0, *itertools.accumulate(lens_q)]  # host copies: the op reads nothing back
         cu_q = torch.tensor(starts, dtype=torch.int32, device=q.device)
         cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32,
@@ -114,10 +114,10 @@ def _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, sto
             "attention_varlen",
             pack(q, spans.qa, spans.qb), pack(k, spans.lo, his), pack(v, spans.lo, his),
             cu_q, cu_k, scale_f, spans.causal, backend, max(lens_q), max(lens_k))
-        for i, b in enumerate(seqs):
-            rows = slice(spans.qa[b], spans.qb[b])
-            out[b, :, rows] = o[starts[i]:starts[i + 1]].transpose(0, 1)
-            lse[b, :, rows] = s[starts[i]:starts[i + 1]].transpose(0, 1)
+        for n, i in enumerate(seqs):
+            b, rows = spans.batch[i], slice(spans.qa[i], spans.qb[i])
+            out[b, :, rows] = o[starts[n]:starts[n + 1]].transpose(0, 1)
+            lse[b, :, rows] = s[starts[n]:starts[n + 1]].transpose(0, 1)
     mask4 = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     mask4 = mask4.expand(mask4.shape[0], mask4.shape[1], lq, lk)
     for b, rows in spans.stock_rows:

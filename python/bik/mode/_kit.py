@@ -16,8 +16,8 @@ from bik._dtypes import dtype_name
 from bik.ops._checks import SUPPORTED_DTYPES
 from bik.ops._registry import default_backend
 
-__all__ = ["Fallback", "WarnedFallback", "aten_args", "backend_for", "cast_first", "handler_table", "prepare",
-           "reduced_dims", "torch_raises"]
+__all__ = ["Fallback", "WarnedFallback", "aten_args", "backend_for", "cast_first",
+           "handler_table", "prepare", "reduced_dims", "torch_raises"]
 
 aten = torch.ops.aten
 

@@ -11,7 +11,9 @@ masked key then contributes nothing at all, as in the sequence alone.
 
 What is served: masks whose rows are, per sequence, one run of keys with a common start and an
 end that is either common (no causality, or one query) or steps with the query row (causal),
-over a contiguous run of query rows; boolean (True = attend) or additive with 0 for attended
+over a contiguous run of query rows, one sequence per batch row or several packed into one
+(a block-diagonal mask, as transformers builds from position_ids restarting per sequence: a
+new sequence starts at the row whose keys lie past every key the rows before it saw); boolean (True = attend) or additive with 0 for attended
 keys and -inf or the dtype's lowest value for masked ones; broadcast over heads or equal across
 them. Anything else is a counted, warned fallback to the stock kernel. Pad queries run the
 stock kernel on their own: under left padding they see no key, and their values are torch's
@@ -30,8 +32,11 @@ __all__ = ["MaskNotServed", "PaddedSpans", "padded_spans"]
 
 
 class PaddedSpans(NamedTuple):
-    """Per sequence b: real query rows [qa[b], qb[b]) and keys [lo[b], hi[b]] (host ints)."""
+    """Per sequence i, in batch row batch[i]: real query rows [qa[i], qb[i]) and keys
+    [lo[i], hi[i]] (host ints). A padded batch has one sequence per batch row; a packed one
+    (several sequences in one row, each seeing only its own keys) has several."""
 
+    batch: list[int]
     qa: list[int]
     qb: list[int]
     lo: list[int]
@@ -78,12 +83,13 @@ def padded_spans(mask: torch.Tensor, nb: int, lq: int, lk: int) -> PaddedSpans:
     if not bool((count == 0).logical_or(count == last - first + 1).all()):
         raise MaskNotServed("an attn_mask whose rows are not one run of keys")
     count, first, last = count.tolist(), first.tolist(), last.tolist()
-    seqs = [_sequence_rows(count[b], first[b], last[b]) for b in range(nb)]
-    causal = any(r.kind in ("causal", "tail") for r in seqs)
-    if causal and any(r.kind == "full" for r in seqs):
+    seqs = [(b, s, _sequence_rows(count[b][s:e], first[b][s:e], last[b][s:e]))
+            for b in range(nb) for s, e in _packed_blocks(count[b], first[b], last[b])]
+    causal = any(r.kind in ("causal", "tail") for _, _, r in seqs)
+    if causal and any(r.kind == "full" for _, _, r in seqs):
         raise MaskNotServed("an attn_mask causal for some sequences and full for others")
-    qa, qb, lo, hi, stock = [], [], [], [], []
-    for b, r in enumerate(seqs):
+    spans = PaddedSpans([], [], [], [], [], causal, [])
+    for b, s, r in seqs:
         # Real queries: the ramp when the rows after it are right padding's pad queries.
         padded = r.kind == "tail" or (r.kind == "ambiguous" and causal)
         real = r.ramp if padded else len(r.ends)
@@ -92,9 +98,24 @@ def padded_spans(mask: torch.Tensor, nb: int, lq: int, lk: int) -> PaddedSpans:
             raise MaskNotServed("more real queries than keys in a sequence")
         rest = r.missing + list(range(r.a + real, r.a + len(r.ends)))
         if rest:
-            stock.append((b, sorted(rest)))
-        qa.append(r.a), qb.append(r.a + real), lo.append(r.start), hi.append(end)
-    return PaddedSpans(qa, qb, lo, hi, causal, stock)
+            spans.stock_rows.append((b, sorted(s + j for j in rest)))
+        for field, value in zip(spans[:5], (b, s + r.a, s + r.a + real, r.start, end)):
+            field.append(value)
+    return spans
+
+
+def _packed_blocks(count: list[int], first: list[int], last: list[int]) -> list[tuple[int, int]]:
+    """A batch row's query rows [s, e) per sequence: a new sequence starts at a row whose keys
+    all lie past every key the rows before it saw (packed sequences, each seeing only its own
+    keys; rows that see no key stay with the sequence before them, or the first). Rows whose
+    runs overlap (a sliding window) stay one sequence, which _sequence_rows refuses."""
+    starts, seen = [0], -1
+    for j, (c, f, z) in enumerate(zip(count, first, last)):
+        if c and seen >= 0 and f > seen:
+            starts.append(j)
+        if c:
+            seen = max(seen, z)
+    return list(zip(starts, starts[1:] + [len(count)]))
 
 
 class _Rows(NamedTuple):
