@@ -288,27 +288,66 @@ def test_packed_rows_equal_their_sequence_alone(front, kind):
     assert reference_failures > 0
 
 
-@pytest.mark.parametrize("front", ["mode", "enable"])
-def test_masked_sdpa_under_autograd_routes_the_forward(front):
-    """A trainer's padded batch: while autograd records, each sequence's rows are still its
-    bits alone (the forward is compacted as without grad), and the backward is torch's
-    formula on those outputs (a counted fallback: close to stock's gradients, not bit-exact
-    across batches). Stock's forward fails the same check (test_masked_sdpa_rows_are_*)."""
-    seqs = _sequences((4, 6), (0, 0))
-    q, k, v, mask = _left_padded(seqs, 6, 6, "bool")
-    q.requires_grad_(True)
-    bik.reset_mode_stats()
-    with FRONTS[front](), warnings.catch_warnings():
+def _grads_of(front, q, k, v, upstream, **sdpa):
+    """(out, (dq, dk, dv)) of SDPA under ``front`` (None: stock) for the upstream gradient."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with (FRONTS[front] if front else contextlib.nullcontext)(), warnings.catch_warnings():
         warnings.simplefilter("ignore", bik.BatchInvarianceWarning)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        out.sum().backward()
-    for i, seq in enumerate(seqs):
-        n = seq[0].shape[2]
-        assert torch.equal(out[i, :, -n:].detach(), _alone(seq)[0]), i
+        out = F.scaled_dot_product_attention(*leaves, enable_gqa=True, **sdpa)
+        out.backward(upstream)
+    return out.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("front", ["mode", "enable"])
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_a_padded_batchs_gradients_are_each_sequences_alone(front, padding):
+    """While autograd records, a padded batch's forward and backward both run per sequence:
+    every real row's output and every real query's, key's and value's gradient has the bits
+    of its sequence alone (the upstream gradient of pad rows is zero, as a trainer's masked
+    loss gives). The deliberately batch-dependent reference's gradients fail the same check
+    (stock SDPA's pass it at these sizes on the machine this was written on)."""
+    seqs = _sequences((4, 6, 9), (0, 0, 0))
+    if padding == "left":
+        q, k, v, mask = _left_padded(seqs, 9, 9, "bool")
+    else:
+        q, k, v, mask = _right_padded(seqs, 9, "bool")
+    gen = torch.Generator().manual_seed(5)
+    ups = [torch.randn(s[0].shape, generator=gen) for s in seqs]
+
+    def real(t, i):  # sequence i's rows of a padded [B, H, L, ...] tensor
+        n = seqs[i][1].shape[2]
+        return t[i, :, -n:] if padding == "left" else t[i, :, :n]
+
+    upstream = torch.zeros(q.shape)
+    for i, u in enumerate(ups):
+        real(upstream, i).copy_(u[0])
+    bik.reset_mode_stats()
+    out, grads = _grads_of(front, q, k, v, upstream, attn_mask=mask)
     stats = bik.mode_stats()
-    assert any("scaled_dot_product" in op for op in stats.routed), stats.routed
     backward = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
-    assert any(key.startswith(backward) for key in stats.fallbacks), stats.fallbacks
-    stock_q = q.detach().clone().requires_grad_(True)
-    F.scaled_dot_product_attention(stock_q, k, v, attn_mask=mask, enable_gqa=True).sum().backward()
-    torch.testing.assert_close(q.grad, stock_q.grad)
+    assert any(key.startswith(backward) for key in stats.routed), stats.routed
+    if front == "enable":  # (the mode also records the pad rows' own stock SDPA: its backward)
+        assert not any("scaled_dot_product" in key for key in stats.fallbacks), stats.fallbacks
+    _, stock_grads = _grads_of(None, q, k, v, upstream, attn_mask=mask)
+    reference = _reference_grads(q, k, v, upstream, mask)
+    reference_differs = 0
+    for i, (seq, u) in enumerate(zip(seqs, ups)):
+        alone_out, alone = _grads_of(front, *seq, u, is_causal=True)
+        assert torch.equal(real(out, i), alone_out[0]), i
+        for name, g, a in zip("qkv", grads, alone):
+            assert torch.equal(real(g, i), a[0]), (i, name)
+        n = seq[0].shape[2]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        reference_alone = _reference_grads(*seq, u, causal)
+        reference_differs += any(not torch.equal(real(g, i), a[0])
+                                 for g, a in zip(reference, reference_alone))
+    for g, want in zip(grads, stock_grads):
+        torch.testing.assert_close(g, want)
+    assert reference_differs > 0
+
+
+def _reference_grads(q, k, v, upstream, mask):
+    """(dq, dk, dv) of the batch-dependent _split_by_length, its GQA heads folded back."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    _split_by_length(*leaves, mask).backward(upstream)
+    return [t.grad for t in leaves]

@@ -218,7 +218,7 @@ def batch_invariant_mode() -> BikFunctionMode:
     (+ causal) attn_mask, each sequence's real queries and keys compacted into one varlen
     sequence (mode/_masks.py: which masks are served; masked calls are routed in eager code,
     not under torch.compile or during CUDA graph capture; while autograd records, their
-    backward is torch's formula on bik's outputs, a counted fallback).
+    backward runs per sequence too, on bik::attention_varlen_backward).
     bf16/fp16/fp32 on CPU and CUDA. Other dtypes and cases, and input torch rejects,
     run the stock function (so torch's own errors are raised), counted in
     :func:`mode_stats`; attention fallbacks warn once with :class:`BatchInvarianceWarning`.

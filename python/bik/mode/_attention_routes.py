@@ -2,10 +2,11 @@
 
 Without a mask (or with is_causal) the batch is reshaped into equal-length varlen sequences;
 with a padding (+ causal) mask each sequence's real queries and keys are compacted into one
-(the mask analysis: mode/_masks.py), with or without grad: a trainer's padded batch then
-computes each sequence's forward bits alone (a Hugging Face trainer's logprobs equal to the
-vLLM plugin's), while the masked backward stays torch's formula on those outputs (the
-backward route serves unmasked calls). Fused CUDA attention below autograd is not routed.
+(the mask analysis: mode/_masks.py), with or without grad: a trainer's padded or packed
+batch then computes each sequence's forward bits alone (a Hugging Face trainer's logprobs
+equal to the vLLM plugin's), and the backward route (mode/_grad_routes.py) compacts the same
+sequences for bik::attention_varlen_backward. Fused CUDA attention below autograd is not
+routed.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from typing import NamedTuple
 import torch
 
 from bik.configs import TRITON_ATTENTION_HEAD_DIMS as TRITON_HEAD_DIMS
-from bik.mode._masks import MaskNotServed, padded_spans
+from bik.mode._masks import MaskNotServed, PaddedSpans, padded_spans
 from bik.mode._kit import Fallback, WarnedFallback, handler_table, prepare
 from bik.ops._call import call
 
-__all__ = ["ATTENTION_HANDLERS", "AttentionLayout", "attention_layout"]
+__all__ = ["ATTENTION_HANDLERS", "AttentionLayout", "attention_layout",
+           "masked_attention_backward"]
 
 aten = torch.ops.aten
 
@@ -80,51 +82,114 @@ def attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale) -> A
     return AttentionLayout(backend, (nb, hq, hkv, lq, lk, d), causal, scale, cu_q, cu_k)
 
 
-def _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, stock):
-    """SDPA with a padding (+ causal) mask: each sequence's real queries and keys compacted
-    into one bik::attention_varlen call (mode/_masks.py); (out, lse) or Fallback. ``stock``
-    computes rows that see no key: stock(q_rows, k_b, v_b, mask_rows) -> (out, lse)."""
+class _Compacted(NamedTuple):
+    """A padded or packed batch's sequences with real queries, packed for attention_varlen."""
+
+    spans: PaddedSpans
+    seqs: list[int]  # the spans' sequences that have real queries
+    starts: list[int]  # each one's first packed query row (and the total, last)
+    key_starts: list[int]  # each one's first packed key row (and the total, last)
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+    def pack(self, t: torch.Tensor, keys: bool = False) -> torch.Tensor:
+        """[B, H, L, ...] -> [sum L, H, ...]: each sequence's query rows (or its keys)."""
+        sp = self.spans
+        a, z = (sp.lo, [h + 1 for h in sp.hi]) if keys else (sp.qa, sp.qb)
+        return torch.cat([t[sp.batch[i], :, a[i]:z[i]].transpose(0, 1) for i in self.seqs])
+
+    def unpack_into(self, dest: torch.Tensor, packed: torch.Tensor, keys: bool = False):
+        """The inverse of pack, written into dest [B, H, L, ...] (rows elsewhere untouched)."""
+        sp, at = self.spans, self.key_starts if keys else self.starts
+        for n, i in enumerate(self.seqs):
+            rows = slice(sp.lo[i], sp.hi[i] + 1) if keys else slice(sp.qa[i], sp.qb[i])
+            dest[sp.batch[i], :, rows] = packed[at[n]:at[n + 1]].transpose(0, 1)
+
+
+def _compacted(func, q, k, v, attn_mask, dropout_p, is_causal):
+    """(backend, shape, _Compacted) of an SDPA call with a padding (+ causal) or packed mask,
+    or Fallback: what the masked forward and its backward both serve."""
     if dropout_p != 0 or is_causal:
         raise WarnedFallback("attn_mask with dropout_p > 0 or is_causal")
     if torch.compiler.is_compiling():
         raise WarnedFallback("attn_mask under torch.compile (the mask's structure is data)")
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise WarnedFallback("attn_mask during CUDA graph capture (the mask is read on the host)")
-    backend, (nb, hq, _, lq, lk, d) = _gqa_operands(func, q, k, v)
+    backend, shape = _gqa_operands(func, q, k, v)
     try:
-        spans = padded_spans(attn_mask, nb, lq, lk)
+        spans = padded_spans(attn_mask, shape[0], shape[3], shape[4])
     except MaskNotServed as exc:
         raise WarnedFallback(str(exc)) from None
     seqs = [i for i in range(len(spans.batch)) if spans.qb[i] > spans.qa[i]]
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.full((nb, hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
-    if seqs:
-        def pack(t, a, z):  # [B, H, L, D] rows a..z of each sequence -> [sum L, H, D]
-            return torch.cat([t[spans.batch[i], :, a[i]:z[i]].transpose(0, 1) for i in seqs])
+    starts = [0, *itertools.accumulate(spans.qb[i] - spans.qa[i] for i in seqs)]
+    key_starts = [0, *itertools.accumulate(spans.hi[i] + 1 - spans.lo[i] for i in seqs)]
+    # host copies: the op reads nothing back
+    cu_q = torch.tensor(starts, dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor(key_starts, dtype=torch.int32, device=q.device)
+    return backend, shape, _Compacted(spans, seqs, starts, key_starts, cu_q, cu_k)
 
-        his = [h + 1 for h in spans.hi]
-        lens_q = [spans.qb[i] - spans.qa[i] for i in seqs]
-        lens_k = [his[i] - spans.lo[i] for i in seqs]
-        starts = [0, *itertools.accumulate(lens_q)]  # host copies: the op reads nothing back
-        cu_q = torch.tensor(starts, dtype=torch.int32, device=q.device)
-        cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32,
-                            device=q.device)
-        scale_f = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        o, s = call(
-            "attention_varlen",
-            pack(q, spans.qa, spans.qb), pack(k, spans.lo, his), pack(v, spans.lo, his),
-            cu_q, cu_k, scale_f, spans.causal, backend, max(lens_q), max(lens_k))
-        for n, i in enumerate(seqs):
-            b, rows = spans.batch[i], slice(spans.qa[i], spans.qb[i])
-            out[b, :, rows] = o[starts[n]:starts[n + 1]].transpose(0, 1)
-            lse[b, :, rows] = s[starts[n]:starts[n + 1]].transpose(0, 1)
+
+def _max_len(at: list[int]) -> int:
+    return max(b - a for a, b in zip(at, at[1:]))
+
+
+def _rows_of(attn_mask, b, rows, lq, lk):
     mask4 = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     mask4 = mask4.expand(mask4.shape[0], mask4.shape[1], lq, lk)
-    for b, rows in spans.stock_rows:
-        m = mask4[min(b, mask4.shape[0] - 1)][:, rows]
-        o_rows, s_rows = stock(q[b:b + 1, :, rows], k[b:b + 1], v[b:b + 1], m[None])
+    return mask4[min(b, mask4.shape[0] - 1)][:, rows][None]
+
+
+def _masked_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, stock):
+    """SDPA with a padding (+ causal) or packed mask: each sequence's real queries and keys
+    compacted into one bik::attention_varlen call (mode/_masks.py); (out, lse) or Fallback.
+    ``stock`` computes the rows the spans leave to it (pad queries):
+    stock(q_rows, k_b, v_b, mask_rows) -> (out, lse)."""
+    backend, (nb, hq, _, lq, lk, d), c = _compacted(func, q, k, v, attn_mask, dropout_p,
+                                                    is_causal)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((nb, hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
+    if c.seqs:
+        scale_f = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        o, s = call(
+            "attention_varlen", c.pack(q), c.pack(k, keys=True), c.pack(v, keys=True),
+            c.cu_q, c.cu_k, scale_f, c.spans.causal, backend, _max_len(c.starts),
+            _max_len(c.key_starts))
+        c.unpack_into(out, o)
+        c.unpack_into(lse, s)
+    for b, rows in c.spans.stock_rows:
+        o_rows, s_rows = stock(q[b:b + 1, :, rows], k[b:b + 1], v[b:b + 1],
+                               _rows_of(attn_mask, b, rows, lq, lk))
         out[b, :, rows], lse[b, :, rows] = o_rows[0], s_rows[0].float()
     return out, lse
+
+
+def masked_attention_backward(func, grad_out, q, k, v, out, lse, dropout_p, is_causal,
+                              attn_mask, scale):
+    """The backward of _masked_attention (``func``: the aten backward op), or Fallback: the
+    compacted sequences through bik::attention_varlen_backward, the pad queries the forward
+    left to the stock kernel through ``func`` on their rows alone, their key gradients added
+    after bik's. Each sequence's gradients then depend on that sequence alone."""
+    backend, (_, _, _, lq, lk, d), c = _compacted(func, q, k, v, attn_mask, dropout_p,
+                                                  is_causal)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    scale_f = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if c.seqs:
+        gq, gk, gv = call(
+            "attention_varlen_backward", c.pack(grad_out), None, c.pack(q),
+            c.pack(k, keys=True), c.pack(v, keys=True), c.pack(out), c.pack(lse).float(),
+            c.cu_q, c.cu_k, scale_f, c.spans.causal, backend)
+        c.unpack_into(dq, gq)
+        c.unpack_into(dk, gk, keys=True)
+        c.unpack_into(dv, gv, keys=True)
+    for b, rows in c.spans.stock_rows:
+        one = slice(b, b + 1)
+        gq, gk, gv = func(grad_out[one][:, :, rows], q[one][:, :, rows], k[one], v[one],
+                          out[one][:, :, rows], lse[one][:, :, rows], 0.0, False,
+                          attn_mask=_rows_of(attn_mask, b, rows, lq, lk), scale=scale)
+        dq[b, :, rows] = gq[0]
+        dk[b] = dk[b] + gk[0]
+        dv[b] = dv[b] + gv[0]
+    return dq, dk, dv
 
 
 def _plain_attention(func, q, k, v, attn_mask, dropout_p, is_causal, scale, stock=None):

@@ -9,7 +9,8 @@ otherwise do are routed here, each through a bik op in a fixed order:
 - ``_softmax_backward_data`` / ``_log_softmax_backward_data``: the row sum likewise;
 - ``_fused_rms_norm_backward`` (CUDA's F.rms_norm): bik.mean per row, ones @ for the weight;
 - ``silu_backward``: elementwise, from the same position-independent exp as the forward;
-- ``_scaled_dot_product_flash_attention_for_cpu_backward``: bik::attention_varlen_backward.
+- ``_scaled_dot_product_flash_attention_for_cpu_backward``: bik::attention_varlen_backward,
+  with a padding or packed mask on the sequences the forward compacted.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 
 import torch
 
-from bik.mode._attention_routes import attention_layout
+from bik.mode._attention_routes import attention_layout, masked_attention_backward
 from bik.mode._kit import Fallback, cast_first, handler_table, prepare, reduced_dims
 from bik.ops._call import call
 from bik.ops._checks import SUPPORTED_DTYPES
@@ -130,6 +131,10 @@ def _silu_backward(func, grad, x):
 
 def _sdpa_flash_cpu_backward(func, grad_out, q, k, v, out, lse, dropout_p, is_causal, *,
                              attn_mask=None, scale=None):
+    if attn_mask is not None:  # a padded or packed batch: its forward was compacted too
+        prepare(func, q, grad_out, out)
+        return masked_attention_backward(func, grad_out, q, k, v, out, lse, dropout_p,
+                                         is_causal, attn_mask, scale)
     lay = attention_layout(func, q, k, v, attn_mask, dropout_p, is_causal, scale)
     prepare(func, q, grad_out, out)
     dq, dk, dv = call(

@@ -13,9 +13,9 @@ What is served: masks whose rows are, per sequence, one run of keys with a commo
 end that is either common (no causality, or one query) or steps with the query row (causal),
 over a contiguous run of query rows, one sequence per batch row or several packed into one
 (a block-diagonal mask, as transformers builds from position_ids restarting per sequence: a
-new sequence starts at the row whose keys lie past every key the rows before it saw); boolean (True = attend) or additive with 0 for attended
-keys and -inf or the dtype's lowest value for masked ones; broadcast over heads or equal across
-them. Anything else is a counted, warned fallback to the stock kernel. Pad queries run the
+new sequence starts at the row whose keys lie past every key the rows before it saw);
+boolean (True = attend) or additive with 0 for attended keys and -inf or the dtype's lowest
+value for masked ones; broadcast over heads or equal across them. Anything else is a counted, warned fallback to the stock kernel. Pad queries run the
 stock kernel on their own: under left padding they see no key, and their values are torch's
 (zeros under a boolean or -inf mask, the average of V under a finite one); under right padding
 (a causal ramp, then rows past the sequence's end that see all of its keys) they are torch's
