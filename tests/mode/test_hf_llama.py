@@ -216,3 +216,41 @@ def test_a_trainers_packed_sequences_keep_each_sequences_bits(front):
         logits.float().log_softmax(-1).sum().backward()
     assert not any("scaled_dot_product_attention" in key and "backward" not in key
                    for key in bik.mode_stats().fallbacks), bik.mode_stats().fallbacks
+
+
+@pytest.mark.parametrize("front", [bik.batch_invariant_mode, bik.enabled],
+                         ids=["mode", "enabled"])
+def test_a_right_padded_batchs_input_gradients_are_each_sequences_alone(front):
+    """Multi-head attention (as many KV heads as query heads), train mode: the gradient of a
+    masked loss with respect to the input embeddings is, for every real position, the
+    sequence's gradient alone (the masked SDPA backward runs per sequence). With GQA it is
+    not yet: transformers repeats K/V before SDPA when a mask is given (enable_gqa without),
+    so the two calls sum a KV head's query groups in different orders. Stock fails the same
+    check (measured here)."""
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=256,
+        attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).train()
+    gen = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (5, 9, 13, 17)]
+    ids = torch.stack([torch.cat([s, torch.zeros(17 - len(s), dtype=s.dtype)]) for s in seqs])
+    mask = torch.stack([(torch.arange(17) < len(s)).long() for s in seqs])
+
+    def grads(ids, mask=None):
+        x = model.get_input_embeddings()(ids).detach().requires_grad_()
+        logp = model(inputs_embeds=x, attention_mask=mask).logits.float().log_softmax(-1)
+        weight = torch.ones(logp.shape[:2]) if mask is None else mask.float()
+        (logp[..., 3] * weight).sum().backward()  # a loss over the real positions only
+        return x.grad
+
+    def differing() -> list[int]:
+        batch = grads(ids, mask)
+        return [b for b, s in enumerate(seqs)
+                if not same_bits(batch[b, :len(s)], grads(s[None])[0])]
+
+    assert differing(), "stock kept every sequence's gradient"
+    with front():
+        assert differing() == []
