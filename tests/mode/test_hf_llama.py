@@ -220,16 +220,19 @@ def test_a_trainers_packed_sequences_keep_each_sequences_bits(front):
 
 @pytest.mark.parametrize("front", [bik.batch_invariant_mode, bik.enabled],
                          ids=["mode", "enabled"])
-def test_a_right_padded_batchs_input_gradients_are_each_sequences_alone(front):
-    """Multi-head attention (as many KV heads as query heads), train mode: the gradient of a
-    masked loss with respect to the input embeddings is, for every real position, the
-    sequence's gradient alone (the masked SDPA backward runs per sequence). With GQA it is
-    not yet: transformers repeats K/V before SDPA when a mask is given (enable_gqa without),
-    so the two calls sum a KV head's query groups in different orders. Stock fails the same
-    check (measured here)."""
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa-forced"])
+def test_a_right_padded_batchs_input_gradients_are_each_sequences_alone(front, kv_heads,
+                                                                        monkeypatch):
+    """Train mode: the gradient of a masked loss with respect to the input embeddings is, for
+    every real position, the sequence's gradient alone (the masked SDPA backward runs per
+    sequence). With GQA only when transformers passes enable_gqa with a mask too
+    (TRANSFORMERS_SDPA_FORCE_GQA=1): by default it repeats K/V before SDPA when a mask is
+    given and not without one, so the two calls sum a KV head's query groups in different
+    orders. Stock fails the same check (measured here)."""
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1" if kv_heads < 4 else "0")
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=256,
+        num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=256,
         attn_implementation="sdpa")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
