@@ -21,7 +21,8 @@ import time
 import torch
 from bik._arch import device_arch
 from bik.configs import sampler_chunks, sampling_config
-from bik.ops.sampling.triton_common import NO_FUSION, _chunks_per_tile
+from bik.ops._normaliser_triton import NO_FUSION
+from bik.ops.sampling.triton_common import _chunks_per_tile
 from bik.ops.sampling.triton_groups import launch_group_max
 from bik.ops.sampling.triton_top_p import TOP_P_PASSES, launch_top_p_stats
 

@@ -108,18 +108,29 @@ def _rms_norm_cases(arch: int) -> Iterator[tuple]:
 
 
 def _reduction_cases(arch: int) -> Iterator[tuple]:
+    """softmax, mean, and log_softmax (the sampler's normaliser: compiled as launched, without
+    fp fusion, so tests/reductions/test_log_softmax_normaliser.py can check its PTX)."""
     from bik.configs import reduction_config
-    from bik.ops.reductions.triton import mean_kernel, softmax_kernel
+    from bik.ops._normaliser_triton import NO_FUSION
+    from bik.ops.reductions.triton import (
+        log_softmax_kernel,
+        log_softmax_launch_args,
+        mean_kernel,
+        softmax_kernel,
+    )
 
     for dtype in DTYPES:
         for n in REDUCTION_LENGTHS:
             cfg = reduction_config(n, f"sm{arch}")
             for out_dtype in sorted({dtype, torch.float32}, key=str):  # incl. half -> float
-                for log in (False, True):
-                    args = {"x_ptr": Ptr(dtype), "out_ptr": Ptr(out_dtype), "N": n, "stride_x": n,
-                                "stride_out": n}
-                    yield (softmax_kernel, args,
-                           {"LOG": log, "BLOCK": cfg.block, "ANCHOR": True}, cfg.num_warps, 1)
+                args = {"x_ptr": Ptr(dtype), "out_ptr": Ptr(out_dtype), "N": n, "stride_x": n,
+                            "stride_out": n}
+                yield (softmax_kernel, args, {"BLOCK": cfg.block, "ANCHOR": True},
+                       cfg.num_warps, 1)
+                group_len, meta = log_softmax_launch_args(n, f"sm{arch}")
+                warps = meta.pop("num_warps")
+                yield (log_softmax_kernel, args | {"GROUP_LEN": group_len}, meta, warps, 1,
+                       NO_FUSION)
                 args = {"x_ptr": Ptr(dtype), "out_ptr": Ptr(out_dtype), "N": n, "n_f32": float(n),
                             "stride_x": n}
                 yield mean_kernel, args, {"BLOCK": cfg.block}, cfg.num_warps, 1
@@ -183,8 +194,9 @@ def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
     every logits dtype and vocabulary, compiled exactly as launched (no fp fusion), so their PTX
     can be checked for approximations."""
     from bik.configs import sampler_chunks, sampling_config
+    from bik.ops._normaliser_triton import NO_FUSION
     from bik.ops.sampling.triton import gumbel_pick_kernel
-    from bik.ops.sampling.triton_common import NO_FUSION, _chunks_per_tile
+    from bik.ops.sampling.triton_common import _chunks_per_tile
     from bik.ops.sampling.triton_groups import group_mass_kernel, group_max_kernel
     from bik.ops.sampling.triton_top_p import (
         TOP_P_CANDIDATES,

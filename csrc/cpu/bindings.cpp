@@ -108,13 +108,14 @@ struct Isa {
   void (*pack)(const float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
   void (*pack_bf16)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
   void (*rms)(const float*, idx_t, const float*, float*, idx_t, idx_t, idx_t, idx_t, float);
+  void (*log_softmax)(const float*, idx_t, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t);
 };
 
 #define BIK_ISA_ENTRY(ns)                                                                    \
   Isa {                                                                                      \
 #ns, ns::NRW, ns::MR, &ns::matmul_scratch_per_thread, &ns::matmul_tile<float>,          \
         &ns::matmul_tile<std::uint16_t>, &ns::pack_b<float>, &ns::pack_b<std::uint16_t>,     \
-        &ns::rms_norm_rows                                                                   \
+        &ns::rms_norm_rows, &ns::log_softmax_rows                                            \
   }
 
 bool isa_supported(const std::string& name) {
@@ -291,7 +292,7 @@ void rms_norm_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t w, std::uintptr_t 
 }
 
 void softmax_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t y, idx_t sym, idx_t M, idx_t N,
-                 bool log, int num_threads) {
+                 int num_threads) {
   if (M < 0 || N < 0) throw std::invalid_argument("bik: negative softmax size");
   if (M == 0 || N == 0) return;
   const idx_t t = std::max<idx_t>(
@@ -299,7 +300,32 @@ void softmax_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t y, idx_t sym, idx_t
   pybind11::gil_scoped_release nogil;
   parallel_run(int(t), [&](int id) {
     const idx_t m0 = M * id / t, m1 = M * (id + 1) / t;
-    red::softmax_rows(fptr(x), sxm, reinterpret_cast<float*>(y), sym, m0, m1, N, log);
+    red::softmax_rows(fptr(x), sxm, reinterpret_cast<float*>(y), sym, m0, m1, N);
+  });
+}
+
+void check_vocab_chunks(const char* op, idx_t V, idx_t groups, idx_t chunk) {
+  if (groups < 1 || chunk < 1 || (chunk & (chunk - 1)) != 0 || V % groups != 0)
+    throw std::invalid_argument(std::string("bik: ") + op +
+                                " needs groups >= 1 dividing V and a power-of-two chunk, got V=" +
+                                std::to_string(V) + " groups=" + std::to_string(groups) +
+                                " chunk=" + std::to_string(chunk));
+}
+
+// log_softmax in the sampler's normaliser order (normaliser.h), groups/chunk from
+// bik.configs.sampler_chunks(N); the isa changes speed only, never bits (tests).
+void log_softmax_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t y, idx_t sym, idx_t M, idx_t N,
+                     idx_t groups, idx_t chunk, int num_threads, const std::string& isa_name) {
+  if (M < 0 || N < 0) throw std::invalid_argument("bik: negative log_softmax size");
+  if (M == 0 || N == 0) return;
+  check_vocab_chunks("log_softmax", N, groups, chunk);
+  const Isa isa = select_isa(isa_name);
+  const idx_t t = std::max<idx_t>(
+      1, std::min<idx_t>({idx_t(num_threads), M, (M * N) / red::kMinElemsPerThread}));
+  pybind11::gil_scoped_release nogil;
+  parallel_run(int(t), [&](int id) {
+    const idx_t m0 = M * id / t, m1 = M * (id + 1) / t;
+    isa.log_softmax(fptr(x), sxm, reinterpret_cast<float*>(y), sym, m0, m1, N, groups, chunk);
   });
 }
 
@@ -366,13 +392,6 @@ void attention_f32(std::uintptr_t q, idx_t sq_tok, idx_t sq_head, std::uintptr_t
   attn::run_items(p, isa.tile, kc, nc, items, int(nt), ws, per_worker);
 }
 
-void check_vocab_chunks(const char* op, idx_t V, idx_t groups, idx_t chunk) {
-  if (groups < 1 || chunk < 1 || (chunk & (chunk - 1)) != 0 || V % groups != 0)
-    throw std::invalid_argument(std::string("bik: ") + op +
-                                " needs groups >= 1 dividing V and a power-of-two chunk, got V=" +
-                                std::to_string(V) + " groups=" + std::to_string(groups) +
-                                " chunk=" + std::to_string(chunk));
-}
 
 // The normaliser's sum (sampling.h vocab_sum) of given fp32 terms [B, V] (contiguous), per row:
 // the contract's order, for tests and cross-backend checks.
@@ -473,7 +492,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.attr("SOURCE_HASH") = BIK_CPU_SOURCE_HASH;  // of csrc/cpu, computed by setup.py
   // The numerics contract's revision (in bik.fingerprint): raised whenever a kernel's bits
   // change or a kernel is added, so fingerprints of different contracts never match.
-  m.attr("CONTRACT_VERSION") = 6;
+  m.attr("CONTRACT_VERSION") = 7;
   m.def("matmul_f32", &bik_cpu::matmul_f32, py::arg("a"), py::arg("sam"), py::arg("sak"),
         py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),
         py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("split"),
@@ -511,8 +530,12 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("num_threads"), py::arg("isa") = "auto",
         "y[M,H] = rms_norm(x[M,H]) * w[H]; unit stride along H, row strides sxm/sym.");
   m.def("softmax_f32", &bik_cpu::softmax_f32, py::arg("x"), py::arg("sxm"), py::arg("y"),
-        py::arg("sym"), py::arg("M"), py::arg("N"), py::arg("log"), py::arg("num_threads"),
-        "y[M,N] = softmax (log_softmax if log) of each row of x[M,N]; unit stride along N.");
+        py::arg("sym"), py::arg("M"), py::arg("N"), py::arg("num_threads"),
+        "y[M,N] = softmax of each row of x[M,N] (16-lane sum); unit stride along N.");
+  m.def("log_softmax_f32", &bik_cpu::log_softmax_f32, py::arg("x"), py::arg("sxm"),
+        py::arg("y"), py::arg("sym"), py::arg("M"), py::arg("N"), py::arg("groups"),
+        py::arg("chunk"), py::arg("num_threads"), py::arg("isa") = "auto",
+        "y[M,N] = log_softmax of each row of x[M,N] in the sampler's normaliser order.");
   m.def("mean_f32", &bik_cpu::mean_f32, py::arg("x"), py::arg("sxm"), py::arg("y"), py::arg("M"),
         py::arg("N"), py::arg("num_threads"),
         "y[M] = mean of each row of x[M,N] (N > 0); unit stride along N.");

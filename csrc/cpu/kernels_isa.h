@@ -343,5 +343,77 @@ static void rms_norm_rows(const float* x, idx_t sxm, const float* w, float* y, i
   }
 }
 
+// ---- log_softmax (normaliser.h: the sampler's normaliser) ------------------------------------
+
+typedef std::int32_t vi __attribute__((vector_size(VW * 4)));
+
+// norm::bik_exp on VW lanes, each lane the scalar's sequence. GCC will not vectorise the scalar
+// loop (floor and the early return need -fno-trapping-math), so it is written on vectors; floor
+// becomes truncate-then-step-down, exact for t in [-124.1, 0.5] (t is never -0).
+static inline __attribute__((always_inline)) vf bik_exp_v(vf x) {
+  const vi live = x >= -86.0f;
+  const vf xs = live ? x : vf{};
+  const vf t = xs * 0x1.715476p+0f + 0.5f;
+  const vf kt = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
+  const vf k = kt > t ? kt - 1.0f : kt;
+  const vf r = (xs - k * 0x1.630000p-1f) - k * -0x1.bd0106p-13f;
+  vf q = r * 0x1.a0d2cep-13f + 0x1.6e879cp-10f;
+  q = q * r + 0x1.111210p-7f;
+  q = q * r + 0x1.555382p-5f;
+  q = q * r + 0x1.555554p-3f;
+  q = q * r + 0x1.000000p-1f;
+  const vf p = (q * (r * r) + r) + 1.0f;
+  const vi scale_bits = (__builtin_convertvector(k, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &scale_bits, sizeof scale);
+  const vf e = p * scale;
+  return live ? e : vf{};
+}
+
+// log_softmax of rows m0..m1-1 of x [M, n] (unit stride along n) into y, in the sampler's
+// normaliser order (docs/design.md#softmax-log_softmax-and-mean): m = max x (exact, so the
+// vectors' order is free); a row whose m is not finite (a NaN, a +inf, all -inf) is NaN; else
+// y[j] = (x[j] - m) - bik_log(vocab_sum(bik_exp(x[j] - m))). A token's entry is the logprob the sampler reports for it at T = 1 with no filter.
+static void log_softmax_rows(const float* x, idx_t sxm, float* y, idx_t sym, idx_t m0,
+                             idx_t m1, idx_t n, idx_t groups, idx_t chunk) {
+  std::vector<float> s(static_cast<size_t>(chunk));
+  alignas(64) float lanes[VW];
+  for (idx_t row = m0; row < m1; ++row) {
+    const float* xr = x + row * sxm;
+    float* yr = y + row * sym;
+    vf vmax = vf{} - INFINITY;
+    vi vnan = vi{};
+    idx_t j = 0;
+    for (; j + VW <= n; j += VW) {
+      const vf v = loadu<vf>(xr + j);
+      vnan |= v != v;
+      vmax = v > vmax ? v : vmax;
+    }
+    storeu(lanes, vmax);
+    float m = -INFINITY;
+    bool nan = false;
+    for (int l = 0; l < VW; ++l) {
+      m = lanes[l] > m ? lanes[l] : m;
+      nan |= vnan[l] != 0;
+    }
+    for (; j < n; ++j) {
+      m = xr[j] > m ? xr[j] : m;
+      nan |= xr[j] != xr[j];
+    }
+    if (nan || !(m > -INFINITY && m < INFINITY)) {
+      for (j = 0; j < n; ++j) yr[j] = NAN;
+      continue;
+    }
+    // Each chunk's terms go straight into the scratch the fold reads: one call per chunk.
+    const auto terms = [xr, m](idx_t c0, idx_t len, float* d) {
+      idx_t t = 0;
+      for (; t + VW <= len; t += VW) storeu(d + t, bik_exp_v(loadu<vf>(xr + c0 + t) - m));
+      for (; t < len; ++t) d[t] = norm::bik_exp(xr[c0 + t] - m);
+    };
+    const float lse = norm::bik_log(norm::vocab_sum_chunks(n, {groups, chunk}, terms, s.data()));
+    for (j = 0; j < n; ++j) yr[j] = (xr[j] - m) - lse;
+  }
+}
+
 }  // namespace BIK_NS
 }  // namespace bik_cpu

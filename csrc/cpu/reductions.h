@@ -1,4 +1,5 @@
-// Row reductions for bik's CPU backend: softmax, log_softmax and mean over rows of fp32.
+// Row reductions for bik's CPU backend: softmax and mean over rows of fp32 (log_softmax is the
+// sampler's normaliser: normaliser.h, instantiated per ISA in kernels_isa.h).
 // The numerics contract (the exact per-row sequence) is written in contract.h; this file is its
 // implementation. Compiled once (baseline ISA): the kernels are scalar in form, and whatever the
 // compiler vectorizes keeps each lane's sequence, because -ffp-contract=off and no fast-math
@@ -9,6 +10,7 @@
 #include <cmath>
 
 #include "contract.h"
+#include "normaliser.h"
 
 namespace bik_cpu {
 namespace red {
@@ -34,9 +36,10 @@ static inline float row_max(const float* x, idx_t n) {
   return nan ? NAN : m;
 }
 
-// softmax (log_softmax when `log`) of rows m0..m1-1 of x [M, n] (unit stride along n) into y.
+// softmax of rows m0..m1-1 of x [M, n] (unit stride along n) into y. (log_softmax runs the
+// sampler's normaliser instead: normaliser.h.)
 static void softmax_rows(const float* x, idx_t sxm, float* y, idx_t sym, idx_t m0, idx_t m1,
-                         idx_t n, bool log) {
+                         idx_t n) {
   for (idx_t r = m0; r < m1; ++r) {
     const float* xr = x + r * sxm;
     float* yr = y + r * sym;
@@ -44,16 +47,11 @@ static void softmax_rows(const float* x, idx_t sxm, float* y, idx_t sym, idx_t m
     float s[kLanes] = {};
     for (idx_t j = 0; j < n; ++j) {
       const float e = std::exp(xr[j] - mx);  // expf: a pure function of its argument
-      yr[j] = e;                             // kept for softmax's division below
+      yr[j] = e;                             // kept for the division below
       s[j % kLanes] = s[j % kLanes] + e;
     }
     const float sum = fold16(s);
-    if (log) {
-      const float lse = std::log(sum);
-      for (idx_t j = 0; j < n; ++j) yr[j] = (xr[j] - mx) - lse;
-    } else {
-      for (idx_t j = 0; j < n; ++j) yr[j] = yr[j] / sum;
-    }
+    for (idx_t j = 0; j < n; ++j) yr[j] = yr[j] / sum;
   }
 }
 

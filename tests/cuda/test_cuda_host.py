@@ -250,7 +250,7 @@ def test_top_p_search_finds_the_contracts_cut(host):
     two passes short leaves another cut (caught)."""
     from bik import configs
     from bik.ops.sampling import reference
-    from bik.ops.sampling.noise import bik_exp_torch
+    from bik.ops._normaliser import bik_exp_torch
 
     gen = torch.Generator().manual_seed(16)
     v = 2000

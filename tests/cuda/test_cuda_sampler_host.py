@@ -18,7 +18,7 @@ import torch
 from bik import configs
 from bik.ops.sampling import cuda as cuda_sampling
 from bik.ops.sampling import reference
-from bik.ops.sampling.noise import bik_exp_torch
+from bik.ops._normaliser import bik_exp_torch
 from sampler_inputs import requests, sampler
 
 

@@ -261,7 +261,7 @@ def vocab_parallel_sample_equals_one_device(rank, world):
     verify window too. Negative controls, measured: noise keyed by the shard's own index and
     a normaliser folded per rank first give other tokens / logprob bits."""
     from bik.distributed import vocab_parallel_sample, vocab_parallel_verify_draft
-    from bik.ops.sampling.noise import bik_exp_torch, group_totals_torch
+    from bik.ops._normaliser import bik_exp_torch, group_totals_torch
 
     for vocab, dtype in ((64, torch.float32), (24_000, torch.float32), (24_000, torch.bfloat16),
                          (8 * 1536, torch.float16)):

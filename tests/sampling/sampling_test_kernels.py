@@ -1,7 +1,7 @@
 """Triton test kernels for the sampler's building blocks: the product kernels' own @triton.jit
-helpers (bik/ops/sampling/triton.py, triton_common.py) run on given inputs, for
-tests/sampling/test_sampling_noise.py and test_sampling_normaliser.py. Test code, so it lives in
-the test tree, not in the shipped package.
+helpers (bik/ops/sampling/triton.py, triton_common.py, bik/ops/_normaliser_triton.py) run on
+given inputs, for tests/sampling/test_sampling_noise.py and test_sampling_normaliser.py. Test
+code, so it lives in the test tree, not in the shipped package.
 
 * ``run_noise_part``: Philox4x32-10, bik_log, the Gumbel map of u and bik_exp, elementwise;
 * ``vocab_sum``: the normaliser's sum of given fp32 terms, through the very group_mass the
@@ -15,14 +15,9 @@ import triton
 import triton.language as tl
 from bik._arch import device_arch
 from bik.configs import sampler_chunks
+from bik.ops._normaliser_triton import NO_FUSION, bik_exp, bik_log
 from bik.ops.sampling.triton import philox4x32_10
-from bik.ops.sampling.triton_common import (
-    NO_FUSION,
-    _chunks_per_tile,
-    bik_exp,
-    bik_log,
-    group_mass,
-)
+from bik.ops.sampling.triton_common import _chunks_per_tile, group_mass
 
 __all__ = ["run_noise_part", "vocab_sum"]
 

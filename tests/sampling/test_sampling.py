@@ -18,7 +18,7 @@ import math
 import bik
 import pytest
 import torch
-from bik.ops.sampling.noise import bik_log_torch
+from bik.ops._normaliser import bik_log_torch
 from bik.ops.sampling import cpu as cpu_sampling
 from bik.testing import probe_every_position, rows_alone_vs_batched
 from sampler_inputs import requests, sampler

@@ -20,7 +20,7 @@ import pytest
 import torch
 from bik.ops.sampling import cpu as cpu_sampling
 from bik.ops.sampling import reference
-from bik.ops.sampling.noise import bik_log_torch
+from bik.ops._normaliser import bik_log_torch
 from targets import targets
 
 G_MIN, G_MAX = -2.8115408420562744, 16.63553237915039  # noise range over all 2^23 u values

@@ -21,7 +21,7 @@ import torch
 from bik import configs
 from bik.ops.sampling import cpu as cpu_sampling
 from bik.ops.sampling import reference
-from bik.ops.sampling.noise import bik_exp_torch
+from bik.ops._normaliser import bik_exp_torch
 from targets import targets
 
 
@@ -165,7 +165,7 @@ def test_group_totals_torch_fold_to_the_kernels_sum(vocab, gen):
     """noise.group_totals_torch (a vocab-parallel rank's groups, any device): its G totals
     folded ascending from +0 are the CPU kernel's vocab_sum and the literal transcription's,
     bit for bit; any contiguous run of whole groups gives the same totals alone."""
-    from bik.ops.sampling.noise import group_totals_torch
+    from bik.ops._normaliser import group_totals_torch
 
     groups, chunk = configs.sampler_chunks(vocab)
     terms = _spread_terms(gen, 5, vocab)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from bik import configs
 from bik.ops.sampling import reference
-from bik.ops.sampling.noise import bik_exp_torch, bik_log_torch
+from bik.ops._normaliser import bik_exp_torch, bik_log_torch
 from targets import targets
 
 pytestmark = pytest.mark.parametrize("target", targets("interpreter", "gpu-triton"))

@@ -32,15 +32,8 @@ import torch.distributed as dist
 from bik.configs import MATMUL_TP_MAX, sampler_chunks
 from bik.distributed._meta import describe, gather_and_check, group_size_rank
 from bik.ops._registry import resolve_backend
-from bik.ops.sampling.noise import (
-    GUMBEL_MAX,
-    GUMBEL_MIN,
-    bik_exp_torch,
-    bik_log_torch,
-    group_totals_torch,
-    gumbel_torch,
-    log_min_p,
-)
+from bik.ops._normaliser import bik_exp_torch, bik_log_torch, group_totals_torch
+from bik.ops.sampling.noise import GUMBEL_MAX, GUMBEL_MIN, gumbel_torch, log_min_p
 from bik.ops.sampling.op import (
     SampleOutput,
     VerifyOutput,

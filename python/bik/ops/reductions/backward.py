@@ -11,7 +11,9 @@ reduced dim, in fp32, with g the upstream gradient and y the forward's output:
 The row sums <., .> are bik::matmul against a column of ones: the products by 1 are exact and
 the sum runs in bik::matmul's fixed K order, so the row's bits cannot follow the batch. p is
 recomputed by bik's softmax rather than exp(y): torch's vectorised CPU exp may round a SIMD body
-and its tail differently, and a registered op stays traceable (opcheck, torch.compile). The
+and its tail differently, and a registered op stays traceable (opcheck, torch.compile). p is
+softmax's order, not the sampler's normaliser the log_softmax forward uses: the gradient is
+held to fp64 (tests), not to the sampler's bits. The
 rest is elementwise (+ - * /), each element a function of its own values only, wherever it
 sits. The result is rounded once to x's dtype, as torch's backward is.
 """

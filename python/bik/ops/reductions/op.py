@@ -4,7 +4,9 @@ Contract (docs/design.md#softmax-log_softmax-and-mean): the op is computed in fp
 of length n (softmax: the `dim` axis; mean: the reduced dims, flattened in ascending dim
 order). A row's max is exact; its sum (of exp(x - max), or of x) is reduced in an order fixed
 by (n, arch, backend), never by the number of rows. The result is rounded once to the output
-dtype (``dtype`` if given, else x's dtype).
+dtype (``dtype`` if given, else x's dtype). log_softmax's sum is the sampler's normaliser
+(bik_exp, vocab_sum's groups and chunks, bik_log: ops/_normaliser.py), so a token's entry is
+the logprob bik.sample reports for it; softmax's is the pad-invariant order of eager attention.
 """
 
 from __future__ import annotations
@@ -134,6 +136,9 @@ def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = N
 
     Same arguments and promise as :func:`softmax`; ``dtype=torch.float32`` on half input is
     aten's ``_log_softmax(x, dim, half_to_float=True)`` (no rounding to half on the way).
+    The exp, the sum's order and the log are the sampler's normaliser: for fp32 logits ``z``
+    already divided by the temperature, ``log_softmax(z).gather(-1, t)`` equals, bit for bit,
+    the ``logprobs`` :func:`bik.sample` reports for the tokens ``t`` it draws with no filter.
     """
     op = "bik.log_softmax"
     check_x_and_dtype(op, x, dtype)

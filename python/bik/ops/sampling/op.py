@@ -21,7 +21,8 @@ from bik.ops._checks import check_float_dtype, check_same_device, check_tensor, 
 from bik.ops._call import call
 from bik.ops._define import define
 from bik.ops._registry import documented, resolve_backend
-from bik.ops.sampling.noise import bik_log_torch, log_min_p, seed_int64
+from bik.ops._normaliser import bik_log_torch
+from bik.ops.sampling.noise import log_min_p, seed_int64
 
 # Every backend module (triton.py, cuda.py, cpu.py) defines the row's entry point
 #   sample_rows(x [B, V], seed, position, temperature, top_k, top_p, log_min_p, max_top_k)

@@ -25,7 +25,8 @@ import math
 import torch
 
 from bik.ops.sampling.cpu import gumbel_from_unit, philox4x32_10
-from bik.ops.sampling.noise import STREAM_SAMPLE, bik_exp_torch, bik_log_torch
+from bik.ops._normaliser import bik_exp_torch, bik_log_torch
+from bik.ops.sampling.noise import STREAM_SAMPLE
 
 
 def noise(seed: int, position: torch.Tensor, vocab: int) -> torch.Tensor:

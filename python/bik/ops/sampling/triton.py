@@ -22,9 +22,10 @@ Row-local launches, each over every row (rows of the other kind return at once):
 
 The noise layout, bik_log, bik_exp and the normaliser's order are specified in
 csrc/cpu/sampling.h and docs/design.md. The building blocks the three kernel modules share
-(bik_log, bik_exp, the tempered load, top-k's keep test, the normaliser's fold) live in
-triton_common.py, which imports none of them: this module imports the two statistics modules,
-and they import only triton_common.py.
+(the tempered load, top-k's keep test, one group's mass) live in triton_common.py, which
+imports none of them: this module imports the two statistics modules, and they import only
+triton_common.py. bik_log, bik_exp and the normaliser's fold are shared with bik::log_softmax,
+so they live below both slices, in ops/_normaliser_triton.py.
 """
 
 from __future__ import annotations
@@ -35,14 +36,9 @@ import triton.language as tl
 
 from bik._arch import device_arch
 from bik.configs import sampler_chunks, sampling_config
+from bik.ops._normaliser_triton import NO_FUSION, bik_log
 from bik.ops.sampling.split_vocab import sample_split_vocab
-from bik.ops.sampling.triton_common import (
-    NO_FUSION,
-    _chunks_per_tile,
-    _kept_k,
-    _tempered,
-    bik_log,
-)
+from bik.ops.sampling.triton_common import _chunks_per_tile, _kept_k, _tempered
 from bik.ops.sampling.triton_groups import finish_plain_rows, launch_group_mass, launch_group_max
 from bik.ops.sampling.triton_top_p import launch_top_p_stats
 

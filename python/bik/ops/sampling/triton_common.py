@@ -4,13 +4,16 @@ another's kernels.
 triton.py (the pick and the entry point), triton_groups.py (the statistics of rows without
 top-p) and triton_top_p.py (the top-p search) import their common building blocks from here:
 
-* ``bik_log`` and ``bik_exp`` from exactly rounded ops (csrc/cpu/sampling.h);
 * the fp32 order key (``_key`` / ``_from_key``), the tempered load (``_tempered``: z = div_rn(x,
   T)) and top-k's keep test (``_kept_k``), which every kernel applies the same way;
-* ``max_and_flag`` (a range's max z and invalid flag) and the normaliser's order:
-  ``chunk_sums`` (each chunk folded pairwise by halves) and ``group_mass`` (one group's total);
-* the launch options (``NO_FUSION``: every sampler kernel is compiled without fp fusion) and the
-  chunks folded side by side per step (``_chunks_per_tile``).
+* ``max_and_flag`` (a range's max z and invalid flag) and ``group_mass`` (one normaliser
+  group's total of the kept tokens' terms);
+* the chunks folded side by side per step (``_chunks_per_tile``).
+
+bik_log, bik_exp, the normaliser's fold (``chunk_sums``, ``add_chunk_sums``) and the launch
+options (``NO_FUSION``: every sampler kernel is compiled without fp fusion) are the one
+normaliser's, shared with bik::log_softmax: they live in ops/_normaliser_triton.py, below both
+slices, and the kernel modules import them from there.
 
 The entry point imports the two statistics modules; they import nothing of the slice but this
 module (and noise.py's torch helpers): the import graph is acyclic (tests/test_house_rules.py).
@@ -22,49 +25,7 @@ import triton
 import triton.language as tl
 
 from bik.configs import sampling_config
-
-NO_FUSION = {"enable_fp_fusion": False}
-
-
-@triton.jit
-def bik_log(x):
-    """Natural log of positive normal fp32 values from exactly rounded ops (see sampling.h)."""
-    b = x.to(tl.uint32, bitcast=True)
-    e = (b >> 23).to(tl.int32) - 127
-    mb = (b & 0x007FFFFF) | 0x3F800000
-    big = mb > 0x3FB504F3
-    mb = tl.where(big, mb - 0x00800000, mb)
-    e = tl.where(big, e + 1, e)
-    f = mb.to(tl.float32, bitcast=True) - 1.0
-    q = f * -0.07866687327623367 + 0.12821781635284424
-    q = q * f + -0.13101640343666077
-    q = q * f + 0.14188995957374573
-    q = q * f + -0.1662759929895401
-    q = q * f + 0.2000196874141693
-    q = q * f + -0.2500077188014984
-    q = q * f + 0.33333322405815125
-    q = q * f + -0.4999999701976776
-    p = q * f + 1.0
-    l = f * p
-    ef = e.to(tl.float32)
-    return ef * 0.693145751953125 + (ef * 1.428606765330187e-06 + l)
-
-
-@triton.jit
-def bik_exp(x):
-    """exp of fp32 x <= 0 from exactly rounded ops (see sampling.h): 0 below -86."""
-    live = x >= -86.0
-    xs = tl.where(live, x, 0.0)
-    k = tl.floor(xs * 1.4426950216293335 + 0.5)
-    r = (xs - k * 0.693359375) - k * -0.00021219444170128554
-    q = r * 0.00019875691214110702 + 0.001398199936375022
-    q = q * r + 0.008333452045917511
-    q = q * r + 0.04166579619050026
-    q = q * r + 0.1666666567325592
-    q = q * r + 0.5
-    p = (q * (r * r) + r) + 1.0
-    scale = ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-    return tl.where(live, p * scale, 0.0)
+from bik.ops._normaliser_triton import add_chunk_sums, bik_exp, chunk_sums
 
 
 @triton.jit
@@ -109,21 +70,6 @@ def max_and_flag(x_row, start, end, temp, vk, ik, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _halves(s, NCH: tl.constexpr, W: tl.constexpr):
-    """[NCH, 2W] -> [NCH, W]: s[t] + s[t + W], one step of the chunk's fold, written out (a sum
-    of two values is one rounded add, whatever the order)."""
-    return tl.sum(tl.reshape(s, (NCH, 2, W)), axis=1)
-
-
-@triton.jit
-def chunk_sums(s, NCH: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
-    """[NCH, CHUNK] terms -> [NCH] chunk sums, each chunk folded pairwise by halves."""
-    for k in tl.static_range(LOG2_CHUNK):
-        s = _halves(s, NCH, CHUNK >> (k + 1))
-    return tl.reshape(s, (NCH,))
-
-
-@triton.jit
 def group_mass(x_row, g0, g_end, temp, vk, ik, threshold, m_safe, CHUNK: tl.constexpr,
                LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr, RAW: tl.constexpr):
     """One normaliser group's total (csrc/cpu/sampling.h vocab_sum) over tokens [g0, g_end):
@@ -144,9 +90,7 @@ def group_mass(x_row, g0, g_end, temp, vk, ik, threshold, m_safe, CHUNK: tl.cons
             z = _tempered(x_row, offs, mask, temp)
             keep = mask & _kept_k(z, offs, vk, ik) & (z >= threshold)
             s = tl.where(keep, bik_exp(z - m_safe), 0.0)
-        sums = chunk_sums(s, NCH, CHUNK, LOG2_CHUNK)
-        for c in tl.static_range(NCH):
-            group_total = group_total + tl.sum(tl.where(slots == c, sums, 0.0), axis=0)
+        group_total = add_chunk_sums(group_total, chunk_sums(s, NCH, CHUNK, LOG2_CHUNK), NCH)
     return group_total
 
 

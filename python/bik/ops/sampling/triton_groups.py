@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bik.ops.sampling.noise import bik_log_torch
+from bik.ops._normaliser import bik_log_torch
 from bik.ops.sampling.triton_common import group_mass, max_and_flag
 
 

@@ -41,15 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bik.ops.sampling.triton_common import (
-    _from_key,
-    _kept_k,
-    _key,
-    _tempered,
-    bik_exp,
-    bik_log,
-    chunk_sums,
-)
+from bik.ops._normaliser_triton import bik_exp, bik_log, chunk_sums
+from bik.ops.sampling.triton_common import _from_key, _kept_k, _key, _tempered
 
 TOP_P_LANES = 16  # thresholds probed per pass
 TOP_P_CANDIDATES = 256  # tokens of the bracket a split pass keeps for the candidates pass
