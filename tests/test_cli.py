@@ -1,5 +1,6 @@
 """The `bik` CLI: demo, check and bench run on the CPU and report what they claim."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def test_breakdown_needs_a_gpu():
     assert breakdown_ms(lambda: None, torch.device("cpu")) == {}
 
 
-@pytest.mark.parametrize("name", ["boundary", "sample", "dvr", "generate", "layer"])
+@pytest.mark.parametrize("name", ["boundary", "sample", "dvr", "generate", "layer", "rl"])
 def test_plot_is_refused_where_a_bench_has_none(name, tmp_path):
     with pytest.raises(SystemExit, match=f"bik bench {name}: --plot is not available"):
         main(["bench", name, "--quick", "--plot", str(tmp_path / "x.png")])
@@ -213,6 +214,23 @@ def test_bench_dvr_quick_records_every_run(tmp_path):
     assert all(r["det_outputs_equal_bik_only"] for r in records if r["run"].startswith("dvr"))
     assert runs[:4] == ["fast path alone", "bik kernels only", "dvr, 100% deterministic",
                         "dvr, 10% deterministic"] and len(runs) == 6
+
+
+def test_bench_softmax_quick_keeps_rows(tmp_path):
+    out = tmp_path / "softmax.json"
+    assert main(["bench", "softmax", "--device", "cpu", "--quick", "--ms", "1,3",
+                 "--json", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {r["op"] for r in records} == {"log_softmax", "softmax"} and len(records) == 8
+    assert all(r["bik_rows_identical"] for r in records)
+
+
+@pytest.mark.parametrize("argv", [["rl", "--steps", "1"], ["bench", "rl", "--device", "cpu"]])
+def test_rl_says_it_needs_vllm(argv):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here: tests/vllm_plugin/test_rl.py runs it")
+    with pytest.raises(SystemExit, match="make venv-vllm"):
+        main(argv)
 
 
 def test_bench_vllm_says_what_it_needs():

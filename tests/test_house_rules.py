@@ -40,6 +40,7 @@ LAYERS = [
     ("bik.distributed",),
     ("bik.models",),
     ("bik.dvr", "bik.testing", "bik.integrations"),
+    ("bik.rl",),
     ("bik.cli", "bik.__main__"),
 ]
 _OP_TOP = {"op", "backward", "kv_cache"}  # the modules of a slice that declare its ops

@@ -26,11 +26,12 @@ TRAINER_BATCHES = ("alone", "padded", "packed")  # how the trainer case batches 
 
 
 def _run(dtype: str, cases: str, *, plugin: bool, chunked: bool = False,
-         multiprocess: bool = False) -> dict:
+         multiprocess: bool = False, processed: bool = False) -> dict:
     env = os.environ | {"BIK_VLLM": "1" if plugin else "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
                         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
-    args = [sys.executable, str(CASE), dtype, cases] + (["--chunked"] if chunked else [])
+    args = [sys.executable, str(CASE), dtype, cases] + (["--chunked"] if chunked else []) + (
+        ["--processed"] if processed else [])
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900, check=False)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("BIK_RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
@@ -39,7 +40,8 @@ def _run(dtype: str, cases: str, *, plugin: bool, chunked: bool = False,
 
 @pytest.fixture(scope="module")
 def bik_fp32():
-    return _run("float32", "batch,needle,prefix,seeded,resumed,trainer", plugin=True)
+    return _run("float32", "batch,needle,prefix,seeded,resumed,trainer", plugin=True,
+                processed=True)
 
 
 def test_stock_vllm_is_not_batch_invariant():
@@ -48,7 +50,7 @@ def test_stock_vllm_is_not_batch_invariant():
     logprobs_differ 1 (the long prompt 0), needle {1, 3, 15} all unequal, from vLLM's CPU
     attention splitting a long decode row's KV by batch (0 and all equal with
     VLLM_CPU_ATTN_SPLIT_KV=0; with short prompts only, stock was invariant on that CPU)."""
-    stock = _run("float32", "batch,needle,resumed,trainer", plugin=False)
+    stock = _run("float32", "batch,needle,resumed,trainer", plugin=False, processed=True)
     assert stock["batch"]["logprobs_differ"] > 0, stock
     assert not all(stock["needle"].values()), stock
     # vLLM keys a seeded row's noise by its request's step count, not by position.
@@ -70,12 +72,14 @@ def test_plugin_fp32_alone_equals_batched(bik_fp32):
 def test_trainer_logprobs_equal_the_engines_fp32(bik_fp32):  # bf16: below
     """On-policy RL's premise (issue 32): the logprob the engine reports for each sampled
     token, greedy and at T = 1.0 / 0.7 with seeds, is bit for bit the one a Hugging Face
-    trainer computes (train mode, grad on, bik.enable(), log_softmax of the fp32 logits), one
-    sequence per forward, in a right-padded batch and packed into one row with position_ids.
+    trainer computes (train mode, grad on, bik.enable()): in processed mode the engine's is
+    bik.log_softmax of the tempered logits (its entry at the token is bik.sample's logprob),
+    the trainer's log_softmax(logits.float() / T); one sequence per forward, in a right-padded
+    batch and packed into one row with position_ids.
     The control is stock vLLM against stock transformers
     (test_stock_vllm_is_not_batch_invariant)."""
     trainer = bik_fp32["trainer"]
-    assert trainer["grad"] and trainer["total"] >= 4 * 12  # 4 requests, ignore_eos
+    assert trainer["grad"] and trainer["processed"] and trainer["total"] >= 4 * 12
     assert all(trainer[batch]["equal"] == trainer["total"] for batch in TRAINER_BATCHES), trainer
     assert bik_fp32["stats"]["rope_calls"] > 0
 
@@ -105,7 +109,8 @@ def test_plugin_chunked_prefill_equals_one_prefill(bik_fp32):
 
 def test_plugin_bf16_in_vllms_worker_process():
     """The default engine: the model runs in a worker process, which loads the plugin too."""
-    got = _run("bfloat16", "batch,needle,trainer", plugin=True, multiprocess=True)
+    got = _run("bfloat16", "batch,needle,trainer", plugin=True, multiprocess=True,
+               processed=True)
     assert got["batch"] == {"tokens_differ": 0, "logprobs_differ": 0}
     assert all(got["needle"].values()), got["needle"]
     # The trainer's bf16 logprobs are the engine's too (the model in vLLM's worker process,
@@ -113,6 +118,9 @@ def test_plugin_bf16_in_vllms_worker_process():
     trainer = got["trainer"]
     assert trainer["total"] > 0 and all(trainer[batch]["equal"] == trainer["total"]
                                         for batch in TRAINER_BATCHES), trainer
+    # The trap: dividing the bf16 logits by T before the upcast gives other logprobs.
+    trap = trainer["bf16_division"]
+    assert trap["total"] > 0 and trap["equal"] < trap["total"], trap
 
 
 def test_every_reader_of_the_fp32_engine_shares_its_worker():

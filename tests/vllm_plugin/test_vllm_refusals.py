@@ -65,7 +65,7 @@ def test_vllms_own_kernels_are_watched(monkeypatch, caplog):
     assert "onednn_mm ran while the bik plugin is on" in caplog.text
 
 
-def _metadata(temperature, top_k=None, top_p=None):
+def _metadata(temperature, top_k=None, top_p=None, max_num_logprobs=None):
     import torch
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -74,7 +74,8 @@ def _metadata(temperature, top_k=None, top_p=None):
     zeros = torch.zeros(rows)
     return SamplingMetadata(
         temperature=torch.tensor(temperature), all_greedy=False, all_random=min(temperature) > 0,
-        top_p=top_p, top_k=top_k, generators={}, max_num_logprobs=None, no_penalties=True,
+        top_p=top_p, top_k=top_k, generators={}, max_num_logprobs=max_num_logprobs,
+        no_penalties=True,
         prompt_token_ids=None, frequency_penalties=zeros, presence_penalties=zeros,
         repetition_penalties=zeros, output_token_ids=[], allowed_token_ids_mask=None,
         bad_words_token_ids={}, logitsprocs=LogitsProcessors())
@@ -105,11 +106,64 @@ def test_sampler_draw_is_bik_sample_keyed_by_seed_and_position():
     assert not torch.equal(moved, batched[2:3])
 
 
-def test_sampler_refuses_processed_logprobs_and_unkeyed_calls():
+def test_sampler_refuses_unknown_modes_filtered_processed_rows_and_unkeyed_calls():
     import torch
-    from bik.integrations.vllm.sampler import BikSampler
+    from bik.integrations.vllm.sampler import BikSampler, keyed
 
     with pytest.raises(NotImplementedError, match="bik.integrations.vllm: logprobs_mode"):
-        BikSampler("processed_logprobs")
+        BikSampler("tempered_logprobs")
     with pytest.raises(RuntimeError, match="no \\(seed, position\\) per row"):
         BikSampler().sample(torch.zeros(1, 4), _metadata([1.0]))
+    sampler = BikSampler("processed_logprobs")
+    one = torch.zeros(1, dtype=torch.int64)
+    with keyed(sampler, (one, one)), pytest.raises(
+            NotImplementedError, match="processed_logprobs' with top-k or top-p on"):
+        sampler.sample(torch.zeros(1, 4), _metadata([1.0], top_p=torch.tensor([0.9]),
+                                                    max_num_logprobs=0))
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])
+def test_processed_logprobs_are_bik_samples_at_the_drawn_token(mode):
+    """Processed mode returns the tempered logits the draw saw (greedy rows untempered), or
+    their bik.log_softmax, whose entry at each drawn token is bik.sample's logprob bit for bit
+    (one normaliser); torch's log_softmax of the same logits is not (the control)."""
+    import torch
+    from bik.integrations.vllm.sampler import BikSampler, keyed
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 49152) * 3
+    seed, position = torch.arange(6) + 5, torch.arange(6) * 7
+    temperature = [0.7, 0.0, 1.0, 1.3, 0.7, 1.0]
+    with keyed(sampler := BikSampler(mode), (seed, position)):
+        tokens, processed = sampler.sample(logits.clone(), _metadata(temperature,
+                                                                     max_num_logprobs=0))
+    t = torch.tensor(temperature)
+    z = logits / torch.where(t > 0, t, 1.0)[:, None]
+    if mode == "processed_logits":
+        assert torch.equal(processed, z)
+        return
+    want = bik.sample(z, seed=seed, position=position, temperature=(t > 0).float())
+    assert torch.equal(tokens, want.tokens)
+    assert torch.equal(processed.gather(1, tokens[:, None])[:, 0], want.logprobs)
+    stock = torch.log_softmax(z, -1).gather(1, tokens[:, None])[:, 0]
+    assert not torch.equal(stock, want.logprobs)
+
+
+def test_repack_after_a_weight_update_reads_the_new_weights():
+    """vLLM writes a weight update into the old tensors (weight.data.copy_), which a pack cannot
+    see; repack (run after every reload_weights) packs the new values. The control: the panels
+    packed before the update still give the old product."""
+    import torch
+    from bik.integrations.vllm import linear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48, bias=False)
+    layer.cpu_linear = linear._packed_linear(layer.weight)
+    stale = layer.cpu_linear
+    x = torch.randn(3, 64)
+    layer.weight.data.copy_(torch.randn(48, 64))
+    fresh = bik.linear(x, layer.weight)
+    assert not torch.equal(stale(x, layer.weight, None), fresh)
+    model = torch.nn.Sequential(layer, torch.nn.Linear(4, 4))  # no bik pack in the second
+    assert linear.repack(model) == 1
+    assert torch.equal(layer.cpu_linear(x, layer.weight, None), fresh)

@@ -3,15 +3,18 @@ run on it, a JSON line of results on stdout. A process per engine: bik's plugin 
 process-wide (BIK_VLLM is read when vLLM loads its plugins), so stock and bik runs cannot
 share one.
 
-    python tests/vllm_plugin/vllm_case.py DTYPE CASE[,CASE...] [--chunked]
+    python tests/vllm_plugin/vllm_case.py DTYPE CASE[,CASE...] [--chunked] [--processed]
+
+--processed starts the engine with logprobs_mode="processed_logprobs" (the log_softmax of the
+tempered logits the draw saw), vLLM's default being raw_logprobs.
 
 Cases: batch (8 prompts alone vs in one batch, greedy, logprobs), needle (prompt 0 among 1,
 3, 15 others), prefix (a long prompt cold, then hot from the prefix cache), seeded (T = 0.8
 with a seed per request, alone vs batched), resumed (T = 0.8, seeded: the prompt plus the
 first half of its sampled tokens, fed back as a prompt, goes on with the second half),
-trainer (the engine's raw logprobs of its sampled tokens against those Hugging Face
-transformers computes as a trainer does, in this process: under bik.enable() when the plugin
-is on, stock when it is off). Tokens and logprobs are compared exactly.
+trainer (the engine's logprobs of its sampled tokens against those Hugging Face transformers
+computes as a trainer does, in this process: under bik.enable() when the plugin is on, stock
+when it is off). Tokens and logprobs are compared exactly.
 
 Prompt 0 of batch, needle and seeded is LONG (294 tokens), the others short (4-11 tokens), with
 or without --chunked. The long prompt is what makes stock vLLM fail on an AVX2 CPU too: vLLM's
@@ -74,41 +77,52 @@ def _resumed(llm) -> dict:
     return {"tokens_equal": rest[0] == tokens[half:], "logprobs_equal": rest[1] == logprobs[half:]}
 
 
-def _trainer(llm, dtype: str) -> dict:
-    """Greedy and seeded requests (T = 1.0, 0.7) in one batch, their raw logprobs (vLLM's
-    default logprobs mode: log_softmax of the untempered logits); then each prompt + completion
-    through transformers' LlamaForCausalLM in train mode with grad enabled, log_softmax of the
-    fp32 logits gathered at the sampled tokens: one sequence per forward ("alone"), all in
-    one right-padded batch with its attention mask ("padded"), and all packed into one row
-    with position_ids restarting per sequence ("packed"; no cache, as trainers run, so
-    transformers builds its block-diagonal mask)."""
+def _trainer(llm, dtype: str, processed: bool) -> dict:
+    """Greedy and seeded requests (T = 0, 1.0, 0.7, 1.0) in one batch with their logprobs;
+    then each prompt + completion through transformers' LlamaForCausalLM in train mode with
+    grad enabled, the trainer's log_softmax gathered at the sampled tokens: of the fp32 logits
+    in raw mode (vLLM's default), of the fp32 logits divided by the request's T (T > 0) in
+    processed mode. One sequence per forward ("alone"), all in one right-padded batch with its
+    attention mask ("padded"), and all packed into one row with position_ids restarting per
+    sequence ("packed"; no cache, as trainers run, so transformers builds its block-diagonal
+    mask). "bf16_division" is the trap: the logits divided by T before the upcast."""
     import torch
     import transformers
     from bik.models import smollm2
     from vllm import SamplingParams
 
+    temps = (0.0, 1.0, 0.7, 1.0)
     params = [SamplingParams(temperature=t, seed=s, max_tokens=NEW_TOKENS, logprobs=0,
                              ignore_eos=True)
-              for t, s in ((0.0, None), (1.0, 3), (0.7, 5), (1.0, 11))]
+              for t, s in zip(temps, (None, 3, 5, 11))]
     outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
     model = transformers.LlamaForCausalLM.from_pretrained(
         str(smollm2.cache_dir()), dtype=getattr(torch, dtype))
     model.train()
     seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    scale = [t if processed and t > 0 else 1.0 for t in temps]
+
+    def logprobs(logits, t):  # t: the temperature of each row [.., 1, 1] or a float
+        return torch.log_softmax(logits.float() / t, -1)
+
     width = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    padded = torch.log_softmax(model(ids, attention_mask=mask).logits.float(), -1)
+    padded = logprobs(model(ids, attention_mask=mask).logits, torch.tensor(scale)[:, None, None])
     starts = [0, *itertools.accumulate(map(len, seqs))]
-    packed = torch.log_softmax(model(
+    per_token = torch.cat([torch.full((len(s),), t) for s, t in zip(seqs, scale)])
+    packed = logprobs(model(
         torch.tensor([sum(seqs, [])]), use_cache=False,
-        position_ids=torch.cat([torch.arange(len(s)) for s in seqs])[None]).logits.float(), -1)
+        position_ids=torch.cat([torch.arange(len(s)) for s in seqs])[None]).logits,
+        per_token[None, :, None])
     result = {name: {"equal": 0, "max_abs": 0.0} for name in ("alone", "padded", "packed")}
-    result |= {"total": 0, "grad": bool(padded.requires_grad)}
+    result |= {"total": 0, "grad": bool(padded.requires_grad), "processed": processed,
+               "bf16_division": {"equal": 0, "total": 0}}
     for b, out in enumerate(outs):
         prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
         engine = torch.tensor([d[t].logprob for d, t in zip(out.outputs[0].logprobs, tokens)])
-        alone = torch.log_softmax(model(torch.tensor([seqs[b]])).logits.float(), -1)[0]
+        logits = model(torch.tensor([seqs[b]])).logits
+        alone = logprobs(logits, scale[b])[0]
         at = torch.tensor(tokens)[:, None]
         rows = slice(len(prompt) - 1, len(seqs[b]) - 1)
         packed_rows = slice(starts[b] + rows.start, starts[b] + rows.stop)
@@ -118,17 +132,23 @@ def _trainer(llm, dtype: str) -> dict:
             result[name]["equal"] += int((trainer == engine).sum())
             result[name]["max_abs"] = max(result[name]["max_abs"],
                                           float((trainer - engine).abs().max()))
+        if processed and scale[b] != 1.0 and logits.dtype == torch.bfloat16:
+            trap = torch.log_softmax((logits / scale[b]).float(), -1)[0, rows]
+            result["bf16_division"]["equal"] += int((trap.gather(1, at)[:, 0] == engine).sum())
+            result["bf16_division"]["total"] += len(tokens)
         result["total"] += len(tokens)
     return result
 
 
 def main() -> None:
     dtype, cases = sys.argv[1], sys.argv[2].split(",")
-    chunked = "--chunked" in sys.argv
+    chunked, processed = "--chunked" in sys.argv, "--processed" in sys.argv
     from bik.models import smollm2
     from vllm import LLM, SamplingParams
 
     engine = {"max_model_len": 1024, "enforce_eager": True, "seed": 0}
+    if processed:
+        engine["logprobs_mode"] = "processed_logprobs"
     if chunked:  # every prompt longer than 32 tokens is prefilled in chunks
         engine |= {"enable_chunked_prefill": True, "max_num_batched_tokens": 32}
     llm = LLM(model=str(smollm2.cache_dir()), dtype=dtype, **engine)
@@ -159,7 +179,7 @@ def main() -> None:
         import time
 
         t0 = time.perf_counter()
-        result["trainer"] = _trainer(llm, dtype)
+        result["trainer"] = _trainer(llm, dtype, processed)
         result["trainer"]["seconds"] = round(time.perf_counter() - t0, 1)
     try:
         from bik.integrations import vllm as plugin

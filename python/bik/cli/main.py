@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
 
     add_dvr_arguments(sub.add_parser(
         "dvr", help="decode-verify-rollback on a small Llama: metrics and a determinism verdict"))
+
+    from bik.cli.rl import add_rl_arguments
+
+    add_rl_arguments(sub.add_parser(
+        "rl", help="GRPO steps on SmolLM2 with vLLM sampling and HF training: the trainer's "
+                   "logprobs vs the engine's per step (needs the vLLM venv)"))
     return p
 
 
@@ -77,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         from bik.cli.dvr import run_dvr
 
         return run_dvr(args)
+    if args.command == "rl":
+        from bik.cli.rl import run_rl
+
+        return run_rl(args)
     from bik.cli.check import run_check
 
     return run_check(args)

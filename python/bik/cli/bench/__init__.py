@@ -20,12 +20,14 @@ __all__ = ["BENCHES", "run_bench"]
 BENCHES = {
     "matmul": "bik.cli.bench.matmul",
     "rmsnorm": "bik.cli.bench.rmsnorm",
+    "softmax": "bik.cli.bench.softmax",
     "attention": "bik.cli.bench.attention",
     "sample": "bik.cli.bench.sample",
     "boundary": "bik.cli.bench.boundary",
     "dvr": "bik.cli.bench.dvr",
     "generate": "bik.cli.bench.generate",
     "vllm": "bik.cli.bench.vllm",
+    "rl": "bik.cli.bench.rl",
     "tp": "bik.cli.bench.tp",
     "layer": "bik.cli.bench.layer",
 }

@@ -72,7 +72,8 @@ def stats() -> dict:
     kernels made while the plugin was on (``unrouted``, each also warned about once)."""
     from bik.integrations.vllm import attention, guard, linear, norm, rope, sampler
 
-    return {"linear_calls": linear.CALLS[0], "norm_calls": norm.CALLS[0],
+    return {"linear_calls": linear.CALLS[0], "repacks": linear.REPACKS[0],
+            "norm_calls": norm.CALLS[0],
             "rope_calls": rope.CALLS[0],
             "attention_calls": attention.CALLS[0], "sample_calls": sampler.CALLS[0],
             "unrouted": dict(guard.UNROUTED)}

@@ -6,8 +6,8 @@ kernel or zentorch) and stores it as ``layer.cpu_linear``; those kernels never r
 no dispatcher override sees them, and their reduction order follows the batch. That function
 is private, so it is replaced only on the vLLM version the plugin pins (checked by
 ``register``); the replacement keeps the weight as loaded and computes with bik, from the
-weight packed once at load (as vLLM's own kernels do: a weight changed in place later needs
-vLLM's process_weights_after_loading again, with either).
+weight packed once at load (as vLLM's own kernels do), and packed again after every
+``reload_weights`` (an RL trainer's weight update: :func:`repack`).
 
 CUDA (not yet run on a GPU): the unquantized linear and embedding methods call the GEMM that
 ``dispatch_unquantized_gemm`` returns (``F.linear``, or a FlashInfer GEMM with
@@ -17,13 +17,15 @@ bik's GEMM on CUDA, so no layer depends on aten routing or on the chosen linear 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-__all__ = ["CALLS", "install"]
+__all__ = ["CALLS", "REPACKS", "install"]
 
 CALLS = [0]  # bik.linear calls from vLLM layers in this process
+REPACKS = [0]  # layers packed again after a weight update (reload_weights)
 
 
 def _refuse_parallelism() -> None:
@@ -60,6 +62,28 @@ def _packed_linear(weight: torch.Tensor):
 
     cpu_linear.packed = packed
     return cpu_linear
+
+
+def repack(model: torch.nn.Module) -> int:
+    """Packs again every layer's weight that bik packed: after a weight update, which vLLM
+    writes into the old tensors (``weight.data.copy_``: no version counter moves, so a pack
+    cannot tell). vLLM re-runs the processing of most layers after ``reload_weights``, but not
+    of a tied LM head, whose panels were stale (measured: every sampled token's logprob off
+    after an update of the embedding). Returns how many layers it packed."""
+    layers = [m for m in model.modules() if hasattr(getattr(m, "cpu_linear", None), "packed")]
+    for layer in layers:
+        layer.cpu_linear = _packed_linear(layer.weight)
+    return len(layers)
+
+
+def _after_reload(reload_weights):
+    @functools.wraps(reload_weights)
+    def reload_and_repack(self, *args, **kwargs):
+        reload_weights(self, *args, **kwargs)
+        REPACKS[0] += repack(self.get_model())
+
+    reload_and_repack.bik_wrapped = True
+    return reload_and_repack
 
 
 def _pack_weights(weight: torch.Tensor) -> bool:
@@ -111,8 +135,11 @@ def _gemm_on_cuda(dispatch):
 
 def install() -> None:
     from vllm.model_executor.layers import linear, utils, vocab_parallel_embedding
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     utils.dispatch_cpu_unquantized_gemm = _dispatch
+    if not getattr(GPUModelRunner.reload_weights, "bik_wrapped", False):
+        GPUModelRunner.reload_weights = _after_reload(GPUModelRunner.reload_weights)
     for module in (linear, vocab_parallel_embedding):
         if not getattr(module.dispatch_unquantized_gemm, "bik_wrapped", False):
             module.dispatch_unquantized_gemm = _gemm_on_cuda(module.dispatch_unquantized_gemm)

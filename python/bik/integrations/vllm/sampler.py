@@ -10,6 +10,14 @@ preemption, and when its generated text is fed back as a prompt.
 Everything before the draw stays vLLM's (raw logprobs, allowed / bad words, penalties,
 logit bias, temperature, min-p and other argmax-invariant processors); the draw itself
 (top-k, top-p, Gumbel-max; argmax for greedy rows) is bik.sample on the processed logits.
+
+Every logprobs mode is served. Raw modes are vLLM's (its log_softmax runs on bik under
+bik.enable()). Processed modes return the logits the draw saw (tempered, min-p's -inf
+applied; greedy rows untempered, as vLLM's) or their bik.log_softmax, whose entry at the drawn
+token is bik.sample's logprob bit for bit (one normaliser), so a trainer's
+``log_softmax(logits.float() / T)`` under bik.enable() is the engine's. A row with top-k or
+top-p on is refused in a processed mode: its filtered row would need the sampler's top-p cut,
+which bik.sample does not return yet.
 Per step, the model runner's ``_sample`` hands the sampler each row's seed and position
 (``input_batch.num_tokens_no_spec``: the tokens before the one drawn).
 """
@@ -28,7 +36,7 @@ from bik.ops.sampling.noise import seed_int64
 __all__ = ["CALLS", "BikSampler", "install"]
 
 CALLS = [0]  # bik.sample calls from vLLM's sampler in this process
-_RAW_MODES = ("raw_logprobs", "raw_logits")
+_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 class BikSampler(Sampler):
@@ -36,10 +44,9 @@ class BikSampler(Sampler):
     set by the model runner around each call (:func:`keyed`)."""
 
     def __init__(self, logprobs_mode="raw_logprobs", use_fp64_gumbel=False):
-        if logprobs_mode not in _RAW_MODES:
-            raise NotImplementedError(
-                f"bik.integrations.vllm: logprobs_mode={logprobs_mode!r} is not served (bik's "
-                f"draw does not return the processed logits); use one of {_RAW_MODES}")
+        if logprobs_mode not in _MODES:
+            raise NotImplementedError(f"bik.integrations.vllm: logprobs_mode={logprobs_mode!r} "
+                                      f"is not served; use one of {_MODES}")
         super().__init__(logprobs_mode, use_fp64_gumbel)
         self.keys: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -69,7 +76,17 @@ class BikSampler(Sampler):
             rows = (out.tokens < 0).nonzero().flatten().tolist()
             raise RuntimeError(f"bik.integrations.vllm: rows {rows} of the batch have no finite "
                                f"logit to sample from (NaN or inf in the model's logits)")
-        return out.tokens, None
+        mode = logprobs_mode_override or self.logprobs_mode
+        if not mode.startswith("processed") or (md.max_num_logprobs is None
+                                                and not md.logprob_token_ids):
+            return out.tokens, None
+        if (top_k is not None and bool(((top_k > 0) & (top_k < logits.shape[-1])).any())) or (
+                top_p is not None and bool((top_p < 1).any())):
+            raise NotImplementedError(
+                f"bik.integrations.vllm: logprobs_mode={mode!r} with top-k or top-p on is not "
+                f"served (the filtered row needs the sampler's top-p cut); use a raw mode, or "
+                f"min-p, or no filter")
+        return out.tokens, logits if mode == "processed_logits" else bik.log_softmax(logits, -1)
 
 
 def _max_top_k(top_k: torch.Tensor | None, vocab: int) -> int | None:

@@ -1,0 +1,59 @@
+"""`bik rl`: GRPO steps on SmolLM2, vLLM sampling (bik's plugin, in this process) and a Hugging
+Face trainer learning, with the trainer-vs-engine logprob gap of every step (0 under bik).
+Runs in the vLLM venv (`make venv-vllm`; `.venv-vllm/bin/bik rl`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from bik.cli.common import fraction, non_negative_float, positive_int
+
+
+def add_rl_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=positive_int, default=2)
+    p.add_argument("--prompts", type=positive_int, default=4, help="problems per step")
+    p.add_argument("--group", type=positive_int, default=4, help="completions per problem")
+    p.add_argument("--max-tokens", type=positive_int, default=16)
+    p.add_argument("--temperature", type=non_negative_float, default=1.0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the engine's and the trainer forward's (masters stay fp32)")
+    p.add_argument("--lr", type=non_negative_float, default=1e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=0, help="refused when on (see --help of rl)")
+    p.add_argument("--top-p", type=fraction, default=1.0, help="refused below 1")
+    p.add_argument("--min-p", type=non_negative_float, default=0.0, help="refused above 0")
+    p.add_argument("--stock", action="store_true",
+                   help="bik off: stock vLLM and stock transformers (the control)")
+    p.add_argument("--json", metavar="PATH", help="write the config, run metadata and records")
+
+
+def run_rl(args) -> int:
+    import importlib.util
+
+    from bik.cli.common import run_metadata, write_json
+    from bik.models import smollm2
+    from bik.rl import RLConfig, run
+    from bik.rl.engine import VLLM_HINT
+
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit(VLLM_HINT)
+    cfg = RLConfig(steps=args.steps, prompts=args.prompts, group=args.group,
+                   max_tokens=args.max_tokens, temperature=args.temperature, dtype=args.dtype,
+                   lr=args.lr, seed=args.seed, bik=not args.stock, top_k=args.top_k,
+                   top_p=args.top_p, min_p=args.min_p)
+    model_dir = smollm2.cache_dir()
+    if not (model_dir / "config.json").is_file():  # the vLLM venv reads the converted directory
+        raise SystemExit(f"bik rl: no SmolLM2 checkpoint at {model_dir}; run "
+                         f"{smollm2.INSTALL_HINT}, then `.venv/bin/python -m bik.models.smollm2`")
+    records = run(cfg, str(model_dir), log=lambda r: print(
+        f"step {r['step']}: reward {r['reward_mean']:.3f}  tokens equal "
+        f"{r['tokens_equal']}/{r['tokens']}  max |dlogprob| {r['max_abs_dlogprob']:.3g}  "
+        f"KL {r['kl']:.3g}  rollout {r['seconds']['rollout']:.2f}s  trainer "
+        f"{r['seconds']['trainer']:.2f}s  sync {r['seconds']['sync']:.2f}s", flush=True))
+    if args.json:
+        import dataclasses
+        import torch
+
+        write_json(args.json, {"config": dataclasses.asdict(cfg),
+                               "meta": run_metadata(torch.device("cpu")), "records": records})
+    return 0

@@ -1,0 +1,115 @@
+"""GRPO steps on SmolLM2 with a vLLM engine sampling and a Hugging Face trainer learning, and
+per step how far the trainer's logprobs of the sampled tokens are from the engine's."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from bik.rl import engine, task
+from bik.rl.trainer import Trainer, advantages, grpo_loss
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    steps: int = 2
+    prompts: int = 4
+    group: int = 4  # completions per prompt
+    max_tokens: int = 16
+    temperature: float = 1.0
+    dtype: str = "float32"  # the engine's and the trainer's forward
+    engine_dtype: str | None = None  # None: dtype (another one is refused)
+    lr: float = 1e-5
+    seed: int = 0
+    bik: bool = True
+    top_k: int = 0  # filters are refused: the trainer's logprobs would need the same filter
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
+def check_config(cfg: RLConfig) -> None:
+    """ValueError naming what ``bik rl`` does not serve."""
+    if cfg.top_k > 0 or cfg.top_p < 1.0 or cfg.min_p > 0.0:
+        raise ValueError(f"bik rl: top_k={cfg.top_k}, top_p={cfg.top_p}, min_p={cfg.min_p}: "
+                         f"filters are refused (the engine's processed logprobs would be of "
+                         f"the filtered distribution, the trainer's of the full one); sample "
+                         f"with temperature only")
+    if cfg.engine_dtype not in (None, cfg.dtype):
+        raise ValueError(f"bik rl: the engine's dtype {cfg.engine_dtype} is not the trainer's "
+                         f"{cfg.dtype}: their logprobs would be of two models")
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"bik rl: dtype must be float32 or bfloat16, got {cfg.dtype!r}")
+    if not cfg.temperature > 0:
+        raise ValueError(f"bik rl: temperature must be > 0, got {cfg.temperature}")
+
+
+def check_fingerprints(trainer_digest: str, engine_digests: list[str]) -> None:
+    """RuntimeError naming both digests when an engine worker's bik is not the trainer's (other
+    kernels or tables: other bits)."""
+    other = sorted({d for d in engine_digests if d != trainer_digest})
+    if other:
+        raise RuntimeError(f"bik rl: the engine's bik fingerprint {', '.join(other)} is not the "
+                           f"trainer's {trainer_digest}: their logprobs would differ")
+
+
+def compare(trainer: list[torch.Tensor], engine_lps: list[torch.Tensor]) -> dict:
+    """max |trainer - engine| over the sampled tokens, and KL(engine || trainer) estimated on
+    them (k3 = mean(exp(d) - 1 - d), d = trainer - engine: >= 0, 0 iff every d is 0)."""
+    d = torch.cat([t.detach() - e for t, e in zip(trainer, engine_lps)]).double()
+    equal = int((d == 0).sum())
+    return {"tokens": d.numel(), "tokens_equal": equal,
+            "max_abs_dlogprob": float(d.abs().max()) if d.numel() else 0.0,
+            "kl": float((torch.exp(d) - 1 - d).mean()) if d.numel() else 0.0}
+
+
+def run(cfg: RLConfig, model_dir: str, log=print) -> list[dict]:
+    """``cfg.steps`` GRPO steps; one record per step."""
+    check_config(cfg)
+    import transformers
+
+    import bik
+
+    llm = engine.start(model_dir, cfg.dtype, bik_on=cfg.bik)
+    if cfg.bik:
+        if not bik.is_enabled():  # the plugin enables it; a trainer without the plugin too
+            bik.enable()
+        check_fingerprints(bik.fingerprint("cpu").digest, engine.fingerprints(llm))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    trainer = Trainer(model_dir, cfg.dtype, cfg.lr)
+    problems = task.problems(cfg.prompts, cfg.seed)
+    prompts = [task.prompt_ids(tokenizer, p) for p in problems]
+    records = []
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        rollouts = engine.sample(llm, prompts, group=cfg.group, max_tokens=cfg.max_tokens,
+                                 temperature=cfg.temperature, seed=cfg.seed + 1000 * step)
+        t1 = time.perf_counter()
+        rewards = [task.reward(problems[r.prompt], r.text) for r in rollouts]
+        seqs = [r.prompt_ids + r.token_ids for r in rollouts]
+        lps = trainer.logprobs(seqs, [r.token_ids for r in rollouts],
+                               [cfg.temperature] * len(seqs))
+        gap = compare(lps, [r.logprobs for r in rollouts])
+        loss = grpo_loss(lps, [r.logprobs for r in rollouts], advantages(rewards, cfg.group))
+        grad_digest, grad_norm = trainer.step(loss)
+        t2 = time.perf_counter()
+        updated = trainer.weights()
+        engine.check_update(updated, trainer.expected())
+        engine.push(llm, updated)
+        t3 = time.perf_counter()
+        record = {"step": step + 1, "bik": cfg.bik, "dtype": cfg.dtype,
+                  "reward_mean": sum(rewards) / len(rewards), "loss": float(loss.detach()),
+                  **gap, "grad_digest": grad_digest, "grad_norm": grad_norm,
+                  "seconds": {"rollout": round(t1 - t0, 3), "trainer": round(t2 - t1, 3),
+                              "sync": round(t3 - t2, 3), "step": round(t3 - t0, 3)}}
+        if not math.isfinite(record["loss"]):
+            raise RuntimeError(f"bik rl: step {step + 1}: the loss is {record['loss']}")
+        log(record)
+        records.append(record)
+    return records
+
+
+def config_dict(cfg: RLConfig) -> dict:
+    return asdict(cfg)

@@ -1,0 +1,127 @@
+"""The training side of ``bik rl``: Hugging Face transformers' LlamaForCausalLM as a trainer
+runs it (train mode, grad on), its logprobs of the sampled tokens from one packed batch, a GRPO
+loss, backward and AdamW on fp32 master weights.
+
+The logprob of token t at temperature T is ``log_softmax(logits.float() / T)[t]``: the division
+after the upcast, as vLLM divides its fp32 logits (dividing bf16 logits first gives other
+bits). Under bik.enable() it is bik.log_softmax, the sampler's normaliser: the engine's
+processed logprob bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def packed_logprobs(model, sequences: list[list[int]], targets: list[list[int]],
+                    temperatures: list[float], position_ids: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each sequence's logprobs of its targets (the tokens after its prompt), from one forward
+    of all sequences packed into one row. ``position_ids`` must restart at 0 per sequence:
+    without them a packed row is one long sequence whose tokens attend across sequences, and
+    ValueError says so. fp32 [len(targets[i])] each, with grad."""
+    if len(sequences) > 1 and position_ids is None:
+        raise ValueError("bik rl: a packed batch of several sequences needs position_ids "
+                         "restarting at 0 per sequence (transformers then keeps each sequence "
+                         "to itself); got none")
+    ids = torch.tensor([sum(sequences, [])])
+    hidden = model.model(ids, position_ids=position_ids, use_cache=False).last_hidden_state[0]
+    # The LM head on the rows that predict a target only (about a third of a rollout's rows:
+    # its cost is most of the step's). A row's logits do not depend on which rows go with it
+    # under bik; stock they may, which is part of what the control measures.
+    rows, start = [], 0
+    for seq, tgt in zip(sequences, targets):
+        rows.append(torch.arange(start + len(seq) - len(tgt) - 1, start + len(seq) - 1))
+        start += len(seq)
+    logits = model.lm_head(hidden[torch.cat(rows)])
+    out, at = [], 0
+    for tgt, t in zip(targets, temperatures):
+        z = logits[at:at + len(tgt)].float()
+        lp = torch.log_softmax(z / t if t > 0 else z, -1)
+        out.append(lp.gather(1, torch.tensor(tgt, dtype=torch.int64)[:, None])[:, 0])
+        at += len(tgt)
+    return out
+
+
+def positions(sequences: list[list[int]]) -> torch.Tensor:
+    return torch.cat([torch.arange(len(s)) for s in sequences])[None]
+
+
+def grpo_loss(logprobs: list[torch.Tensor], old: list[torch.Tensor], advantages: list[float],
+              clip: float = 0.2) -> torch.Tensor:
+    """GRPO's clipped objective, negated: per sequence the mean over its tokens of
+    min(rho * A, clip(rho, 1 - clip, 1 + clip) * A), rho = exp(logprob - old logprob), then the
+    mean over sequences. ``old`` are the engine's logprobs: rho is exactly 1 when the trainer
+    computes the engine's function (bik), and the gradient is the policy gradient itself."""
+    terms = []
+    for lp, lp_old, a in zip(logprobs, old, advantages):
+        if lp.numel() == 0:
+            continue
+        rho = torch.exp(lp - lp_old)
+        terms.append(torch.minimum(rho * a, rho.clamp(1 - clip, 1 + clip) * a).mean())
+    return -torch.stack(terms).mean()
+
+
+def advantages(rewards: list[float], group: int) -> list[float]:
+    """Each completion's reward minus its group's mean, over the group's std (+1e-4)."""
+    r = torch.tensor(rewards, dtype=torch.float64).reshape(-1, group)
+    a = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + 1e-4)
+    return a.flatten().tolist()
+
+
+class Trainer:
+    """fp32 master weights with AdamW; the forward runs on them (float32) or on a bf16 copy
+    (bfloat16), whose gradients are accumulated into the masters in fp32."""
+
+    def __init__(self, model_dir: str, dtype: str, lr: float):
+        import transformers
+
+        self.master = transformers.LlamaForCausalLM.from_pretrained(model_dir,
+                                                                    dtype=torch.float32)
+        self.dtype = DTYPES[dtype]
+        self.model = self.master
+        if self.dtype != torch.float32:
+            self.model = transformers.LlamaForCausalLM.from_pretrained(model_dir,
+                                                                       dtype=self.dtype)
+            self._copy_masters()
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=lr)
+
+    def _copy_masters(self) -> None:
+        with torch.no_grad():
+            for p, m in zip(self.model.parameters(), self.master.parameters()):
+                p.copy_(m)
+
+    def expected(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        return {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The forward model's weights by checkpoint name (a tied LM head appears once)."""
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def logprobs(self, sequences, targets, temperatures) -> list[torch.Tensor]:
+        return packed_logprobs(self.model, sequences, targets, temperatures,
+                               positions(sequences))
+
+    def step(self, loss: torch.Tensor) -> tuple[str, float]:
+        """Backward, AdamW on the masters, the forward copy refreshed. Returns the sha256 of
+        every gradient's bytes (in parameter order: equal digests, equal gradients) and the
+        gradients' global L2 norm."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.model is not self.master:
+            self.model.zero_grad(set_to_none=True)
+        loss.backward()
+        digest, square = hashlib.sha256(), 0.0
+        for p, m in zip(self.model.parameters(), self.master.parameters()):
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            digest.update(grad.contiguous().view(torch.uint8).numpy().tobytes())
+            square += float(grad.double().square().sum())
+            if m is not p:
+                m.grad = grad.float()
+        self.optimizer.step()
+        if self.model is not self.master:
+            self._copy_masters()
+        return digest.hexdigest()[:16], square ** 0.5

@@ -1,0 +1,105 @@
+"""bik.rl's pieces without an engine (the main venv; the loop on vLLM is
+tests/vllm_plugin/test_rl.py): what it refuses and with which message, the packed trainer's
+logprobs equal to each sequence's alone under bik.enable(), the GRPO loss at rho = 1, the
+reward."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import bik
+import pytest
+import torch
+from bik.rl import RLConfig, check_config, check_fingerprints
+from bik.rl import engine, task
+from bik.rl.trainer import advantages, grpo_loss, packed_logprobs, positions
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"top_k": 20}, "top_k=20, top_p=1.0, min_p=0.0: filters are refused"),
+    ({"top_p": 0.9}, "top_p=0.9"),
+    ({"min_p": 0.1}, "min_p=0.1"),
+    ({"engine_dtype": "bfloat16"}, "the engine's dtype bfloat16 is not the trainer's float32"),
+    ({"dtype": "float16"}, "dtype must be float32 or bfloat16, got 'float16'"),
+    ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
+])
+def test_rl_refuses_what_it_does_not_serve(change, message):
+    with pytest.raises(ValueError, match=f"bik rl: .*{message}"):
+        check_config(RLConfig(**change))
+
+
+def test_rl_names_both_fingerprints_when_they_differ():
+    check_fingerprints("aaaa", ["aaaa"])
+    with pytest.raises(RuntimeError, match="fingerprint bbbb is not the trainer's aaaa"):
+        check_fingerprints("aaaa", ["aaaa", "bbbb"])
+
+
+def test_a_bad_weight_update_is_refused_naming_each_weight():
+    expected = {"a.weight": (torch.Size([2, 3]), torch.float32),
+                "b.weight": (torch.Size([4]), torch.float32)}
+    good = {"a.weight": torch.zeros(2, 3), "b.weight": torch.zeros(4)}
+    engine.check_update(good, expected)
+    bad = {"a.weight": torch.zeros(3, 2), "c.weight": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"unknown names \['c.weight'\], missing \['b.weight'\], "
+                                         r"wrong shape or dtype \['a.weight: \(3, 2\)"):
+        engine.check_update(bad, expected)
+    with pytest.raises(ValueError, match=r"a.weight: \(2, 3\) torch.bfloat16"):
+        engine.check_update(good | {"a.weight": torch.zeros(2, 3, dtype=torch.bfloat16)},
+                            expected)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_rl_without_vllm_says_how_to_install_it():
+    with pytest.raises(RuntimeError, match="make venv-vllm"):
+        engine.start("/nonexistent", "float32", bik_on=True)
+
+
+def _model():
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=96, max_position_embeddings=256)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config).train()
+
+
+def test_packed_logprobs_need_position_ids_and_equal_each_sequence_alone():
+    """The trainer's packed forward (position_ids restarting per sequence) gives each
+    sequence's logprobs bit for bit as its own forward does, under bik.enable(), at T = 1 and
+    0.7; without position_ids it refuses."""
+    model = _model()
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (9, 17, 5)]
+    targets = [s[-3:] for s in seqs]
+    with pytest.raises(ValueError, match="needs position_ids restarting at 0 per sequence"):
+        packed_logprobs(model, seqs, targets, [1.0] * 3, None)
+    with bik.enabled():
+        packed = packed_logprobs(model, seqs, targets, [1.0, 0.7, 1.0], positions(seqs))
+        alone = [packed_logprobs(model, [s], [t], [temp], positions([s]))[0]
+                 for s, t, temp in zip(seqs, targets, [1.0, 0.7, 1.0])]
+    assert all(p.requires_grad for p in packed)
+    assert all(torch.equal(p, a) for p, a in zip(packed, alone))
+
+
+def test_grpo_at_rho_one_is_the_policy_gradient():
+    """With the engine's logprobs equal to the trainer's, rho = 1: the loss is minus the mean
+    advantage, and its gradient is minus A / |o| times each token's logprob gradient."""
+    lp = [torch.tensor([-1.0, -2.0], requires_grad=True), torch.tensor([-0.5], requires_grad=True)]
+    adv = advantages([1.0, 0.0], 2)
+    assert adv == pytest.approx([1.0, -1.0], abs=1e-3)
+    loss = grpo_loss(lp, [t.detach() for t in lp], adv)
+    loss.backward()
+    assert float(loss) == pytest.approx(-(adv[0] + adv[1]) / 2)
+    assert torch.allclose(lp[0].grad, torch.full((2,), -adv[0] / 4))
+    assert torch.allclose(lp[1].grad, torch.full((1,), -adv[1] / 2))
+
+
+def test_reward_reads_the_last_integer():
+    p = task.Problem("What is 26 + 28?", 54)
+    assert task.reward(p, "26 + 28 = 54") == 1.0
+    assert task.reward(p, "26 + 28 is indeed 54.") == 1.0
+    assert task.reward(p, "54 is not 26 + 28 = 55") == 0.0
+    assert task.reward(p, "Two sixes.") == 0.0
+    assert task.problems(3, 0) == task.problems(3, 0) != task.problems(3, 1)
