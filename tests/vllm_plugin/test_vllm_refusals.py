@@ -106,27 +106,23 @@ def test_sampler_draw_is_bik_sample_keyed_by_seed_and_position():
     assert not torch.equal(moved, batched[2:3])
 
 
-def test_sampler_refuses_unknown_modes_filtered_processed_rows_and_unkeyed_calls():
+def test_sampler_refuses_unknown_modes_and_unkeyed_calls():
     import torch
-    from bik.integrations.vllm.sampler import BikSampler, keyed
+    from bik.integrations.vllm.sampler import BikSampler
 
     with pytest.raises(NotImplementedError, match="bik.integrations.vllm: logprobs_mode"):
         BikSampler("tempered_logprobs")
     with pytest.raises(RuntimeError, match="no \\(seed, position\\) per row"):
         BikSampler().sample(torch.zeros(1, 4), _metadata([1.0]))
-    sampler = BikSampler("processed_logprobs")
-    one = torch.zeros(1, dtype=torch.int64)
-    with keyed(sampler, (one, one)), pytest.raises(
-            NotImplementedError, match="processed_logprobs' with top-k or top-p on"):
-        sampler.sample(torch.zeros(1, 4), _metadata([1.0], top_p=torch.tensor([0.9]),
-                                                    max_num_logprobs=0))
 
 
 @pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])
-def test_processed_logprobs_are_bik_samples_at_the_drawn_token(mode):
-    """Processed mode returns the tempered logits the draw saw (greedy rows untempered), or
-    their bik.log_softmax, whose entry at each drawn token is bik.sample's logprob bit for bit
-    (one normaliser); torch's log_softmax of the same logits is not (the control)."""
+@pytest.mark.parametrize("filters", [False, True])
+def test_processed_logprobs_are_bik_samples_at_the_drawn_token(mode, filters):
+    """Processed mode returns the tempered logits the draw saw (greedy rows untempered; with
+    top-k / top-p, the dropped tokens at -inf), or their bik.log_softmax, whose entry at each
+    drawn token is bik.sample's logprob bit for bit (one normaliser); torch's log_softmax of the
+    same logits is not (the control)."""
     import torch
     from bik.integrations.vllm.sampler import BikSampler, keyed
 
@@ -134,16 +130,23 @@ def test_processed_logprobs_are_bik_samples_at_the_drawn_token(mode):
     logits = torch.randn(6, 49152) * 3
     seed, position = torch.arange(6) + 5, torch.arange(6) * 7
     temperature = [0.7, 0.0, 1.0, 1.3, 0.7, 1.0]
+    top_k = torch.tensor([0, 0, 40, 49152, 0, 7], dtype=torch.int32) if filters else None
+    top_p = torch.tensor([0.9, 1.0, 1.0, 0.5, 1.0, 0.8]) if filters else None
     with keyed(sampler := BikSampler(mode), (seed, position)):
-        tokens, processed = sampler.sample(logits.clone(), _metadata(temperature,
-                                                                     max_num_logprobs=0))
+        tokens, processed = sampler.sample(logits.clone(), _metadata(
+            temperature, top_k=top_k, top_p=top_p, max_num_logprobs=0))
     t = torch.tensor(temperature)
     z = logits / torch.where(t > 0, t, 1.0)[:, None]
-    if mode == "processed_logits":
-        assert torch.equal(processed, z)
-        return
-    want = bik.sample(z, seed=seed, position=position, temperature=(t > 0).float())
+    greedy = t == 0
+    want = bik.sample(z, seed=seed, position=position, temperature=(~greedy).float(),
+                      top_k=None if top_k is None else torch.where(greedy, 0, top_k.long()),
+                      top_p=None if top_p is None else torch.where(greedy, 1.0, top_p))
     assert torch.equal(tokens, want.tokens)
+    dropped = processed == float("-inf")
+    assert bool(dropped[[0, 2, 3, 5]].any(1).all()) == filters and not dropped[1].any()
+    if mode == "processed_logits":
+        assert torch.equal(processed[~dropped], z[~dropped])
+        return
     assert torch.equal(processed.gather(1, tokens[:, None])[:, 0], want.logprobs)
     stock = torch.log_softmax(z, -1).gather(1, tokens[:, None])[:, 0]
     assert not torch.equal(stock, want.logprobs)

@@ -78,64 +78,72 @@ def _resumed(llm) -> dict:
 
 
 def _trainer(llm, dtype: str, processed: bool) -> dict:
-    """Greedy and seeded requests (T = 0, 1.0, 0.7, 1.0) in one batch with their logprobs;
-    then each prompt + completion through transformers' LlamaForCausalLM in train mode with
-    grad enabled, the trainer's log_softmax gathered at the sampled tokens: of the fp32 logits
-    in raw mode (vLLM's default), of the fp32 logits divided by the request's T (T > 0) in
-    processed mode. One sequence per forward ("alone"), all in one right-padded batch with its
-    attention mask ("padded"), and all packed into one row with position_ids restarting per
-    sequence ("packed"; no cache, as trainers run, so transformers builds its block-diagonal
-    mask). "bf16_division" is the trap: the logits divided by T before the upcast."""
+    """Greedy and seeded requests (T = 0, 1.0, 0.7, 1.0, and in processed mode 0.8 with top-k
+    50 and top-p 0.9) in one batch with their logprobs; then each prompt + completion through
+    transformers' LlamaForCausalLM in train mode with grad enabled, the trainer's log_softmax
+    gathered at the sampled tokens: of the fp32 logits in raw mode (vLLM's default), of the
+    fp32 logits divided by the request's T (T > 0) in processed mode, the tokens the draw
+    dropped at -inf (ops/sampling/kept.py) for the filtered request. One sequence per forward
+    ("alone"), all in one right-padded batch with its attention mask ("padded"), and all packed
+    into one row with position_ids restarting per sequence ("packed"; no cache, as trainers
+    run, so transformers builds its block-diagonal mask). "bf16_division" is the trap: the
+    logits divided by T before the upcast."""
     import torch
     import transformers
     from bik.models import smollm2
+    from bik.ops.sampling.kept import kept_tokens
     from vllm import SamplingParams
 
-    temps = (0.0, 1.0, 0.7, 1.0)
-    params = [SamplingParams(temperature=t, seed=s, max_tokens=NEW_TOKENS, logprobs=0,
-                             ignore_eos=True)
-              for t, s in zip(temps, (None, 3, 5, 11))]
-    outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    requests = [(0.0, None, 0, 1.0), (1.0, 3, 0, 1.0), (0.7, 5, 0, 1.0), (1.0, 11, 0, 1.0)]
+    if processed:
+        requests.append((0.8, 13, 50, 0.9))
+    params = [SamplingParams(temperature=t, seed=s, top_k=k or -1, top_p=p,
+                             max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
+              for t, s, k, p in requests]
+    outs = llm.generate(PROMPTS[:len(requests)], params, use_tqdm=False)
     model = transformers.LlamaForCausalLM.from_pretrained(
         str(smollm2.cache_dir()), dtype=getattr(torch, dtype))
     model.train()
     seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
-    scale = [t if processed and t > 0 else 1.0 for t in temps]
 
-    def logprobs(logits, t):  # t: the temperature of each row [.., 1, 1] or a float
-        return torch.log_softmax(logits.float() / t, -1)
+    def logprobs(logits, b):  # one request's rows of logits -> its trainer logprobs
+        t, _, k, p = requests[b]
+        z = logits.float() / t if processed and t > 0 else logits.float()
+        if processed and (k or p < 1):
+            z = z.masked_fill(~kept_tokens(z, torch.full((len(z),), k),
+                                           torch.full((len(z),), p)), float("-inf"))
+        return torch.log_softmax(z, -1)
 
     width = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    padded = logprobs(model(ids, attention_mask=mask).logits, torch.tensor(scale)[:, None, None])
+    padded = model(ids, attention_mask=mask).logits
     starts = [0, *itertools.accumulate(map(len, seqs))]
-    per_token = torch.cat([torch.full((len(s),), t) for s, t in zip(seqs, scale)])
-    packed = logprobs(model(
-        torch.tensor([sum(seqs, [])]), use_cache=False,
-        position_ids=torch.cat([torch.arange(len(s)) for s in seqs])[None]).logits,
-        per_token[None, :, None])
+    packed = model(torch.tensor([sum(seqs, [])]), use_cache=False,
+                   position_ids=torch.cat([torch.arange(len(s)) for s in seqs])[None]).logits
     result = {name: {"equal": 0, "max_abs": 0.0} for name in ("alone", "padded", "packed")}
     result |= {"total": 0, "grad": bool(padded.requires_grad), "processed": processed,
-               "bf16_division": {"equal": 0, "total": 0}}
+               "filtered": 0, "bf16_division": {"equal": 0, "total": 0}}
     for b, out in enumerate(outs):
         prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
         engine = torch.tensor([d[t].logprob for d, t in zip(out.outputs[0].logprobs, tokens)])
         logits = model(torch.tensor([seqs[b]])).logits
-        alone = logprobs(logits, scale[b])[0]
         at = torch.tensor(tokens)[:, None]
         rows = slice(len(prompt) - 1, len(seqs[b]) - 1)
         packed_rows = slice(starts[b] + rows.start, starts[b] + rows.stop)
-        for name, lp in (("alone", alone[rows]), ("padded", padded[b, rows]),
+        for name, lg in (("alone", logits[0, rows]), ("padded", padded[b, rows]),
                          ("packed", packed[0, packed_rows])):
-            trainer = lp.gather(1, at)[:, 0].detach()
+            trainer = logprobs(lg, b).gather(1, at)[:, 0].detach()
             result[name]["equal"] += int((trainer == engine).sum())
             result[name]["max_abs"] = max(result[name]["max_abs"],
                                           float((trainer - engine).abs().max()))
-        if processed and scale[b] != 1.0 and logits.dtype == torch.bfloat16:
-            trap = torch.log_softmax((logits / scale[b]).float(), -1)[0, rows]
+        t = requests[b][0]
+        if processed and t not in (0.0, 1.0) and logits.dtype == torch.bfloat16 and \
+                requests[b][2:] == (0, 1.0):
+            trap = torch.log_softmax((logits[0, rows] / t).float(), -1)
             result["bf16_division"]["equal"] += int((trap.gather(1, at)[:, 0] == engine).sum())
             result["bf16_division"]["total"] += len(tokens)
+        result["filtered"] += len(tokens) if requests[b][2:] != (0, 1.0) else 0
         result["total"] += len(tokens)
     return result
 

@@ -13,11 +13,11 @@ logit bias, temperature, min-p and other argmax-invariant processors); the draw 
 
 Every logprobs mode is served. Raw modes are vLLM's (its log_softmax runs on bik under
 bik.enable()). Processed modes return the logits the draw saw (tempered, min-p's -inf
-applied; greedy rows untempered, as vLLM's) or their bik.log_softmax, whose entry at the drawn
-token is bik.sample's logprob bit for bit (one normaliser), so a trainer's
-``log_softmax(logits.float() / T)`` under bik.enable() is the engine's. A row with top-k or
-top-p on is refused in a processed mode: its filtered row would need the sampler's top-p cut,
-which bik.sample does not return yet.
+applied, top-k / top-p's dropped tokens at -inf: the sampler's own set, ops/sampling/kept.py;
+greedy rows untempered, as vLLM's) or their bik.log_softmax, whose entry at the drawn token is
+bik.sample's logprob bit for bit (one normaliser), so a trainer's
+``log_softmax(logits.float() / T)`` under bik.enable() is the engine's (with a filter, of the
+filtered logits).
 Per step, the model runner's ``_sample`` hands the sampler each row's seed and position
 (``input_batch.num_tokens_no_spec``: the tokens before the one drawn).
 """
@@ -31,6 +31,7 @@ import torch
 from vllm.v1.sample.sampler import _SAMPLING_EPS, Sampler
 
 import bik
+from bik.ops.sampling.kept import kept_tokens
 from bik.ops.sampling.noise import seed_int64
 
 __all__ = ["CALLS", "BikSampler", "install"]
@@ -80,12 +81,10 @@ class BikSampler(Sampler):
         if not mode.startswith("processed") or (md.max_num_logprobs is None
                                                 and not md.logprob_token_ids):
             return out.tokens, None
-        if (top_k is not None and bool(((top_k > 0) & (top_k < logits.shape[-1])).any())) or (
-                top_p is not None and bool((top_p < 1).any())):
-            raise NotImplementedError(
-                f"bik.integrations.vllm: logprobs_mode={mode!r} with top-k or top-p on is not "
-                f"served (the filtered row needs the sampler's top-p cut); use a raw mode, or "
-                f"min-p, or no filter")
+        # The draw's filters as -inf, as vLLM's processed rows have them (min-p's are in the
+        # logits already); the set is bik.sample's own (ops/sampling/kept.py).
+        if top_k is not None or top_p is not None:
+            logits = logits.masked_fill(~kept_tokens(logits, top_k, top_p), float("-inf"))
         return out.tokens, logits if mode == "processed_logits" else bik.log_softmax(logits, -1)
 
 
