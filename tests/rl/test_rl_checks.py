@@ -18,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"top_k": 20}, "top_k=20, top_p=1.0, min_p=0.0: filters are refused"),
-    ({"top_p": 0.9}, "top_p=0.9"),
-    ({"min_p": 0.1}, "min_p=0.1"),
+    ({"min_p": 0.1}, "min_p=0.1 is refused"),
+    ({"top_k": -2}, "top_k must be >= 0 and top_p in \\(0, 1\\], got top_k=-2"),
+    ({"top_p": 0.0}, "top_p=0.0"),
     ({"engine_dtype": "bfloat16"}, "the engine's dtype bfloat16 is not the trainer's float32"),
     ({"dtype": "float16"}, "dtype must be float32 or bfloat16, got 'float16'"),
     ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 ARGS = ["--prompts", "4", "--group", "4", "--max-tokens", "16", "--lr", "1e-4"]
+FILTERS = ["--top-k", "40", "--top-p", "0.95"]  # bik's runs: the trainer learns the filtered draw
 
 
 def _rl(tmp_path, name: str, *extra: str) -> list[dict]:
@@ -30,12 +31,14 @@ def _rl(tmp_path, name: str, *extra: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def bik_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl")
-    return _rl(tmp, "bik", "--steps", "2"), _rl(tmp, "again", "--steps", "1")
+    return _rl(tmp, "bik", "--steps", "2", *FILTERS), _rl(tmp, "again", "--steps", "1", *FILTERS)
 
 
 def test_trainer_logprobs_equal_the_engines_at_every_step(bik_runs):
     """Step 2 samples from the weights step 1 pushed (reload_weights; the plugin repacks them:
-    a stale pack gave every token another logprob), so equality there covers the update."""
+    a stale pack gave every token another logprob), so equality there covers the update. With
+    top-k 40 and top-p 0.95 the engine's processed logprobs are of the filtered distribution,
+    and so are the trainer's (the sampler's kept set, ops/sampling/kept.py)."""
     records, _ = bik_runs
     assert len(records) == 2
     for r in records:

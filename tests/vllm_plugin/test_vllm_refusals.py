@@ -170,3 +170,34 @@ def test_repack_after_a_weight_update_reads_the_new_weights():
     model = torch.nn.Sequential(layer, torch.nn.Linear(4, 4))  # no bik pack in the second
     assert linear.repack(model) == 1
     assert torch.equal(layer.cpu_linear(x, layer.weight, None), fresh)
+
+
+def test_a_direct_load_weights_repacks_too():
+    """TRL's colocated trainer pushes weights with model.load_weights, not reload_weights: the
+    plugin wraps it on every model it loads (installed on both model runners)."""
+    import torch
+    from bik.integrations.vllm import linear
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 16, bias=False)
+
+        def load_weights(self, weights):
+            for name, w in weights:
+                self.get_parameter(name).data.copy_(w)
+            return {name for name, _ in weights}
+
+    torch.manual_seed(0)
+    model = Model()
+    model.proj.cpu_linear = linear._packed_linear(model.proj.weight)
+    stale = model.proj.cpu_linear
+    linear._watch_loads(model)
+    linear._watch_loads(model)  # once only
+    x, new = torch.randn(2, 32), torch.randn(16, 32)
+    assert model.load_weights([("proj.weight", new)]) == {"proj.weight"}
+    assert torch.equal(model.proj.cpu_linear(x, model.proj.weight, None), bik.linear(x, new))
+    assert not torch.equal(stale(x, model.proj.weight, None), bik.linear(x, new))
+    linear.install()
+    assert CPUModelRunner.load_model.bik_wrapped

@@ -19,8 +19,9 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
                    help="the engine's and the trainer forward's (masters stay fp32)")
     p.add_argument("--lr", type=non_negative_float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--top-k", type=int, default=0, help="refused when on (see --help of rl)")
-    p.add_argument("--top-p", type=fraction, default=1.0, help="refused below 1")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="the engine draws, the trainer learns, the filtered distribution")
+    p.add_argument("--top-p", type=fraction, default=1.0, help="as --top-k")
     p.add_argument("--min-p", type=non_negative_float, default=0.0, help="refused above 0")
     p.add_argument("--stock", action="store_true",
                    help="bik off: stock vLLM and stock transformers (the control)")

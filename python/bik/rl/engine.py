@@ -49,7 +49,7 @@ def start(model_dir: str, dtype: str, *, bik_on: bool, max_model_len: int = 512)
 
 
 def sample(llm, prompts: list[list[int]], *, group: int, max_tokens: int, temperature: float,
-           seed: int) -> list[Rollout]:
+           seed: int, top_k: int = 0, top_p: float = 1.0) -> list[Rollout]:
     """``group`` completions of every prompt, request (p, g) seeded ``seed + p * group + g``
     (so a completion is the same whatever else is in the batch, under bik)."""
     from vllm import SamplingParams, TokensPrompt
@@ -59,6 +59,7 @@ def sample(llm, prompts: list[list[int]], *, group: int, max_tokens: int, temper
         for g in range(group):
             requests.append(TokensPrompt(prompt_token_ids=ids))
             params.append(SamplingParams(temperature=temperature, seed=seed + p * group + g,
+                                         top_k=top_k or -1, top_p=top_p,
                                          max_tokens=max_tokens, logprobs=0))
     outs = llm.generate(requests, params, use_tqdm=False)
     rollouts = []

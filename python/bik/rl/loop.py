@@ -25,18 +25,20 @@ class RLConfig:
     lr: float = 1e-5
     seed: int = 0
     bik: bool = True
-    top_k: int = 0  # filters are refused: the trainer's logprobs would need the same filter
+    top_k: int = 0  # top-k / top-p: the trainer's logprobs are of the same filtered distribution
     top_p: float = 1.0
-    min_p: float = 0.0
+    min_p: float = 0.0  # refused: vLLM's min-p is its own torch code, which the trainer lacks
 
 
 def check_config(cfg: RLConfig) -> None:
     """ValueError naming what ``bik rl`` does not serve."""
-    if cfg.top_k > 0 or cfg.top_p < 1.0 or cfg.min_p > 0.0:
-        raise ValueError(f"bik rl: top_k={cfg.top_k}, top_p={cfg.top_p}, min_p={cfg.min_p}: "
-                         f"filters are refused (the engine's processed logprobs would be of "
-                         f"the filtered distribution, the trainer's of the full one); sample "
-                         f"with temperature only")
+    if cfg.min_p > 0.0:
+        raise ValueError(f"bik rl: min_p={cfg.min_p} is refused (vLLM applies min-p with its own "
+                         f"torch code before the draw, which the trainer does not replay); "
+                         f"use top-k / top-p, or temperature only")
+    if cfg.top_k < 0 or not 0.0 < cfg.top_p <= 1.0:
+        raise ValueError(f"bik rl: top_k must be >= 0 and top_p in (0, 1], got top_k="
+                         f"{cfg.top_k}, top_p={cfg.top_p}")
     if cfg.engine_dtype not in (None, cfg.dtype):
         raise ValueError(f"bik rl: the engine's dtype {cfg.engine_dtype} is not the trainer's "
                          f"{cfg.dtype}: their logprobs would be of two models")
@@ -85,12 +87,13 @@ def run(cfg: RLConfig, model_dir: str, log=print) -> list[dict]:
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         rollouts = engine.sample(llm, prompts, group=cfg.group, max_tokens=cfg.max_tokens,
-                                 temperature=cfg.temperature, seed=cfg.seed + 1000 * step)
+                                 temperature=cfg.temperature, seed=cfg.seed + 1000 * step,
+                                 top_k=cfg.top_k, top_p=cfg.top_p)
         t1 = time.perf_counter()
         rewards = [task.reward(problems[r.prompt], r.text) for r in rollouts]
         seqs = [r.prompt_ids + r.token_ids for r in rollouts]
         lps = trainer.logprobs(seqs, [r.token_ids for r in rollouts],
-                               [cfg.temperature] * len(seqs))
+                               [cfg.temperature] * len(seqs), top_k=cfg.top_k, top_p=cfg.top_p)
         gap = compare(lps, [r.logprobs for r in rollouts])
         loss = grpo_loss(lps, [r.logprobs for r in rollouts], advantages(rewards, cfg.group))
         grad_digest, grad_norm = trainer.step(loss)

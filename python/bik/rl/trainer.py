@@ -14,15 +14,20 @@ import hashlib
 
 import torch
 
+from bik.ops.sampling.kept import kept_tokens
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def packed_logprobs(model, sequences: list[list[int]], targets: list[list[int]],
-                    temperatures: list[float], position_ids: torch.Tensor | None) -> list[torch.Tensor]:
+                    temperatures: list[float], position_ids: torch.Tensor | None, *,
+                    top_k: int = 0, top_p: float = 1.0) -> list[torch.Tensor]:
     """Each sequence's logprobs of its targets (the tokens after its prompt), from one forward
     of all sequences packed into one row. ``position_ids`` must restart at 0 per sequence:
     without them a packed row is one long sequence whose tokens attend across sequences, and
-    ValueError says so. fp32 [len(targets[i])] each, with grad."""
+    ValueError says so. With top-k / top-p, of the filtered distribution the engine drew from:
+    the tokens bik.sample drops at -inf (ops/sampling/kept.py). fp32 [len(targets[i])] each,
+    with grad."""
     if len(sequences) > 1 and position_ids is None:
         raise ValueError("bik rl: a packed batch of several sequences needs position_ids "
                          "restarting at 0 per sequence (transformers then keeps each sequence "
@@ -40,7 +45,13 @@ def packed_logprobs(model, sequences: list[list[int]], targets: list[list[int]],
     out, at = [], 0
     for tgt, t in zip(targets, temperatures):
         z = logits[at:at + len(tgt)].float()
-        lp = torch.log_softmax(z / t if t > 0 else z, -1)
+        z = z / t if t > 0 else z
+        if top_k > 0 or top_p < 1.0:
+            rows_here = len(tgt)
+            kept = kept_tokens(z.detach(), torch.full((rows_here,), top_k),
+                               torch.full((rows_here,), top_p))
+            z = z.masked_fill(~kept, float("-inf"))
+        lp = torch.log_softmax(z, -1)
         out.append(lp.gather(1, torch.tensor(tgt, dtype=torch.int64)[:, None])[:, 0])
         at += len(tgt)
     return out
@@ -102,9 +113,9 @@ class Trainer:
         """The forward model's weights by checkpoint name (a tied LM head appears once)."""
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
-    def logprobs(self, sequences, targets, temperatures) -> list[torch.Tensor]:
+    def logprobs(self, sequences, targets, temperatures, **filters) -> list[torch.Tensor]:
         return packed_logprobs(self.model, sequences, targets, temperatures,
-                               positions(sequences))
+                               positions(sequences), **filters)
 
     def step(self, loss: torch.Tensor) -> tuple[str, float]:
         """Backward, AdamW on the masters, the forward copy refreshed. Returns the sha256 of

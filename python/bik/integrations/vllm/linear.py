@@ -7,7 +7,8 @@ no dispatcher override sees them, and their reduction order follows the batch. T
 is private, so it is replaced only on the vLLM version the plugin pins (checked by
 ``register``); the replacement keeps the weight as loaded and computes with bik, from the
 weight packed once at load (as vLLM's own kernels do), and packed again after every
-``reload_weights`` (an RL trainer's weight update: :func:`repack`).
+``reload_weights`` and every ``model.load_weights`` (an RL trainer's weight update, either
+way: :func:`repack`).
 
 CUDA (not yet run on a GPU): the unquantized linear and embedding methods call the GEMM that
 ``dispatch_unquantized_gemm`` returns (``F.linear``, or a FlashInfer GEMM with
@@ -70,7 +71,10 @@ def repack(model: torch.nn.Module) -> int:
     cannot tell). vLLM re-runs the processing of most layers after ``reload_weights``, but not
     of a tied LM head, whose panels were stale (measured: every sampled token's logprob off
     after an update of the embedding). Returns how many layers it packed."""
-    layers = [m for m in model.modules() if hasattr(getattr(m, "cpu_linear", None), "packed")]
+    # A weight on meta is mid-way through vLLM's layerwise reload; the layer's processing,
+    # which reruns once it is loaded, packs it.
+    layers = [m for m in model.modules()
+              if hasattr(getattr(m, "cpu_linear", None), "packed") and not m.weight.is_meta]
     for layer in layers:
         layer.cpu_linear = _packed_linear(layer.weight)
     return len(layers)
@@ -84,6 +88,35 @@ def _after_reload(reload_weights):
 
     reload_and_repack.bik_wrapped = True
     return reload_and_repack
+
+
+def _watch_loads(model: torch.nn.Module) -> None:
+    """Repack after every ``model.load_weights`` too: TRL's colocated GRPO trainer pushes its
+    weights by calling it directly, not through reload_weights (measured with trl 1.16: the
+    engine kept sampling from the old weights, its logprobs 3.6 nats off on average, silently:
+    TRL's importance-sampling mask zeroed the loss)."""
+    load_weights = model.load_weights
+    if getattr(load_weights, "bik_wrapped", False):
+        return
+
+    @functools.wraps(load_weights)
+    def load_and_repack(*args, **kwargs):
+        loaded = load_weights(*args, **kwargs)
+        REPACKS[0] += repack(model)
+        return loaded
+
+    load_and_repack.bik_wrapped = True
+    model.load_weights = load_and_repack
+
+
+def _after_load_model(load_model):
+    @functools.wraps(load_model)
+    def load_and_watch(self, *args, **kwargs):
+        load_model(self, *args, **kwargs)
+        _watch_loads(self.get_model())
+
+    load_and_watch.bik_wrapped = True
+    return load_and_watch
 
 
 def _pack_weights(weight: torch.Tensor) -> bool:
@@ -135,11 +168,15 @@ def _gemm_on_cuda(dispatch):
 
 def install() -> None:
     from vllm.model_executor.layers import linear, utils, vocab_parallel_embedding
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     utils.dispatch_cpu_unquantized_gemm = _dispatch
     if not getattr(GPUModelRunner.reload_weights, "bik_wrapped", False):
         GPUModelRunner.reload_weights = _after_reload(GPUModelRunner.reload_weights)
+    for runner in (GPUModelRunner, CPUModelRunner):  # the CPU runner has its own load_model
+        if not getattr(runner.load_model, "bik_wrapped", False):
+            runner.load_model = _after_load_model(runner.load_model)
     for module in (linear, vocab_parallel_embedding):
         if not getattr(module.dispatch_unquantized_gemm, "bik_wrapped", False):
             module.dispatch_unquantized_gemm = _gemm_on_cuda(module.dispatch_unquantized_gemm)
