@@ -220,8 +220,9 @@ def test_linear_methods_get_bik_gemm_on_cuda(monkeypatch):
     _one_rank(monkeypatch)
     assert torch.equal(gemm(None, x, w, b), bik.linear(x, w, b))
     monkeypatch.setattr(linear, "_CHECKED", [False])
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
-    with pytest.raises(NotImplementedError, match="tensor parallel size 2 is not served"):
+    monkeypatch.setattr(parallel_state, "get_pp_group",
+                        lambda: type("Group", (), {"world_size": 2})())
+    with pytest.raises(NotImplementedError, match="pipeline parallel size 2 is not served"):
         gemm(None, x, w, b)
 
 

@@ -26,15 +26,29 @@ def test_attention_refuses_what_bik_does_not_serve(kwargs, what):
         BikCPUAttentionImpl(**args)
 
 
-def test_linear_refuses_tensor_parallelism(monkeypatch):
+def test_linear_refuses_pipeline_parallelism(monkeypatch):
+    import types
+
     import torch
     from bik.integrations.vllm import linear
     from vllm.distributed import parallel_state
 
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: types.SimpleNamespace(world_size=2))
     layer = torch.nn.Linear(4, 4)
-    with pytest.raises(NotImplementedError, match="tensor parallel size 2 is not served"):
+    with pytest.raises(NotImplementedError, match="pipeline parallel size 2 is not served"):
         linear._dispatch(layer, remove_weight=True)
+
+
+def test_a_row_parallel_layer_that_does_not_reduce_is_refused():
+    import types
+
+    from bik.integrations.vllm import linear
+
+    forward = linear._row_parallel(lambda self, x: "tp1")
+    layer = types.SimpleNamespace(tp_size=2, reduce_results=False, skip_bias_add=False)
+    with pytest.raises(NotImplementedError, match="reduce_results=False"):
+        forward(layer, None)
+    assert forward(types.SimpleNamespace(tp_size=1), None) == "tp1"
 
 
 def test_plugin_is_off_without_bik_vllm(monkeypatch):

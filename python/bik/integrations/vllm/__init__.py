@@ -19,8 +19,9 @@ workers) through the entry point group ``vllm.general_plugins``; it does nothing
 
 The CUDA branches (the FLASH_ATTN backend, the GEMM on CUDA) have not run on a GPU.
 
-It refuses tensor / pipeline parallelism > 1 (a rank's reductions would depend on the degree)
-and attention features bik does not serve, each with an error naming it, and warns when one of
+Under tensor parallelism the row-parallel layers fold their ranks' partial sums through
+bik.distributed (:mod:`.linear`), so a TP = 2 engine computes the one-device function. It
+refuses pipeline parallelism > 1 and attention features bik does not serve, each with an error naming it, and warns when one of
 vLLM's own batch-dependent kernels still runs (:mod:`.guard`). ``stats()`` counts both.
 """
 

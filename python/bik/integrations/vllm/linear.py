@@ -23,23 +23,53 @@ import os
 
 import torch
 
-__all__ = ["CALLS", "REPACKS", "install"]
+__all__ = ["CALLS", "REPACKS", "ROW_PARALLEL_CALLS", "install"]
 
 CALLS = [0]  # bik.linear calls from vLLM layers in this process
 REPACKS = [0]  # layers packed again after a weight update (reload_weights)
+ROW_PARALLEL_CALLS = [0]  # row-parallel layers folded through bik.distributed (TP > 1)
 
 
 def _refuse_parallelism() -> None:
     from vllm.distributed import parallel_state as ps
 
-    sizes = {"tensor": ps.get_tensor_model_parallel_world_size,
-             "pipeline": lambda: ps.get_pp_group().world_size}
-    for name, size in sizes.items():
-        if (degree := size()) > 1:
+    if (degree := ps.get_pp_group().world_size) > 1:
+        raise NotImplementedError(
+            f"bik.integrations.vllm: pipeline parallel size {degree} is not served (tensor "
+            f"parallelism is); run with size 1 or unset BIK_VLLM")
+
+
+def _row_parallel(forward):
+    """RowParallelLinear.forward at TP > 1 on bik.distributed.row_parallel_linear: each rank
+    computes the K-split contract's group partials of its K shard and the ranks' partials are
+    folded in group order, so the output is bik.linear's on one device bit for bit at any TP
+    (vLLM's all-reduce adds the ranks' shard sums in its own order: other bits, measured). A
+    layer whose K cannot be cut into the contract's groups (K not a multiple of 512) is refused
+    by bik.distributed with the reason."""
+
+    @functools.wraps(forward)
+    def row_forward(self, input_):
+        if self.tp_size == 1:
+            return forward(self, input_)
+        if not self.reduce_results or self.skip_bias_add:
             raise NotImplementedError(
-                f"bik.integrations.vllm: {name} parallel size {degree} is not served yet (a "
-                f"rank's partial sums would depend on the degree); run with size 1 or unset "
-                f"BIK_VLLM")
+                f"bik.integrations.vllm: a row-parallel layer with reduce_results="
+                f"{self.reduce_results}, skip_bias_add={self.skip_bias_add} is not served")
+        from vllm.distributed import get_tp_group
+
+        from bik.distributed import row_parallel_linear
+
+        x = input_ if self.input_is_parallel else \
+            input_.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
+        CALLS[0] += 1
+        ROW_PARALLEL_CALLS[0] += 1
+        tp = get_tp_group()  # gloo for CPU tensors; the device's group (not run) for CUDA ones
+        out = row_parallel_linear(x, self.weight, self.bias,
+                                  group=tp.device_group if x.is_cuda else tp.cpu_group)
+        return (out, None) if self.return_bias else out
+
+    row_forward.bik_wrapped = True
+    return row_forward
 
 
 def _bik_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -172,6 +202,8 @@ def install() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     utils.dispatch_cpu_unquantized_gemm = _dispatch
+    if not getattr(linear.RowParallelLinear.forward, "bik_wrapped", False):
+        linear.RowParallelLinear.forward = _row_parallel(linear.RowParallelLinear.forward)
     if not getattr(GPUModelRunner.reload_weights, "bik_wrapped", False):
         GPUModelRunner.reload_weights = _after_reload(GPUModelRunner.reload_weights)
     for runner in (GPUModelRunner, CPUModelRunner):  # the CPU runner has its own load_model
