@@ -215,3 +215,27 @@ def test_a_direct_load_weights_repacks_too():
     assert not torch.equal(stale(x, model.proj.weight, None), bik.linear(x, new))
     linear.install()
     assert CPUModelRunner.load_model.bik_wrapped
+
+
+def test_a_packed_layer_traces_into_a_full_graph():
+    """vLLM compiles its model with torch.compile(fullgraph=True) unless enforce_eager: the
+    packed product is an opaque op there (Dynamo cannot trace the extension call; measured: the
+    engine failed to start), with the eager call's bits. A repack keeps the layer's handle,
+    which a graph vLLM compiled holds as a constant (vLLM drops Dynamo's guards), so the op
+    with that handle reads the new panels."""
+    import torch
+    from bik.integrations.vllm import linear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48, bias=False)
+    layer.cpu_linear = linear._packed_linear(layer.weight)
+    x = torch.randn(3, 64)
+    compiled = torch.compile(lambda t: layer.cpu_linear(t, layer.weight, None), fullgraph=True,
+                             backend="aot_eager")
+    assert torch.equal(compiled(x), layer.cpu_linear(x, layer.weight, None))
+    handle = layer.cpu_linear.handle
+    layer.weight.data.copy_(torch.randn(48, 64))
+    linear.repack(torch.nn.Sequential(layer))
+    assert layer.cpu_linear.handle == handle
+    assert torch.equal(torch.ops.bik_vllm.packed_linear(x, None, handle),
+                       bik.linear(x, layer.weight))

@@ -79,19 +79,40 @@ def _bik_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return bik.linear(x, weight, bias)
 
 
-def _packed_linear(weight: torch.Tensor):
+# Each packed layer's current pack, by a handle the layer keeps across repacks: a graph vLLM
+# compiled holds the handle (a constant), so a repack must not change it.
+_PACKS: dict[int, object] = {}
+
+
+@torch.library.custom_op("bik_vllm::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, handle: int) -> torch.Tensor:
+    """The pack's product as one opaque op, which torch.compile (vLLM's default, fullgraph)
+    can put in its graph: the pack itself is a raw extension call Dynamo cannot trace."""
+    return _PACKS[handle](x, bias)
+
+
+@_packed_linear_op.register_fake
+def _(x, bias, handle):
+    return x.new_empty((*x.shape[:-1], _PACKS[handle].shape[0]))
+
+
+def _packed_linear(weight: torch.Tensor, handle: int | None = None):
     """layer.cpu_linear over the weight packed once (bik.PackedWeight: bik.linear's bits);
     like vLLM's own oneDNN and packed-weight paths, it reads the panels, not the weight."""
     import bik
 
-    packed = bik.PackedWeight(weight)
+    handle = len(_PACKS) if handle is None else handle
+    _PACKS[handle] = packed = bik.PackedWeight(weight)
 
     def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         del weight  # vLLM passes layer.weight; the panels packed from it are read instead
         CALLS[0] += 1
-        return packed(x, bias)
+        if torch.compiler.is_compiling():
+            return torch.ops.bik_vllm.packed_linear(x, bias, handle)
+        return packed(x, bias)  # eager: no dispatcher round trip
 
     cpu_linear.packed = packed
+    cpu_linear.handle = handle
     return cpu_linear
 
 
@@ -106,7 +127,7 @@ def repack(model: torch.nn.Module) -> int:
     layers = [m for m in model.modules()
               if hasattr(getattr(m, "cpu_linear", None), "packed") and not m.weight.is_meta]
     for layer in layers:
-        layer.cpu_linear = _packed_linear(layer.weight)
+        layer.cpu_linear = _packed_linear(layer.weight, layer.cpu_linear.handle)
     return len(layers)
 
 
