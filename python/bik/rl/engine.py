@@ -10,6 +10,7 @@ the tied LM head gave every token another logprob: ``bik.integrations.vllm.linea
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +33,6 @@ def start(model_dir: str, dtype: str, *, bik_on: bool, max_model_len: int = 512)
     tokens were drawn from), with the bik plugin on or off. The plugin reads BIK_VLLM when vLLM
     loads its plugins, so it is set before vLLM is imported; a process gets one setting."""
     wanted = "1" if bik_on else "0"
-    import sys
-
     if "vllm" in sys.modules and os.environ.get("BIK_VLLM", "0") != wanted:
         raise RuntimeError(f"bik rl: vLLM was imported with BIK_VLLM={os.environ.get('BIK_VLLM')} "
                            f"in this process; start the other setting in another process")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -113,6 +113,3 @@ def run(cfg: RLConfig, model_dir: str, log=print) -> list[dict]:
         records.append(record)
     return records
 
-
-def config_dict(cfg: RLConfig) -> dict:
-    return asdict(cfg)

@@ -131,10 +131,17 @@ def repack(model: torch.nn.Module) -> int:
     return len(layers)
 
 
+_RELOADING = [False]  # inside reload_weights, whose own wrapper repacks at the end
+
+
 def _after_reload(reload_weights):
     @functools.wraps(reload_weights)
     def reload_and_repack(self, *args, **kwargs):
-        reload_weights(self, *args, **kwargs)
+        _RELOADING[0] = True  # the model's load_weights inside it leaves the repack to here
+        try:
+            reload_weights(self, *args, **kwargs)
+        finally:
+            _RELOADING[0] = False
         REPACKS[0] += repack(self.get_model())
 
     reload_and_repack.bik_wrapped = True
@@ -153,7 +160,8 @@ def _watch_loads(model: torch.nn.Module) -> None:
     @functools.wraps(load_weights)
     def load_and_repack(*args, **kwargs):
         loaded = load_weights(*args, **kwargs)
-        REPACKS[0] += repack(model)
+        if not _RELOADING[0]:  # reload_weights repacks once its layers are processed
+            REPACKS[0] += repack(model)
         return loaded
 
     load_and_repack.bik_wrapped = True
