@@ -335,3 +335,35 @@ def test_progress_shows_on_a_terminal_only():
 
     assert "checking things" in output(on_tty=True)
     assert output(on_tty=False) == ""
+
+
+def test_bench_vllm_spec_renders_and_predicts(tmp_path):
+    """`bik bench vllm --spec`'s records (made up here; the bench itself needs .venv-vllm):
+    the table, the plot, and the GPU prediction's arithmetic."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from rich.console import Console
+
+    from bik.cli.bench import vllm_spec
+
+    def row(setup, k, batch, acceptance):
+        return {"op": "vllm spec", "dtype": "float32", "setup": setup, "k": k, "batch": batch,
+                "median_s": 1.0, "min_s": 0.9, "max_s": 1.1, "noisy": False,
+                "tokens_per_s": 32.0 * batch, "acceptance": acceptance, "vs_bik": 1.0,
+                "sequences_equal": "16/16"}
+
+    rows = [row("bik", 0, 1, None), row("fast", 1, 1, 0.5), row("fast", 3, 1, 1.0)]
+    prediction = vllm_spec._prediction("float32", rows)
+    by_k = prediction["by_k"]
+    assert prediction["prediction"] and by_k[1]["tokens_per_step"] == 1.5  # (1 - a^2) / (1 - a)
+    assert by_k[3]["tokens_per_step"] == 4  # every draft accepted: k + 1
+    ratio = vllm_spec.DECODE_RATIO
+    assert by_k[3]["vs_bik_decode"] == pytest.approx(4 * ratio / (3 + ratio))
+    console = Console(record=True, width=200)
+    vllm_spec.render(rows + [prediction], console)
+    text = console.export_text()
+    assert "GPU prediction (not measured)" in text and "16/16" in text
+    vllm_spec.plot(rows + [prediction], plt, str(tmp_path / "spec.png"))
+    assert (tmp_path / "spec.png").stat().st_size > 0

@@ -117,6 +117,10 @@ if part cuda; then
 fi
 if part dvr; then
   stage gpu_dvr_tests 60 $PY -m pytest -q tests/dvr/test_dvr_gpu.py --junitxml "$RAW/gpu_dvr_tests.xml"
+  # The vLLM plugin's speculative verifier (coupling) on CUDA logits: skipped where the
+  # machine has no vllm (the junit counts say so).
+  stage gpu_vllm_spec_tests 45 $PY -m pytest -q tests/vllm_plugin/test_vllm_coupling.py -m gpu \
+    --junitxml "$RAW/gpu_vllm_spec_tests.xml"
 fi
 if part bench; then
   stage check 90 $PY -m bik check --json "$RAW/check.json"

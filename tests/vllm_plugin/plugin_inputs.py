@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 
-def sampling_metadata(temperature, top_k=None, top_p=None, max_num_logprobs=None, **fields):
+def sampling_metadata(temperature, top_k=None, top_p=None, max_num_logprobs=None,
+                      device="cpu", **fields):
     """vLLM's SamplingMetadata for rows at these temperatures (0: greedy), nothing else on
-    unless ``fields`` sets it."""
+    unless ``fields`` sets it; its tensors on ``device``, as vLLM's model runner keeps them."""
     import torch
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -15,7 +16,7 @@ def sampling_metadata(temperature, top_k=None, top_p=None, max_num_logprobs=None
     rows = len(temperature)
     zeros = torch.zeros(rows)
     md = SamplingMetadata(
-        temperature=torch.tensor(temperature), all_greedy=max(temperature) == 0,
+        temperature=torch.tensor(temperature, device=device), all_greedy=max(temperature) == 0,
         all_random=min(temperature) > 0, top_p=top_p, top_k=top_k, generators={},
         max_num_logprobs=max_num_logprobs, no_penalties=True, prompt_token_ids=None,
         frequency_penalties=zeros, presence_penalties=zeros, repetition_penalties=zeros,

@@ -71,6 +71,21 @@ def _record(out) -> dict:
                          for d in o.logprobs]}
 
 
+def _refused(llm, prompt, params, hot) -> dict:
+    """A request with a repetition penalty (not served with speculation) is refused when vLLM
+    admits it, and the engine goes on serving the others."""
+    from vllm import SamplingParams
+
+    try:
+        llm.generate([prompt], SamplingParams(repetition_penalty=1.2, max_tokens=2),
+                     use_tqdm=False)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    again = _record(llm.generate([prompt], params, use_tqdm=False)[0])
+    return {"error": error, "serving_after": again == hot}
+
+
 def main() -> None:
     dtype, setup = sys.argv[1], sys.argv[2]
     args = sys.argv[3:]
@@ -103,7 +118,8 @@ def main() -> None:
              for p, sp in zip(prompts, sampling)]
     batched = [_record(o) for o in llm.generate(prompts, sampling, use_tqdm=False)]
     hot = _record(llm.generate([prompts[0]], sampling[0], use_tqdm=False)[0])  # cached prefix
-    result = {"dtype": dtype, "setup": setup, "k": k, "bik": os.environ.get("BIK_VLLM", ""),
+    result = {"refused": _refused(llm, prompts[0], sampling[0], hot)} if spec else {}
+    result |= {"dtype": dtype, "setup": setup, "k": k, "bik": os.environ.get("BIK_VLLM", ""),
               "alone": alone, "batched": batched, "hot": hot, "engine_s": round(started, 1),
               "generate_s": round(time.perf_counter() - t0, 1)}
     try:

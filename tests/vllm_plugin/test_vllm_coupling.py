@@ -40,6 +40,9 @@ def _spec_metadata(drafts: list[list[int]]):
         logits_indices=torch.arange(int(sampled[-1])))
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # cuda: tools/device_check.sh
+
+
 def _plain(logits: torch.Tensor, lengths: list[int]):
     """Plain decoding's token and logprob at every verify row: each row drawn alone by the
     plugin's sampler, keyed (request seed, request position + row)."""
@@ -50,7 +53,8 @@ def _plain(logits: torch.Tensor, lengths: list[int]):
             keys = (SEED[r:r + 1], POSITION[r:r + 1] + i)
             with keyed(sampler, keys):
                 out = sampler(logits[row:row + 1].clone(),
-                              sampling_metadata([TEMPERATURE[r]], max_num_logprobs=1))
+                              sampling_metadata([TEMPERATURE[r]], max_num_logprobs=1,
+                                                device=logits.device))
             tokens.append(int(out.sampled_token_ids[0, 0]))
             logprobs.append(out.logprobs_tensors.logprobs[0])
             row += 1
@@ -60,8 +64,8 @@ def _plain(logits: torch.Tensor, lengths: list[int]):
 def _verify(verifier, logits, drafts):
     md = _spec_metadata(drafts)
     with keyed(verifier.sampler, (SEED, POSITION)):
-        out = verifier(md, None, logits.clone(), sampling_metadata(TEMPERATURE,
-                                                                   max_num_logprobs=1))
+        out = verifier(md, None, logits.clone(), sampling_metadata(
+            TEMPERATURE, max_num_logprobs=1, device=logits.device))
     return out, md
 
 
@@ -74,13 +78,14 @@ def _rows(tokens: list[int], drafts: list[list[int]]) -> list[list[int]]:
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["exact", "first_wrong", "second_wrong", "random"])
-def test_coupling_emits_plain_decodings_tokens_and_logprobs(kind):
+def test_coupling_emits_plain_decodings_tokens_and_logprobs(kind, device):
     """Whatever the drafts, each request's output is plain decoding's tokens up to and including
     the first row whose draft differs (or the bonus row), with plain decoding's logprobs."""
     torch.manual_seed(0)
     lengths = [4, 1, 3]  # k = 3, 0 and 2 drafts
-    logits = torch.randn(sum(lengths), VOCAB) * 2
+    logits = (torch.randn(sum(lengths), VOCAB) * 2).to(device)
     plain, plain_lp = _plain(logits, lengths)
     rows = _rows(plain, [[0] * (n - 1) for n in lengths])
     drafts = {"exact": [r[:-1] for r in rows],
@@ -95,6 +100,7 @@ def test_coupling_emits_plain_decodings_tokens_and_logprobs(kind):
     for r, (want, draft) in enumerate(zip(rows, drafts)):
         accepted = next((i for i, (d, t) in enumerate(zip(draft, want)) if d != t), len(draft))
         got = out.sampled_token_ids[r].tolist()
+        assert out.sampled_token_ids.device == logits.device
         assert got == want[:accepted + 1] + [-1] * (width - accepted - 1), (r, got, want)
         first = sum(lengths[:r])
         for j in range(accepted + 1):
@@ -177,3 +183,22 @@ def test_requests_the_verifier_cannot_reproduce_are_refused(fields, what):
     with keyed(verifier.sampler, (SEED, POSITION)), \
             pytest.raises(NotImplementedError, match=f"bik.integrations.vllm: .*{what}"):
         verifier(md, None, torch.zeros(6, VOCAB), sampling_metadata(TEMPERATURE, **fields))
+
+
+@pytest.mark.parametrize("params, what", [
+    ({"repetition_penalty": 1.2}, "repetition_penalty=1.2"),
+    ({"presence_penalty": 0.5}, "presence_penalty=0.5"),
+    ({"frequency_penalty": -0.5}, "frequency_penalty=-0.5"),
+    ({"min_p": 0.1}, "min_p=0.1"),
+    ({"min_tokens": 3}, "min_tokens=3"),
+    ({"logit_bias": {3: 1.0}}, "logit_bias="),
+    ({"bad_words": ["x"]}, "bad_words="),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids="),
+])
+def test_a_request_asking_what_the_verifier_cannot_serve_is_refused_at_admission(params, what):
+    from vllm import SamplingParams
+
+    with pytest.raises(ValueError, match=f"bik.integrations.vllm: speculative .*{what}"):
+        spec_verify.refuse_params(SamplingParams(**params))
+    spec_verify.refuse_params(SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=3,
+                                             logprobs=2))

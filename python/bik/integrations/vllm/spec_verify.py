@@ -15,7 +15,9 @@ Served: vLLM's ``ngram`` and ``draft_model`` methods with the ``standard`` rejec
 method. Refused, each naming itself: every other method, other rejection-sample methods,
 parallel drafting, heterogeneous vocabularies, adaptive verification, and per-request
 processing the verify rows cannot reproduce here (penalties, bad words, allowed token ids,
-logit bias, min-p, min-tokens, custom logits processors, per-token logprob ids).
+logit bias, min-p, min-tokens, custom logits processors, per-token logprob ids): a request
+asking for one is refused when vLLM admits it (the others go on), and the verifier refuses a
+step that still has one (a custom processor, a thinking budget).
 ``BIK_VLLM_STOCK_REJECTION=1`` keeps vLLM's rejection sampler over bik's target: a negative
 control for tests and benchmarks, not a serving mode.
 """
@@ -23,9 +25,11 @@ control for tests and benchmarks, not a serving mode.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
+from vllm import SamplingParams
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
@@ -72,6 +76,35 @@ def _active_processors(md) -> list[str]:
         if on:
             active.append(name)
     return active
+
+
+def refuse_params(params) -> None:
+    """A request's SamplingParams the verifier cannot serve, refused when vLLM admits the
+    request (a ValueError vLLM returns to that request alone): the names and values."""
+    asked = {"presence_penalty": params.presence_penalty != 0,
+             "frequency_penalty": params.frequency_penalty != 0,
+             "repetition_penalty": params.repetition_penalty != 1,
+             "bad_words": bool(params.bad_words), "allowed_token_ids":
+             params.allowed_token_ids is not None, "logit_bias": bool(params.logit_bias),
+             "min_p": params.min_p > 0, "min_tokens": params.min_tokens > 0}
+    refused = [f"{name}={getattr(params, name)!r}" for name, on in asked.items() if on]
+    if refused:
+        raise ValueError(f"bik.integrations.vllm: speculative decoding with "
+                         f"{', '.join(refused)} is not served (the verify rows would need "
+                         f"per-request state); drop it, or serve it from an engine without "
+                         f"speculation")
+
+
+def _validating(validate):
+    @functools.wraps(validate)
+    def checked(self, params, *args, **kwargs):
+        out = validate(self, params, *args, **kwargs)
+        if self.speculative_config is not None and isinstance(params, SamplingParams):
+            refuse_params(params)
+        return out
+
+    checked.bik_wrapped = True
+    return checked
 
 
 def refuse_requests(md) -> None:
@@ -161,7 +194,12 @@ def _stock_control() -> bool:
 
 
 def install() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker import gpu_model_runner as runner
 
-    if not _stock_control() and runner.RejectionSampler is not BikRejectionSampler:
+    if _stock_control():
+        return
+    if runner.RejectionSampler is not BikRejectionSampler:
         runner.RejectionSampler = BikRejectionSampler  # the model runner builds it by name
+    if not getattr(InputProcessor._validate_params, "bik_wrapped", False):
+        InputProcessor._validate_params = _validating(InputProcessor._validate_params)
