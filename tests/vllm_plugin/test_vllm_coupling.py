@@ -202,3 +202,18 @@ def test_a_request_asking_what_the_verifier_cannot_serve_is_refused_at_admission
         spec_verify.refuse_params(SamplingParams(**params))
     spec_verify.refuse_params(SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=3,
                                              logprobs=2))
+
+
+def test_draft_kernels_are_bik_or_stock(monkeypatch):
+    from bik.integrations.vllm import spec_draft
+
+    monkeypatch.setenv("BIK_VLLM_DRAFT_KERNELS", "fast")
+    with pytest.raises(ValueError, match="BIK_VLLM_DRAFT_KERNELS='fast'; expected one of"):
+        spec_draft._kernels()
+    monkeypatch.setattr(spec_draft, "KERNELS", "stock")
+    assert not spec_draft.drafting_on_stock()  # only while the draft model runs
+    with spec_draft._flag(spec_draft._ACTIVE):
+        assert spec_draft.drafting_on_stock()
+    monkeypatch.setattr(spec_draft, "KERNELS", "bik")
+    with spec_draft._flag(spec_draft._ACTIVE):
+        assert not spec_draft.drafting_on_stock()
