@@ -367,3 +367,19 @@ def test_bench_vllm_spec_renders_and_predicts(tmp_path):
     assert "GPU prediction (not measured)" in text and "16/16" in text
     vllm_spec.plot(rows + [prediction], plt, str(tmp_path / "spec.png"))
     assert (tmp_path / "spec.png").stat().st_size > 0
+
+
+def test_bench_sample_baseline_applies_top_p_and_the_fixture_is_real_logits():
+    """The sampler bench's torch baseline draws only from the top-p set (sort + cumsum +
+    mask + multinomial), and its `smollm2` case is the checked-in fixture of real rows."""
+    from bik.cli.bench import sample
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
+    torch.manual_seed(0)
+    drawn = sample.torch_top_p_sample(logits, 0.9).flatten()
+    assert set(drawn.tolist()) == {0, 1, 2}  # 0.5 + 0.3 < 0.9: the third is kept, not the 4th
+    assert set(sample.torch_top_p_sample(logits, 1.0).flatten().tolist()) == {0, 1, 2, 3}
+    real = sample._pool("smollm2", 20, 49152, torch.bfloat16, torch.device("cpu"))
+    assert real.shape == (20, 49152) and torch.equal(real[16:], real[:4])  # 16 rows, tiled
+    top = torch.softmax(real.float(), -1).max(-1).values
+    assert top.min() < 0.2 < 0.8 < top.max()  # flat rows and peaked rows, as a model gives

@@ -60,3 +60,31 @@ def test_device_check_without_a_gpu_writes_only_its_summary(tmp_path):
     assert "no CUDA device" in run.stdout
     assert [p.name for p in out.iterdir()] == ["device_check.json"]
     assert json.loads((out / "device_check.json").read_text())["env"] == {"gpu": None}
+
+
+def _plan(parts: str | None = None) -> list[tuple[str, int]]:
+    args = ["bash", str(ROOT / "tools/device_check.sh"), "/dev/null/never-written"]
+    run = subprocess.run(args + ([parts] if parts else []), capture_output=True, text=True,
+                         check=False, timeout=60, env={"PLAN": "1", "PATH": "/usr/bin:/bin",
+                                                       "PYTHON": sys.executable})
+    assert run.returncode == 0, run.stderr
+    return [(name, int(limit)) for _, name, limit in
+            (line.split() for line in run.stdout.splitlines() if line.startswith("plan "))]
+
+
+@pytest.mark.parametrize("parts", [None, "bench", "cuda", "dvr"])
+def test_each_calls_deadlines_fit_its_budget(parts):
+    """A stage's deadline is taken whole unless the budget runs out first, so every call's
+    deadlines add up to at most BUDGET - 30 s (540 - 30): no stage starves a later one, and
+    the first call (the default parts) returns every headline benchmark before any test."""
+    plan = _plan(parts)
+    assert plan and sum(limit for _, limit in plan) <= 540 - 30, plan
+    names = [name for name, _ in plan]
+    if parts is None:
+        benches = [n for n in names if n.startswith("bench_")]
+        assert benches == ["bench_matmul", "bench_sample", "bench_attention", "bench_rmsnorm",
+                           "bench_layer"]
+        assert max(map(names.index, benches)) < min(names.index(n) for n in names
+                                                     if n.startswith("gpu_"))
+    if parts == "bench":
+        assert not [n for n in names if n.startswith(("gpu_", "cuda_"))]

@@ -1,28 +1,39 @@
 #!/usr/bin/env bash
-# The one prepared GPU check: GPU tests, then the benchmarks, each stage with its own deadline.
-# Installs nothing from the network: it uses the machine's torch/triton and installs bik itself
-# with --no-deps --no-build-isolation. Without a GPU it says so and exits 0.
+# The one prepared GPU check: the benchmarks first, then the GPU tests, each stage with its own
+# deadline. Installs nothing from the network: it uses the machine's torch/triton and installs
+# bik itself with --no-deps --no-build-isolation. Without a GPU it says so and exits 0.
 #
-#   bash tools/device_check.sh OUT [PARTS]     PARTS: comma-separated, default "triton,cuda,dvr,bench"
+#   bash tools/device_check.sh OUT [PARTS]   PARTS: comma-separated, default "bench,triton";
+#                                             then "cuda" and "dvr", a call each
+#   PLAN=1 bash tools/device_check.sh OUT [PARTS]   prints "plan STAGE SECONDS" per stage, runs none
+#
+# GPU time is rare and short, so the first call returns every headline number: install, the
+# Triton matmul bench at Llama-3-8B shapes (the fixed split; M = 1, 8, 64, 512, 4096), the
+# sampler bench (SmolLM2's real logits, a peaked and a flat case), the attention bench (decode
+# first), RMSNorm, the decoder layer, then the Triton GPU tests with what is left. The sum of
+# the first call's deadlines is at most BUDGET - 30 s (tests/test_device_check.py checks it
+# from PLAN=1, as for each later call), so no stage is starved by a slow one before it. The
+# CUDA C++ backend's tests and memcheck are the second call (PARTS=cuda); the DVR loop's tests,
+# the plugin's verifier on CUDA, `bik check` and the remaining benches the third (PARTS=dvr).
+# PARTS=bench skips every test.
 #
 # A device run returns at most 8 files, so OUT holds only: device_check.json (the environment,
 # every stage's rc and seconds, and each pytest stage's counts from its junit XML: tests,
 # failures, errors, skipped), device_check_raw.tar.gz (every log, XML and bench JSON) and the
 # bench plots. Both are rewritten after every stage, so a run cut off by its time limit still
 # returns what finished; a bench cut off by its stage's deadline leaves its finished cases in
-# bench_NAME.json.partial.jsonl (bik.cli.bench.stream), which the tarball carries. Test stages run without -x (every failure is reported), and a
-# preflight stage fails loudly when the CUDA C++ toolchain (cuda-core / NVRTC) is missing, since
-# its tests would otherwise all skip and read as a pass.
+# bench_NAME.json.partial.jsonl (bik.cli.bench.stream), which the tarball carries. A test
+# stage past its deadline gets SIGINT (pytest stops and still writes its junit XML), then
+# SIGKILL 5 s later. Test stages run without -x (every failure is reported), and a preflight
+# stage fails loudly when the CUDA C++ toolchain (cuda-core / NVRTC) is missing, since its
+# tests would otherwise all skip and read as a pass.
 #
-# Stages run in priority order (correctness first: the Triton tests, the CUDA C++ backend's tests,
-# the decode-verify-rollback loop's; then the benchmarks) under one overall budget, BUDGET seconds (default 540, so one
-# call fits a 10-minute device command): a stage gets min(its deadline, what is left), and a
-# stage with under 10 s left is recorded as skipped. Run a later part in a second call if the
-# first one ran out.
+# A stage gets min(its deadline, what is left of BUDGET seconds (default 540, so one call fits
+# a 10-minute device command)); a stage with under 10 s left is recorded as skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-out}}
-PARTS=",${2:-triton,cuda,dvr,bench},"
+PARTS=",${2:-bench,triton},"
 BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -35,7 +46,8 @@ pack() {  # device_check.json (summary) and device_check_raw.tar.gz from RAW
   tar czf "$OUT/device_check_raw.tar.gz" -C "$RAW" .
 }
 
-if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+if [ -z "${PLAN:-}" ] && \
+    ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "device_check: no CUDA device visible to torch; nothing to do"
   echo '{"env": {"gpu": null}, "note": "no CUDA device"}' > "$OUT/device_check.json"
   exit 0
@@ -43,6 +55,7 @@ fi
 
 stage() {  # stage NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
+  if [ -n "${PLAN:-}" ]; then echo "plan $name $limit"; return; fi
   local left=$(( BUDGET - ($(date +%s) - START) ))
   if [ "$left" -lt 10 ]; then
     echo "{\"stage\": \"$name\", \"rc\": null, \"note\": \"skipped: budget spent\"}" >> "$RAW/stages.jsonl"
@@ -51,7 +64,8 @@ stage() {  # stage NAME SECONDS CMD...
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   local t0=$(date +%s)
-  timeout "$limit" "$@" > "$RAW/$name.log" 2>&1
+  # SIGINT first: pytest stops cleanly and writes its junit XML; a bench writes its partial file.
+  timeout -s INT -k 5 "$limit" "$@" > "$RAW/$name.log" 2>&1
   local rc=$?
   echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $(( $(date +%s) - t0 ))}" >> "$RAW/stages.jsonl"
   echo "device_check: $name rc=$rc ($(( $(date +%s) - t0 )) s)"
@@ -59,8 +73,8 @@ stage() {  # stage NAME SECONDS CMD...
 }
 part() { [[ "$PARTS" == *",$1,"* ]]; }
 
-stage install 60 $PY -m pip install --no-deps --no-build-isolation -q -e .
-$PY - > "$RAW/env.json" 2> "$RAW/env.log" <<'PYEOF'
+stage install 45 $PY -m pip install --no-deps --no-build-isolation -q -e .
+[ -z "${PLAN:-}" ] && $PY - > "$RAW/env.json" 2> "$RAW/env.log" <<'PYEOF'
 import datetime, json, torch, triton
 env = {"gpu": None, "torch": torch.__version__, "triton": triton.__version__,
        "cuda": torch.version.cuda,
@@ -74,25 +88,34 @@ except Exception as exc:
 print(json.dumps(env, indent=2))
 PYEOF
 # The CUDA C++ backend's toolchain: without it every CUDA test skips (and would read as a pass).
-stage preflight_cuda_toolchain 30 $PY -c "
+stage preflight_cuda_toolchain 20 $PY -c "
 from bik.runtime import cuda_jit
 import sys
 print('cuda_jit available:', cuda_jit.available(), cuda_jit.unavailable_reason() or '')
 sys.exit(0 if cuda_jit.available() else 3)"
+if part bench; then
+  stage bench_matmul 85 $PY -m bik bench matmul --backend triton --split fixed \
+    --ms 1,8,64,512,4096 --json "$RAW/bench_matmul.json" --plot "$OUT/bench_matmul.png"
+  stage bench_sample 50 $PY -m bik bench sample --json "$RAW/bench_sample.json"
+  stage bench_attention 75 $PY -m bik bench attention --json "$RAW/bench_attention.json" \
+    --plot "$OUT/bench_attention.png"
+  stage bench_rmsnorm 20 $PY -m bik bench rmsnorm --json "$RAW/bench_rmsnorm.json"
+  stage bench_layer 40 $PY -m bik bench layer --json "$RAW/bench_layer.json"
+fi
 if part triton; then
-  stage gpu_tests 150 env BIK_GPU_RECORD="$RAW/torch_mm_variance.json" \
+  stage gpu_tests 60 env BIK_GPU_RECORD="$RAW/torch_mm_variance.json" \
     $PY -m pytest -q tests/matmul/test_matmul_gpu.py tests/rms_norm/test_rms_norm_gpu.py \
       tests/reductions/test_reductions.py -m gpu --junitxml "$RAW/gpu_tests.xml"
   # The samplers (Triton and CUDA C++) against the CPU's bits: the (row, group) programs of a
   # top-p pass and the row tickets under real concurrency, up to Llama-3's vocabulary.
-  stage gpu_sampler_tests 90 $PY -m pytest -q tests/sampling/test_sampling_vs_cpu.py \
+  stage gpu_sampler_tests 40 $PY -m pytest -q tests/sampling/test_sampling_vs_cpu.py \
     tests/sampling/test_sampling_top_p_search.py -m gpu --junitxml "$RAW/gpu_sampler_tests.xml"
-  stage gpu_attention_tests 180 env BIK_GPU_RECORD_ATTN="$RAW/sdpa_variance.json" \
-    $PY -m pytest -q tests/attention/test_attention_gpu.py --junitxml "$RAW/gpu_attention_tests.xml"
   # A decode step captured in a CUDA graph with host metadata (Triton and CUDA C++ backends),
   # replayed on new data, bits equal to eager; the host-metadata calls on the GPU.
-  stage gpu_graph_tests 60 $PY -m pytest -q tests/test_cuda_graphs.py tests/test_host_metadata.py \
+  stage gpu_graph_tests 40 $PY -m pytest -q tests/test_cuda_graphs.py tests/test_host_metadata.py \
     -m gpu --junitxml "$RAW/gpu_graph_tests.xml"
+  stage gpu_attention_tests 35 env BIK_GPU_RECORD_ATTN="$RAW/sdpa_variance.json" \
+    $PY -m pytest -q tests/attention/test_attention_gpu.py --junitxml "$RAW/gpu_attention_tests.xml"
 fi
 if part cuda; then
   # The CUDA C++ backend (NVRTC JIT at first use): its invariance/accuracy suites, not the Triton
@@ -104,7 +127,7 @@ if part cuda; then
   stage gpu_cuda_norm_sample_tests 120 $PY -m pytest -q tests/cuda/test_cuda_gpu.py \
     --junitxml "$RAW/gpu_cuda_norm_sample_tests.xml"
   SANITIZER=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
-  if [ -x "$SANITIZER" ]; then
+  if [ -n "${PLAN:-}" ] || [ -x "$SANITIZER" ]; then
     # --report-api-errors no: cuda-bindings probes driver entry points that this driver lacks
     # (cuGetProcAddress_v2 -> CUDA_ERROR_INVALID_VALUE, 34 of them at import on the H200 of
     # 2026-12-04), which memcheck would count as errors; the kernels' accesses are what it checks.
@@ -121,18 +144,10 @@ if part dvr; then
   # machine has no vllm (the junit counts say so).
   stage gpu_vllm_spec_tests 45 $PY -m pytest -q tests/vllm_plugin/test_vllm_coupling.py -m gpu \
     --junitxml "$RAW/gpu_vllm_spec_tests.xml"
-fi
-if part bench; then
   stage check 90 $PY -m bik check --json "$RAW/check.json"
-  stage bench_rmsnorm 40 $PY -m bik bench rmsnorm --json "$RAW/bench_rmsnorm.json"
-  stage bench_attention 150 $PY -m bik bench attention --json "$RAW/bench_attention.json" \
-    --plot "$OUT/bench_attention.png"
-  stage bench_matmul 90 $PY -m bik bench matmul --json "$RAW/bench_matmul.json" \
-    --plot "$OUT/bench_matmul.png"
-  stage bench_sample 60 $PY -m bik bench sample --json "$RAW/bench_sample.json"
-  stage bench_layer 60 $PY -m bik bench layer --json "$RAW/bench_layer.json"
   stage bench_boundary 10 $PY -m bik bench boundary --json "$RAW/bench_boundary.json"
   stage bench_dvr 120 $PY -m bik bench dvr --json "$RAW/bench_dvr.json"
 fi
+[ -n "${PLAN:-}" ] && exit 0
 pack
 echo "device_check: done; results in $OUT (device_check.json, device_check_raw.tar.gz)"

@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="PATH", help="PNG of torch time / bik time")
     bench.add_argument("--model", default=None, metavar="NAME",
                        help="dvr: 'smollm2', the real checkpoint (with HF generate alongside)")
+    bench.add_argument("--split", choices=("fixed", "none"), default=None,
+                       help="matmul: only this K-split contract (default: both)")
     bench.add_argument("--spec", action="store_true",
                        help="vllm: speculative decoding (ngram, the fast-path draft) vs none")
     bench.add_argument("--tp", type=positive_int, default=2,

@@ -2,7 +2,8 @@
 
 Each backend runs twice: with bik's K-split contract (``split: fixed``, the default) and with
 the pure data-parallel one (``split: none``, BIK_MATMUL_SPLIT=none: one split over all of K),
-so the table shows what each costs or gains per shape and M.
+so the table shows what each costs or gains per shape and M; ``--split fixed`` (or ``none``)
+runs one of them.
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ def run(device, dtype, args) -> list[dict]:
     on_gpu = device.type == "cuda"
     shapes = ((256, 128), (96, 33)) if args.quick else (LLAMA_MATMUL if on_gpu else CPU_MATMUL)
     ms = default_ms(args, device)
+    modes = (args.split,) if getattr(args, "split", None) else SPLIT_MODES
+
     def both_splits(be: str) -> list[dict]:
         records = []
-        for mode in SPLIT_MODES:
+        for mode in modes:
             with split_mode(mode), tags(split=mode):
                 records += [r | {"split": mode} for r in bench_matmul(device, dtype, be, ms, shapes)]
         return records
