@@ -159,7 +159,8 @@ def _attention_cases(arch: int) -> Iterator[tuple]:
                                 "stride_page": 16 * hkv * d if paged else 0,
                                 "stride_tok": hkv * d, "stride_kvh": d, "block_size": 16, "total_q": 4096,
                                 "num_heads_q": hq, "splits_per_prog": 4,
-                                "scale_log2e": LOG2E / d**0.5}
+                                "scale_log2e": LOG2E / d**0.5, "num_bh": 8 * hkv,
+                                "q_bound": 4096, "k_bound": 131072}
                     consts = {"HKV": hkv, "G": g, "D": d, "BLOCK_M": block_m,
                                   "BLOCK_T": max(1, cfg.block_m // g), "BLOCK_N": cfg.block_n,
                                   "SPLIT": cfg.split, "PAGED": paged, "CAUSAL": True, "FOLD": fold,

@@ -96,17 +96,18 @@ def attention_kernel(
     cu_q_ptr, seqlens_k_ptr, table_ptr, base_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table_b,
     stride_page, stride_tok, stride_kvh,
-    block_size, total_q, num_heads_q, splits_per_prog, scale_log2e,
+    block_size, total_q, num_heads_q, splits_per_prog, scale_log2e, num_bh, q_bound, k_bound,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BASE_MULTIPLE: tl.constexpr = 1,
 ):
-    # Axis 0 (up to 2**31 - 1 programs) takes sequences x KV heads; axes 1 and 2 (65535 max)
-    # take query tiles and (SPLIT) runs of splits_per_prog splits.
-    b = tl.program_id(0) // HKV
+    # Axis 0 (up to 2**31 - 1 programs) takes query tiles x sequences x KV heads (a long
+    # prefill with a large GQA group has more than axis 1's 65535 tiles), the tile slowest;
+    # axis 2 (65535 max) takes (SPLIT) runs of splits_per_prog splits.
+    tile = tl.program_id(0) // num_bh
+    b = (tl.program_id(0) % num_bh) // HKV
     hk = tl.program_id(0) % HKV
-    tile = tl.program_id(1)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     if tile * BLOCK_T >= q_len:
@@ -120,6 +121,24 @@ def attention_kernel(
     pos = seqlen_k - q_len + tok  # absolute position of each row's token
     dims = tl.arange(0, D)
     q_rows = (q_start + tok).to(tl.int64)
+    if (seqlen_k > k_bound) | (q_len > q_bound):
+        # A length past the host bounds the launch (grid, SPLIT workspace) was sized by: a
+        # caller error (BIK_DEBUG_CHECKS=1 raises it on the host). Its rows are written NaN by
+        # the first split program of each tile, the last tile covering the rows past the grid;
+        # nothing is computed, so no partial lands past the workspace.
+        if tl.program_id(2) == 0:
+            last_tile = tile == tl.num_programs(0) // num_bh - 1
+            end = tl.where(last_tile, q_len, tl.minimum((tile + 1) * BLOCK_T, q_len))
+            nan = tl.full((BLOCK_M, D), float("nan"), tl.float32)
+            for t0 in range(tile * BLOCK_T, end, BLOCK_T):
+                tok_n = t0 + rows // G
+                ok_n = (rows // G < BLOCK_T) & (tok_n < end)
+                rows_n = (q_start + tok_n).to(tl.int64)
+                tl.store(out_ptr + rows_n[:, None] * stride_ot + head[:, None] * stride_oh
+                         + dims[None, :], nan.to(out_ptr.dtype.element_ty), mask=ok_n[:, None])
+                tl.store(lse_ptr + rows_n * num_heads_q + head,
+                         tl.full((BLOCK_M,), float("nan"), tl.float32), mask=ok_n)
+        return
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
 
@@ -180,8 +199,7 @@ def attention_kernel(
         # Every thread's partial stores, then one release / acquire ticket per program: the
         # tile's last program to arrive sees every partial and folds them.
         tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + (tl.program_id(0) * tl.num_programs(1) + tile), 1,
-                               sem="acq_rel", scope="gpu")
+        ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
         last = ticket == tl.cdiv(n_splits, splits_per_prog) - 1
         if last:
             tl.debug_barrier()
@@ -199,6 +217,13 @@ def use_split_mode(total_q: int, num_heads_q: int, n_splits: int, per_program: i
     so does work whose programs would each hold all of a tile's splits anyway. Either choice
     gives the same bits; this only decides speed and workspace size."""
     return n_splits > per_program and total_q * num_heads_q * n_splits <= (1 << 20)
+
+
+def split_workspace(n_splits: int, total_q: int, hq: int, d: int, device):
+    """SPLIT's partials, sized by the host bound: pacc [n_splits, total_q, Hq, D] and pml
+    [n_splits, 2, total_q, Hq], fp32."""
+    return (torch.empty((n_splits, total_q, hq, d), dtype=torch.float32, device=device),
+            torch.empty((n_splits, 2, total_q, hq), dtype=torch.float32, device=device))
 
 
 def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_size,
@@ -228,15 +253,20 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
     tiles = triton.cdiv(max_q_len, block_t)
     per = per_program or splits_per_program(n_seq * hkv * tiles, n_splits)
     split = use_split_mode(total_q, hq, n_splits, per) if split_mode is None else split_mode
+    runs = triton.cdiv(n_splits, per) if split else 1
+    if n_seq * hkv * tiles >= 1 << 31 or runs > 65535:
+        raise ValueError(f"bik.attention (triton): the launch needs {n_seq * hkv * tiles} "
+                         f"programs on grid axis 0 (max 2**31 - 1) and {runs} on axis 2 (max "
+                         f"65535) for {n_seq} sequences, max_seqlen_q={max_q_len}, "
+                         f"max_seqlen_k={max_k_len}; split the call into smaller ones")
     paged = table is not None
     if split:
-        pacc = torch.empty((n_splits, total_q, hq, d), dtype=torch.float32, device=q.device)
-        pml = torch.empty((n_splits, 2, total_q, hq), dtype=torch.float32, device=q.device)
+        pacc, pml = split_workspace(n_splits, total_q, hq, d, q.device)
         tickets = torch.zeros(n_seq * hkv * tiles, dtype=torch.int32, device=q.device)
     else:
         pacc = pml = lse  # unused
         tickets = seqlens_k  # unused
-    grid = (n_seq * hkv, tiles, triton.cdiv(n_splits, per) if split else 1)
+    grid = (n_seq * hkv * tiles, 1, runs)
     dummy = seqlens_k
     attention_kernel[grid](
         q, k, v, out, lse, pacc, pml, tickets,
@@ -244,7 +274,7 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         table.stride(0) if paged else 0,
         stride_page, stride_tok, k.stride(-2),
-        block_size, total_q, hq, per, scale * LOG2E,
+        block_size, total_q, hq, per, scale * LOG2E, n_seq * hkv, max_q_len, max_k_len,
         HKV=hkv, G=g, D=d, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
         SPLIT=cfg.split, PAGED=paged, CAUSAL=causal, FOLD=not split,
         BASE_MULTIPLE=1 if paged else math.gcd(base_multiple, 16),
