@@ -252,7 +252,8 @@ def test_triton_persistent_equals_fold_at_every_m(target, small_splits, monkeypa
 @pytest.mark.parametrize("target", targets("interpreter"))
 def test_triton_persistent_refuses_what_tma_cannot_load(target, small_splits, monkeypatch):
     """Operands TMA cannot take (a split not on a BLOCK_K boundary, an unaligned row stride,
-    several batch entries) run FOLD instead, with its bits."""
+    several batch entries, an expanded operand whose rows repeat with stride 0) run FOLD
+    instead, with its bits; an operand TMA takes does launch it (the check can see both)."""
     from bik.ops.matmul import triton as triton_matmul
 
     tma = _Launches(triton_matmul.matmul_tma_kernel)
@@ -260,7 +261,11 @@ def test_triton_persistent_refuses_what_tma_cannot_load(target, small_splits, mo
     g = torch.Generator().manual_seed(3)
     for x, w, nb in ((torch.randn(5, 20, generator=g), torch.randn(40, 20, generator=g), 1),
                      (torch.randn(5, 35, generator=g), torch.randn(40, 35, generator=g), 1),
-                     (torch.randn(5, 64, generator=g), torch.randn(40, 64, generator=g), 2)):
+                     (torch.randn(5, 64, generator=g), torch.randn(40, 64, generator=g), 2),
+                     (torch.randn(1, 64, generator=g).expand(5, 64),
+                      torch.randn(40, 64, generator=g), 1),
+                     (torch.randn(5, 64, generator=g),
+                      torch.randn(1, 64, generator=g).expand(40, 64), 1)):
         a, b = x[None].expand(nb, -1, -1), w.t()[None].expand(nb, -1, -1)
         outs = []
         for persistent in (True, False):
@@ -269,6 +274,11 @@ def test_triton_persistent_refuses_what_tma_cannot_load(target, small_splits, mo
             outs.append(out)
         assert same_bits(*outs)
     assert tma.count == 0
+    out = torch.empty(1, 5, 40)
+    triton_matmul.launch_matmul(torch.randn(1, 5, 64, generator=g),
+                                torch.randn(40, 64, generator=g).t()[None], None, out,
+                                persistent=True)
+    assert tma.count == 1
 
 
 @pytest.mark.parametrize("target", targets("interpreter"))

@@ -206,7 +206,8 @@ def matmul_tma_kernel(
 def _tma_operands(a: torch.Tensor, b: torch.Tensor, cfg, split: int):
     """(a_desc, b_desc, b_nk) for PERSISTENT, or None when TMA cannot take these operands: one
     batch entry, unit stride along K for A and along K or N for B, 16-byte aligned bases and
-    row strides, and splits that end on BLOCK_K boundaries."""
+    row strides, rows that neither repeat (stride 0: an expanded operand) nor overlap, and
+    splits that end on BLOCK_K boundaries."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if a.shape[0] != 1 or split % cfg.block_k:
@@ -214,15 +215,18 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, cfg, split: int):
     a2, b2 = a[0], b[0]
     size = a.element_size()
 
-    def aligned(t, row_stride):
-        return t.data_ptr() % 16 == 0 and (row_stride * size) % 16 == 0
+    def aligned(t, row_stride, row_len):
+        # A tensor map's row stride must be a positive multiple of 16 bytes; a stride below
+        # the row's length (0 when expanded) would have TMA read rows that overlap.
+        return t.data_ptr() % 16 == 0 and (row_stride * size) % 16 == 0 and \
+            row_stride >= max(row_len, 1)
 
-    if a2.stride(1) != 1 or not aligned(a2, a2.stride(0)):
+    if a2.stride(1) != 1 or not aligned(a2, a2.stride(0), a2.shape[1]):
         return None
-    if b2.stride(0) == 1 and aligned(b2, b2.stride(1)):  # [K, N] view of an [N, K] weight
+    if b2.stride(0) == 1 and aligned(b2, b2.stride(1), b2.shape[0]):  # [K, N] view of [N, K]
         return (TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]),
                 TensorDescriptor.from_tensor(b2.t(), [cfg.block_n, cfg.block_k]), True)
-    if b2.stride(1) == 1 and aligned(b2, b2.stride(0)):
+    if b2.stride(1) == 1 and aligned(b2, b2.stride(0), b2.shape[1]):
         return (TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]),
                 TensorDescriptor.from_tensor(b2, [cfg.block_k, cfg.block_n]), False)
     return None
