@@ -87,4 +87,4 @@ def arg_kind(arg) -> str:
 def force(monkeypatch, module, name, value):
     """Pin ``module.name`` (a schedule choice such as use_spread) to ``value``; None: leave it."""
     if value is not None:
-        monkeypatch.setattr(module, name, lambda *args: value)
+        monkeypatch.setattr(module, name, lambda *args, **kwargs: value)

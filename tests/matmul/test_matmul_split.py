@@ -297,3 +297,20 @@ def test_triton_split_picked_by_m_is_caught(target, small_splits):
         return out[0]
 
     assert not rows_alone_vs_batched(linear_split_by_m, pool, (1, 8), name="split by M").ok
+
+
+def test_spread_only_while_its_workspace_is_smaller_than_the_weights():
+    """SPREAD's fp32 partials cost a write and a read; past the weights' bytes FOLD is taken
+    (speed only: every mode gives the same bits). Llama-3-8B's 4096 x 4096 bf16 layer with 8
+    splits: SPREAD at M = 8 and 64, FOLD at M = 256 and 512 (67 MB of partials each way at 512
+    against 34 MB of weights), in the bytes model and in the CUDA launch plan."""
+    from bik.ops.matmul.cuda import plan_matmul
+    from bik.ops.matmul.schedule import spread_bytes, use_spread
+
+    model = spread_bytes(1, 512, 4096, 4096, 8, 2)
+    assert model == {"workspace_bytes": 8 * 512 * 4096 * 4, "weight_bytes": 4096 * 4096 * 2}
+    for m, spread in ((8, True), (64, True), (256, False), (512, False)):
+        assert use_spread(4, 8, **spread_bytes(1, m, 4096, 4096, 8, 2)) is spread, m
+    assert not use_spread(200, 8)  # tiles enough to fill the GPU: FOLD, whatever the bytes
+    launch = {m: plan_matmul(torch.bfloat16, 1, m, 4096, 4096, "sm90") for m in (8, 512)}
+    assert launch[8].n_splits > 1 and launch[8].spread and not launch[512].spread

@@ -21,7 +21,7 @@ import torch
 from bik._arch import device_arch
 from bik._dtypes import DTYPES, info
 from bik.configs import CudaMatmulConfig, cuda_matmul_config, cuda_options
-from bik.ops.matmul.schedule import use_spread
+from bik.ops.matmul.schedule import spread_bytes, use_spread
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_jit import I32, I64, PTR
 
@@ -75,7 +75,9 @@ def plan_matmul(dtype: torch.dtype, batch: int, m: int, n: int, k: int, arch: st
         cfg = dataclasses.replace(cfg, split_k=split)
     n_splits = max(1, _cdiv(k, cfg.split_k))
     tiles = batch * _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
-    spread = use_spread(tiles, n_splits) if spread is None else bool(spread) and n_splits > 1
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    spread = use_spread(tiles, n_splits, **spread_bytes(batch, m, n, k, n_splits, itemsize)) \
+        if spread is None else bool(spread) and n_splits > 1
     if n_splits > 65535:
         raise ValueError(f"bik: backend='cuda' matmul: K = {k} gives {n_splits} splits (max 65535)")
     return MatmulLaunch(cfg, n_splits, spread, (tiles, n_splits if spread else 1, 1),

@@ -20,10 +20,23 @@ from bik.configs import arch_family
 SPREAD_MAX_TILES = 132
 
 
-def use_spread(tiles: int, n_splits: int) -> bool:
-    """Spread the K splits over programs when the output tiles alone leave the GPU idle.
+def use_spread(tiles: int, n_splits: int, *, workspace_bytes: int = 0,
+               weight_bytes: int | None = None) -> bool:
+    """Spread the K splits over programs when the output tiles alone leave the GPU idle, and
+    only while SPREAD's fp32 partials (``workspace_bytes``: written once, read back once) are
+    smaller than the weights (``weight_bytes``, read once either way): past that, the
+    workspace traffic costs more than the idle SMs (Llama-3-8B's N = K = 4096 layer at M = 512:
+    8 splits of 512 x 4096 fp32 partials are 67 MB each way against 34 MB of bf16 weights).
     Either choice gives the same bits; this decides speed and workspace only."""
-    return n_splits > 1 and tiles < SPREAD_MAX_TILES
+    small = weight_bytes is None or workspace_bytes < weight_bytes
+    return n_splits > 1 and tiles < SPREAD_MAX_TILES and small
+
+
+def spread_bytes(batch: int, m: int, n: int, k: int, n_splits: int,
+                 itemsize: int) -> dict[str, int]:
+    """use_spread's bytes model for out[batch, M, N] = a[batch, M, K] @ b[batch, K, N]."""
+    return {"workspace_bytes": batch * n_splits * m * n * 4,
+            "weight_bytes": batch * k * n * itemsize}
 
 
 # PERSISTENT's program count in the interpreter: a few, so that programs take several tiles.

@@ -27,7 +27,8 @@ import triton.language as tl
 
 from bik._arch import device_arch
 from bik.configs import matmul_config, matmul_split
-from bik.ops.matmul.schedule import persistent_programs, use_persistent, use_spread
+from bik.ops.matmul.schedule import (persistent_programs, spread_bytes, use_persistent,
+                                     use_spread)
 
 
 @triton.jit
@@ -261,7 +262,8 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     split = matmul_split(a.dtype, key_n, key_k).split if split is None else split
     n_splits = max(1, triton.cdiv(k, split))
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * nb
-    spread = use_spread(tiles, n_splits) if spread is None else bool(spread) and n_splits > 1
+    spread = use_spread(tiles, n_splits, **spread_bytes(nb, m, n, k, n_splits, a.element_size())) \
+        if spread is None else bool(spread) and n_splits > 1
     if n_splits > 65535:
         raise ValueError(f"bik: backend='triton' matmul: K = {k} gives {n_splits} splits "
                          f"(max 65535)")
