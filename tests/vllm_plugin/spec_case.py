@@ -10,7 +10,7 @@ itself), bad (a 2-layer truncation of the checkpoint drafting), fast (the checkp
 on vLLM's own kernels: BIK_VLLM_DRAFT_KERNELS=stock, set by the caller).
 
 Requests: each of REQUESTS (a prompt with greedy, T = 0.8 seeded, or T = 1.0 seeded with
-top-p 0.9 as per-request parameters) alone, then all in one batch; the long prompt is
+top-p 0.9 as per-request parameters; NEW_TOKENS tokens each) alone, then all in one batch; the long prompt is
 prefilled in chunks (chunked prefill, 64 tokens a step) and, run again, hits the prefix
 cache. Every output is its tokens and, per position, vLLM's logprob dict (token -> logprob).
 """
@@ -30,6 +30,8 @@ LONG = ("Here is a story about a lighthouse keeper who counted the ships that pa
 PROMPTS = [LONG, "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,",
            "def fib(n):\n    if n < 2:\n        return n\n",
            "The quick brown fox jumps over the lazy dog. The quick brown fox"]
+# BIK_TEST_FULL=1 (`make test-all`) decodes 24 tokens a request; CI 12 (as vllm_case.py).
+NEW_TOKENS = 24 if os.environ.get("BIK_TEST_FULL", "") == "1" else 12
 # (prompt index, temperature, seed, top_p)
 REQUESTS = [(0, 0.0, None, 1.0), (1, 0.8, 7, 1.0), (2, 1.0, 11, 0.9), (3, 0.8, 13, 1.0),
             (0, 0.8, 17, 1.0), (3, 0.0, None, 1.0)]
@@ -90,7 +92,7 @@ def main() -> None:
     dtype, setup = sys.argv[1], sys.argv[2]
     args = sys.argv[3:]
     k = int(args[args.index("--k") + 1]) if "--k" in args else 3
-    tokens = int(args[args.index("--tokens") + 1]) if "--tokens" in args else 16
+    tokens = int(args[args.index("--tokens") + 1]) if "--tokens" in args else NEW_TOKENS
     from bik.models import smollm2
     from vllm import LLM, SamplingParams
 
