@@ -238,3 +238,80 @@ def check_accuracy(backend, dtype, lengths, q_lens, *, device="cpu", heads=HEADS
         tol = ATTENTION_RATIO[dtype] * err_indep + 4 * torch.finfo(dtype).eps
         assert err <= tol, (b, err, err_indep)
         assert (lse[rows].double() - ref_lse).abs().max().item() <= 1e-4 * max(1, n**0.5)
+
+
+# --- host bounds below a real length (tests/attention/test_attention_bounds.py and the CUDA
+# host build) -------------------------------------------------------------------------------
+
+BOUND_SENTINEL = 12345.0
+BOUND_HEADS = (4, 2, 64)  # Hq, Hkv, D (a head dim both GPU backends compile)
+
+
+def _bound_cache(lengths, seed, device, page=16):
+    gen = torch.Generator().manual_seed(seed)
+    _, hkv, d = BOUND_HEADS
+    pages = [-(-n // page) for n in lengths]
+    k = torch.randn(sum(pages), page, hkv, d, generator=gen).to(device)
+    v = torch.randn(sum(pages), page, hkv, d, generator=gen).to(device)
+    table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = torch.arange(at, at + n, dtype=torch.int32)
+        at += n
+    return k, v, table.to(device)
+
+
+def _launch(module, q, k, v, table, lens, cu_q, max_q, max_k, split_mode):
+    out = torch.full_like(q, BOUND_SENTINEL)
+    lse = torch.full(q.shape[:2], BOUND_SENTINEL, device=q.device)
+    module.launch_attention(q, k, v, out, lse, cu_q=cu_q, seqlens_k=lens, table=table,
+                            base=None, block_size=16, stride_page=k.stride(0),
+                            stride_tok=k.stride(1), max_q_len=max_q, max_k_len=max_k,
+                            scale=BOUND_HEADS[2] ** -0.5, causal=True, split_mode=split_mode)
+    return out, lse
+
+
+def past_key_bound(module, monkeypatch, backend: str, device="cpu"):
+    """Decode rows of sequences of 40, 130 and 70 keys launched (SPLIT, 4 splits a program)
+    with max_seqlen_k = 64 through ``module``'s launch_attention, its SPLIT workspace
+    allocated with guard elements after it. Returns (guards untouched, out, lse, the right
+    output from a call with the true bound)."""
+    lengths = [40, 130, 70]
+    k, v, table = _bound_cache(lengths, 0, device)
+    q = torch.randn(3, BOUND_HEADS[0], BOUND_HEADS[2],
+                    generator=torch.Generator().manual_seed(1)).to(device)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    cu_q = torch.arange(4, dtype=torch.int32, device=device)
+    monkeypatch.setattr(module, "use_split_mode", lambda *args: True)
+    right = bik.attention(q, k, v, cache_seqlens=lens, cu_seqlens_q=cu_q, block_table=table,
+                          max_seqlen_q=1, max_seqlen_k=max(lengths), backend=backend)
+    real, guards = module.split_workspace, {}
+
+    def guarded(n_splits, total_q, hq, d, dev):
+        pacc, pml = real(n_splits + 2, total_q, hq, d, dev)
+        pacc.fill_(BOUND_SENTINEL)
+        pml.fill_(BOUND_SENTINEL)
+        guards["pacc"], guards["pml"] = pacc[n_splits:], pml[n_splits:]
+        return pacc[:n_splits], pml[:n_splits]
+
+    monkeypatch.setattr(module, "split_workspace", guarded)
+    monkeypatch.setattr(module, "splits_per_program", lambda *args: 4)
+    out, lse = _launch(module, q, k, v, table, lens, cu_q, 1, 64, True)
+    untouched = bool((guards["pacc"] == BOUND_SENTINEL).all()) and \
+        bool((guards["pml"] == BOUND_SENTINEL).all())
+    return untouched, out, lse, right
+
+
+def past_query_bound(module, backend: str, device="cpu"):
+    """Sequences with 3 and 40 new tokens launched (FOLD) with max_seqlen_q = 8 through
+    ``module``'s launch_attention. Returns (out, lse, the right output)."""
+    lengths = [20, 50]
+    k, v, table = _bound_cache(lengths, 2, device)
+    q = torch.randn(43, BOUND_HEADS[0], BOUND_HEADS[2],
+                    generator=torch.Generator().manual_seed(3)).to(device)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    cu_q = torch.tensor([0, 3, 43], dtype=torch.int32, device=device)
+    right = bik.attention(q, k, v, cache_seqlens=lens, cu_seqlens_q=cu_q, block_table=table,
+                          max_seqlen_q=40, max_seqlen_k=50, backend=backend)
+    out, lse = _launch(module, q, k, v, table, lens, cu_q, 8, 50, False)
+    return out, lse, right

@@ -46,7 +46,8 @@ __device__ __forceinline__ void attention_body(
     float* pml, int* tickets, const int* cu_q, const int* seqlens, const int* table,
     const i64* base, i64 sqt, i64 sqh, i64 sot, i64 soh, i64 stable, i64 spage, i64 stok,
     i64 skvh, int block_size, int total_q, int hq, int hkv, int gh, int block_t,
-    float scale_log2e, int split, int causal, int fold, int splits_per_prog) {
+    float scale_log2e, int split, int causal, int fold, int splits_per_prog, int q_bound,
+    int k_bound) {
   constexpr int kPer = kRows * D / kThreads;  // (row, d) accumulators per thread
   __shared__ float qs[kRows][D];
   __shared__ float ks[kBlockN][D + 1];  // +1: lanes read different keys at the same d
@@ -69,6 +70,25 @@ __device__ __forceinline__ void attention_body(
   const i64 q_len = cu_q[b + 1] - q_start;
   if (static_cast<i64>(tile) * block_t >= q_len) return;
   const i64 seqlen = seqlens[b];
+  if (q_len > q_bound || seqlen > k_bound) {
+    // A length past the host bounds the launch (grid, SPLIT workspace) was sized by: a caller
+    // error (BIK_DEBUG_CHECKS=1 raises it on the host). The sequence's rows are written NaN by
+    // the first split program of each tile, the last tile covering the rows past the grid;
+    // nothing is computed, so no partial lands past the workspace.
+    if (blockIdx.z != 0) return;
+    const i64 t0 = static_cast<i64>(tile) * block_t;
+    const i64 t_end = tile == static_cast<int>(gridDim.y) - 1
+                          ? q_len : bik::min64(t0 + block_t, q_len);
+    const int heads = static_cast<int>(bik::min64(gh, g - slice * gh));
+    const float nan = bik::f32_from_bits(0x7FC00000u);
+    for (i64 idx = tid; idx < (t_end - t0) * heads * D; idx += kThreads) {
+      const i64 row = q_start + t0 + idx / (heads * D);
+      const int head = hk * g + slice * gh + static_cast<int>((idx / D) % heads);
+      bik_cvt::store_as(out, row * sot + head * soh + idx % D, nan, KIND);
+      if (idx % D == 0) lse[row * hq + head] = nan;
+    }
+    return;
+  }
   const i64 kv_end = bik_attn::tile_kv_end(seqlen, q_len, tile, block_t, causal);
   const int n_splits = bik_attn::tile_splits(kv_end, split);
   const int j_first = fold ? 0 : static_cast<int>(blockIdx.z) * splits_per_prog;
@@ -259,17 +279,20 @@ __device__ __forceinline__ void attention_body(
 // splits_per_prog splits (split mode) or 1. Block: 128 threads. Lengths: cu_q int32 [B+1],
 // seqlens int32 [B]; keys via table int32 [B, stride_table] (paged) or base int64 [B]
 // (contiguous; table null). Split mode: pacc/pml workspaces and tickets int32 [x * y], zeroed.
+// q_bound / k_bound: the host bounds the grid and workspace were sized by (a longer sequence
+// gets NaN rows).
 #define BIK_ATTENTION_ENTRY(NAME, KIND, D)                                                    \
   extern "C" __global__ void __launch_bounds__(kThreads) NAME(                                \
       const void* q, const void* kc, const void* vc, void* out, float* lse, float* pacc,      \
       float* pml, int* tickets, const int* cu_q, const int* seqlens, const int* table,        \
       const i64* base, i64 sqt, i64 sqh, i64 sot, i64 soh, i64 stable, i64 spage, i64 stok,   \
       i64 skvh, int block_size, int total_q, int hq, int hkv, int gh, int block_t,            \
-      float scale_log2e, int split, int causal, int fold, int splits_per_prog) {              \
+      float scale_log2e, int split, int causal, int fold, int splits_per_prog, int q_bound,   \
+      int k_bound) {                                                                          \
     attention_body<KIND, D>(q, kc, vc, out, lse, pacc, pml, tickets, cu_q, seqlens, table,    \
                             base, sqt, sqh, sot, soh, stable, spage, stok, skvh, block_size,  \
                             total_q, hq, hkv, gh, block_t, scale_log2e, split, causal, fold,  \
-                            splits_per_prog);                                                 \
+                            splits_per_prog, q_bound, k_bound);                               \
   }
 
 BIK_ATTENTION_ENTRY(bik_attention_f32_d64, bik_cvt::kF32, 64)

@@ -271,3 +271,18 @@ def test_rms_norm_instances_equal_the_cpu_backend(host, dtype, wdtype):
             assert same_bits(out, ref_out) and same_bits(h, ref_h)
             differs |= not same_bits(got, _sequential_rms_norm(x, w, 1e-6))
     assert differs
+
+
+def test_attention_lengths_past_the_host_bounds_give_nan_not_stale_or_stray_writes(
+        host, monkeypatch):
+    """The CUDA kernel's guard (tests/attention/test_attention_bounds.py for Triton): a key
+    length past max_seqlen_k writes nothing past the SPLIT workspace and comes back NaN, a
+    query length past max_seqlen_q NaN down to its last row (past the grid); rows within the
+    bounds keep their bits."""
+    untouched, out, lse, right = ac.past_key_bound(cuda_attention, monkeypatch, "cuda")
+    assert untouched and torch.equal(out[0], right[0])
+    assert bool(out[1:].isnan().all()) and bool(lse[1:].isnan().all())
+    out, lse, right = ac.past_query_bound(cuda_attention, "cuda")
+    assert torch.equal(out[:3], right[:3])
+    assert bool(out[3:].isnan().all()) and bool(lse[3:].isnan().all())
+    assert "bik_attention_f32_d64" in host

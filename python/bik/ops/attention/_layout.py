@@ -13,6 +13,13 @@ import torch
 SPLIT_PROGRAM_TARGET = 264
 
 
+def split_workspace(n_splits: int, total_q: int, hq: int, d: int, device):
+    """SPLIT's partials (both GPU backends), sized by the host bound max_seqlen_k: pacc
+    [n_splits, total_q, Hq, D] and pml [n_splits, 2, total_q, Hq], fp32."""
+    return (torch.empty((n_splits, total_q, hq, d), dtype=torch.float32, device=device),
+            torch.empty((n_splits, 2, total_q, hq), dtype=torch.float32, device=device))
+
+
 def splits_per_program(items: int, n_splits: int) -> int:
     """Consecutive splits per SPLIT program for ``items`` (sequence, KV head, query tile)
     triples: at least one, enough that items x runs stays near SPLIT_PROGRAM_TARGET. Speed only:

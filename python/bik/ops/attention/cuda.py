@@ -17,7 +17,7 @@ from bik._arch import device_arch
 from bik._dtypes import DTYPES
 from bik.configs import CUDA_ATTENTION_HEAD_DIMS, CudaAttentionConfig, cuda_attention_config
 from bik.ops._pointwise import LOG2E
-from bik.ops.attention._layout import Problem, run_on_gpu, splits_per_program
+from bik.ops.attention._layout import Problem, run_on_gpu, split_workspace, splits_per_program
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_jit import F32, I32, I64, PTR
 
@@ -30,7 +30,7 @@ KERNELS = cuda_jit.declare(
      ("stride_o_head", I64), ("stride_table", I64), ("stride_page", I64), ("stride_tok", I64),
      ("stride_kv_head", I64), ("block_size", I32), ("total_q", I32), ("hq", I32), ("hkv", I32),
      ("gh", I32), ("block_t", I32), ("scale_log2e", F32), ("split", I32), ("causal", I32),
-     ("fold", I32), ("splits_per_prog", I32)])
+     ("fold", I32), ("splits_per_prog", I32), ("q_bound", I32), ("k_bound", I32)])
 
 
 class AttentionLaunch(NamedTuple):
@@ -104,8 +104,7 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
     cu_q = cu_q.to(torch.int32).contiguous()
     seqlens_k = seqlens_k.to(torch.int32).contiguous()
     if plan.split_mode:
-        pacc = torch.empty((plan.n_splits, total_q, hq, d), dtype=torch.float32, device=q.device)
-        pml = torch.empty((plan.n_splits, 2, total_q, hq), dtype=torch.float32, device=q.device)
+        pacc, pml = split_workspace(plan.n_splits, total_q, hq, d, q.device)
         tickets = torch.zeros(plan.grid[0] * plan.grid[1], dtype=torch.int32, device=q.device)
     else:
         pacc = pml = tickets = None
@@ -114,7 +113,7 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
         cu_q, seqlens_k, table, base, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         table.stride(0) if paged else 0, stride_page, stride_tok, k.stride(-2), block_size,
         total_q, hq, hkv, plan.gh, plan.block_t, scale * LOG2E, plan.config.split, int(causal),
-        int(not plan.split_mode), plan.per_program, device=q.device)
+        int(not plan.split_mode), plan.per_program, max_q_len, max_k_len, device=q.device)
 
 
 

@@ -31,7 +31,7 @@ import triton.language as tl
 from bik._arch import device_arch
 from bik.configs import TRITON_ATTENTION_HEAD_DIMS, attention_config
 from bik.ops._pointwise import LOG2E
-from bik.ops.attention._layout import Problem, run_on_gpu, splits_per_program
+from bik.ops.attention._layout import Problem, run_on_gpu, split_workspace, splits_per_program
 
 
 @triton.jit
@@ -217,13 +217,6 @@ def use_split_mode(total_q: int, num_heads_q: int, n_splits: int, per_program: i
     so does work whose programs would each hold all of a tile's splits anyway. Either choice
     gives the same bits; this only decides speed and workspace size."""
     return n_splits > per_program and total_q * num_heads_q * n_splits <= (1 << 20)
-
-
-def split_workspace(n_splits: int, total_q: int, hq: int, d: int, device):
-    """SPLIT's partials, sized by the host bound: pacc [n_splits, total_q, Hq, D] and pml
-    [n_splits, 2, total_q, Hq], fp32."""
-    return (torch.empty((n_splits, total_q, hq, d), dtype=torch.float32, device=device),
-            torch.empty((n_splits, 2, total_q, hq), dtype=torch.float32, device=device))
 
 
 def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_size,
