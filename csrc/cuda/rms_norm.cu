@@ -122,8 +122,65 @@ __device__ __forceinline__ void rms_norm_rows(
   }
 }
 
+// A row per block of kRowThreads threads, for decode-sized batches where the instances above
+// leave the GPU nearly idle (2 to 16 threads per row, each walking the whole row with
+// dependent loads). The block loads the row (and adds the residual) into shared memory with
+// every thread, coalesced; then threads 0-15 each sum their contract lane from shared memory
+// in ascending order, warp 0 folds the 16 lane sums with the same xor butterfly as VEC = 1
+// (the partners of lanes 16-31 hold zeros among themselves), and every thread scales and
+// stores. Same lane sums, same fold, same scale: the contract's bits (hidden <= kRowMaxHidden).
+constexpr int kRowThreads = 128;
+constexpr int kRowMaxHidden = 8192;  // fp32: 32 KB of static shared memory
+
+template <class T, class W>
+__device__ __forceinline__ void rms_norm_row_block(
+    const typename T::storage* __restrict__ x, i64 sx, const typename T::storage* __restrict__ r,
+    i64 sr, const typename W::storage* __restrict__ w, typename T::storage* out, i64 so,
+    typename T::storage* hout, i64 sh, i64 rows, i64 hidden, float eps) {
+  typedef typename T::storage S;
+  __shared__ S hs[kRowMaxHidden];
+  __shared__ float rstd_s;
+  const i64 row = blockIdx.x;
+  const int tid = threadIdx.x;
+  if (row >= rows) return;  // the whole block leaves together
+  const S* xr = x + row * sx;
+  for (i64 j = tid; j < hidden; j += kRowThreads) {
+    if (r != nullptr) {
+      hs[j] = residual_sum<T>(xr[j], r[row * sr + j]);
+      hout[row * sh + j] = hs[j];
+    } else {
+      hs[j] = xr[j];
+    }
+  }
+  __syncthreads();
+  if (tid < 32) {
+    float s[1] = {0.0f};
+    if (tid < kLanes) {
+      for (i64 j = tid; j < hidden; j += kLanes) s[0] = square_step(s[0], T::load(hs[j]));
+    }
+    const float total = fold_lanes<1>(s);
+    if (tid == 0) rstd_s = rstd_of(total, hidden, eps);
+  }
+  __syncthreads();
+  const float rstd = rstd_s;
+  S* yr = out + row * so;
+  for (i64 j = tid; j < hidden; j += kRowThreads) {
+    yr[j] = T::store(scale(T::load(hs[j]), rstd, W::load(w[j])));
+  }
+}
+
 }  // namespace rms
 }  // namespace bik
+
+// bik_rms_norm_row_<x dtype>_<weight dtype>: a row per block of 128 threads (the same
+// parameters; hidden <= 8192; grid = rows).
+#define BIK_RMS_NORM_ROW_KERNEL(NAME, XT, WT)                                                  \
+  extern "C" __global__ void __launch_bounds__(bik::rms::kRowThreads)                          \
+      NAME(const XT::storage* x, bik::i64 sx, const XT::storage* r, bik::i64 sr,                \
+           const WT::storage* w, XT::storage* out, bik::i64 so, XT::storage* h, bik::i64 sh,    \
+           bik::i64 rows, bik::i64 hidden, float eps) {                                         \
+    bik::rms::rms_norm_row_block<XT, WT>(x, sx, r, sr, w, out, so, h, sh, rows, hidden, eps);  \
+  }
 
 // bik_rms_norm_<x dtype>_<weight dtype> (VEC = 1) and bik_rms_norm_vec_<x dtype>_<weight dtype>
 // (VEC = 16 bytes / x's element size) (x, stride_x, residual or null, stride_r, weight, out,
@@ -141,7 +198,8 @@ __device__ __forceinline__ void rms_norm_rows(
 
 #define BIK_RMS_NORM_PAIR(XN, XT, WN, WT)                                                  \
   BIK_RMS_NORM_KERNEL(bik_rms_norm_##XN##_##WN, 1, XT, WT)                                 \
-  BIK_RMS_NORM_KERNEL(bik_rms_norm_vec_##XN##_##WN, int(16 / sizeof(XT::storage)), XT, WT)
+  BIK_RMS_NORM_KERNEL(bik_rms_norm_vec_##XN##_##WN, int(16 / sizeof(XT::storage)), XT, WT) \
+  BIK_RMS_NORM_ROW_KERNEL(bik_rms_norm_row_##XN##_##WN, XT, WT)
 
 #define BIK_RMS_NORM_FOR_X(XN, XT)            \
   BIK_RMS_NORM_PAIR(XN, XT, f32, bik::F32)    \

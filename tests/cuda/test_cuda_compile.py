@@ -134,10 +134,14 @@ def test_exact_kernels_have_no_fma_or_approximations(source):
 def test_rms_norm_vector_instance_moves_16_bytes(arch):
     """Every global load and store of the bik_rms_norm_vec_* kernels is a 4-wide vector (16 bytes
     of x, residual, h and out; the weight's 4 or 8 elements), and the scalar instance has none:
-    the access width is the only difference between the two."""
+    the access width is the only difference between the two. The block-per-row kernels
+    (bik_rms_norm_row_*, decode sizes) access global memory element by element, coalesced
+    across the block, and keep the row in shared memory."""
     entries = cc.ptx_entries("rms_norm", arch, NVCC)
     vec = {k: v for k, v in entries.items() if k.startswith("bik_rms_norm_vec_")}
-    assert len(vec) == 9 and len(entries) == 18
+    row = {k: v for k, v in entries.items() if k.startswith("bik_rms_norm_row_")}
+    assert len(vec) == 9 and len(row) == 9 and len(entries) == 27
+    assert all(re.search(r"\bld\.shared\.", ptx) for ptx in row.values())
     for name, ptx in entries.items():
         accesses = re.findall(r"\b(?:ld|st)\.global(?:\.nc)?((?:\.v\d)?)\.\w+", ptx)
         assert accesses, name

@@ -27,6 +27,7 @@ import torch
 from bik import configs
 from bik.ops.attention import cuda as cuda_attention
 from bik.ops.matmul import cuda as cuda_matmul
+from bik.ops.rms_norm import cuda as cuda_rms_norm
 from bik.ops.matmul.reference import matmul_contract_reference
 from bik.testing.attention import make_request, pack_paged
 from bik.testing.harness import rows_alone_vs_batched, same_bits
@@ -229,6 +230,12 @@ def test_edge_shapes_dtypes_and_opcheck(host):
 _NORM_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+def _norm_kind(kernel: str) -> str:
+    """Which RMSNorm kernel a launched name is: the block-per-row, vector or scalar one."""
+    return "row" if kernel.startswith("bik_rms_norm_row_") else "vec" \
+        if kernel.startswith("bik_rms_norm_vec_") else "scalar"
+
+
 def _sequential_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """A different reduction order (one running fp32 sum per row): the negative control."""
     xf = x.float()
@@ -238,21 +245,31 @@ def _sequential_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.
     return ((xf * (1.0 / torch.sqrt(s / x.shape[1] + eps))[:, None]) * w.float()).to(x.dtype)
 
 
+@pytest.mark.parametrize("row", [False, True, None])
 @pytest.mark.parametrize("dtype", _NORM_DTYPES)
-def test_rms_norm_suite_on_the_real_kernel(host, dtype):
-    """Rows alone vs batched through both instances: H = 64 and 136 take the 16-byte one (16 or
-    32 rows per block, so 65 rows cross blocks), H = 100 takes it for fp32 only, H = 138 never."""
+def test_rms_norm_suite_on_the_real_kernel(host, monkeypatch, dtype, row):
+    """Rows alone vs batched through both instances (row=False): H = 64 and 136 take the 16-byte
+    one (16 or 32 rows per block, so 65 rows cross blocks), H = 100 takes it for fp32 only,
+    H = 138 never; through the block-per-row kernel (True); and by batch size (None: rows up
+    to ROW_MAX_ROWS take the row kernel, so the M sweep crosses kernels too)."""
+    force(monkeypatch, cuda_rms_norm, "use_row_kernel", row)
+    if row is None:
+        monkeypatch.setattr(cuda_rms_norm, "ROW_MAX_ROWS", 8)
     assert_invariant(rms_norm_suite(device="cpu", dtype=dtype, backend="cuda",
                                     ms=(1, 2, 3, 17, 65), hiddens=(64, 100, 136, 138)))
-    assert {k.startswith("bik_rms_norm_vec_") for k in host} == {True, False}, host
+    assert {_norm_kind(k) for k in host} == {False: {"vec", "scalar"}, True: {"row"},
+                     None: {"row", "vec", "scalar"}}[row], host
 
 
+@pytest.mark.parametrize("row", [False, True])
 @pytest.mark.parametrize("dtype", _NORM_DTYPES)
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_instances_equal_the_cpu_backend(host, dtype, wdtype):
-    """Both instances give the CPU backend's bits, plain and fused, aligned and not, for hidden
-    sizes below, at and past the 16 contract lanes; a different summation order gives other
-    bits on these inputs (so the equality is not vacuous)."""
+def test_rms_norm_instances_equal_the_cpu_backend(host, monkeypatch, dtype, wdtype, row):
+    """Both instances (row=False) and the block-per-row kernel (True) give the CPU backend's
+    bits, plain and fused, aligned and not, for hidden sizes below, at and past the 16
+    contract lanes; a different summation order gives other bits on these inputs (so the
+    equality is not vacuous)."""
+    force(monkeypatch, cuda_rms_norm, "use_row_kernel", row)
     gen = torch.Generator().manual_seed(3)
     differs = False
     for hidden in (8, 16, 24, 40, 520):
@@ -265,7 +282,8 @@ def test_rms_norm_instances_equal_the_cpu_backend(host, dtype, wdtype):
             got = bik.rms_norm(x, w, 1e-6, backend="cuda")
             out, h = bik.rms_norm(x, w, 1e-6, residual=r, backend="cuda")
             vec = hidden % (16 // x.element_size()) == 0 and offset == 0
-            assert all(k.startswith("bik_rms_norm_vec_") == vec for k in host), (hidden, host)
+            want = "row" if row else "vec" if vec else "scalar"
+            assert {_norm_kind(k) for k in host} == {want}, (hidden, host)
             assert same_bits(got, bik.rms_norm(x, w, 1e-6, backend="cpu"))
             ref_out, ref_h = bik.rms_norm(x, w, 1e-6, residual=r, backend="cpu")
             assert same_bits(out, ref_out) and same_bits(h, ref_h)

@@ -67,13 +67,15 @@ def _check(launch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [111, 128])
-def test_rms_norm_launcher_matches_kernel_abi(recorder, dtype, wdtype, hidden):
-    """H = 128 takes the 16-byte instance (64 threads: 16 fp32 or 32 16-bit rows per block), H = 111
-    the scalar one (8 rows per 128-thread block); a row view off the vector alignment falls
-    back to the scalar one."""
+def test_rms_norm_launcher_matches_kernel_abi(recorder, monkeypatch, dtype, wdtype, hidden):
+    """Past the decode sizes of the block-per-row kernel: H = 128 takes the 16-byte instance
+    (64 threads: 16 fp32 or 32 16-bit rows per block), H = 111 the scalar one (8 rows per
+    128-thread block); a row view off the vector alignment falls back to the scalar one."""
     from bik.ops._define import DECLARED
+    from bik.ops.rms_norm import cuda as cuda_rms_norm
     from bik.ops.rms_norm.cuda import launch_rms_norm
 
+    monkeypatch.setattr(cuda_rms_norm, "ROW_MAX_ROWS", 8)  # 19 rows: past it
     norm_args, fused_args = DECLARED["rms_norm"].Args, DECLARED["fused_add_rms_norm"].Args
     x = torch.randn(19, hidden).to(dtype)
     w = torch.randn(hidden).to(wdtype)
@@ -96,6 +98,24 @@ def test_rms_norm_launcher_matches_kernel_abi(recorder, dtype, wdtype, hidden):
     plain, fused = (launch[4] for launch in recorder.launches[:2])
     assert plain[2] == 0 and plain[7] == 0 and fused[2] != 0 and fused[7] != 0  # r, h
     assert plain[9] == 19 and plain[10] == hidden and plain[11] == np.float32(1e-6)
+
+
+def test_rms_norm_row_kernel_launches_a_block_per_row(recorder):
+    """Decode sizes (rows <= ROW_MAX_ROWS, H <= ROW_MAX_HIDDEN): bik_rms_norm_row_*, one block
+    of 128 threads per row, any alignment, the same parameters; past H = 8192 the others."""
+    from bik.ops._define import DECLARED
+    from bik.ops.rms_norm import cuda as cuda_rms_norm
+
+    norm_args = DECLARED["rms_norm"].Args
+    for hidden in (111, 128, cuda_rms_norm.ROW_MAX_HIDDEN + 8):
+        x, w = torch.randn(19, hidden), torch.randn(hidden)
+        cuda_rms_norm.launch_rms_norm(norm_args(x, w, 1e-6), torch.empty_like(x))
+    assert len(recorder.launches) == 3
+    for launch, row in zip(recorder.launches, (True, True, False)):
+        _check(launch)
+        assert launch[0][1].startswith("bik_rms_norm_row_") == row, launch[0][1]
+        if row:
+            assert launch[1] == (19, 1, 1) and launch[2] == (128, 1, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
