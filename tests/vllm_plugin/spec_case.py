@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from case_io import emit
+
 LONG = ("Here is a story about a lighthouse keeper who counted the ships that passed each night "
         "and wrote their names in a book. ") * 6 + "The keeper's favourite ship was"
 # Prompts with repeats in them, so prompt lookup (ngram) finds drafts.
@@ -124,13 +126,7 @@ def main() -> None:
     result |= {"dtype": dtype, "setup": setup, "k": k, "bik": os.environ.get("BIK_VLLM", ""),
               "alone": alone, "batched": batched, "hot": hot, "engine_s": round(started, 1),
               "generate_s": round(time.perf_counter() - t0, 1)}
-    try:
-        from bik.integrations import vllm as plugin
-
-        result["stats"] = plugin.stats()
-    except ImportError:
-        pass
-    print("BIK_RESULT " + json.dumps(result), flush=True)
+    emit(result)
 
 
 if __name__ == "__main__":

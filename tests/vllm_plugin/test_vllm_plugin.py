@@ -11,13 +11,11 @@ too: see vllm_case.py).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from case_io import run_case
 
 pytest.importorskip("vllm")
 
@@ -30,12 +28,9 @@ def _run(dtype: str, cases: str, *, plugin: bool, chunked: bool = False,
     env = os.environ | {"BIK_VLLM": "1" if plugin else "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
                         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
-    args = [sys.executable, str(CASE), dtype, cases] + (["--chunked"] if chunked else []) + (
+    args = [dtype, cases] + (["--chunked"] if chunked else []) + (
         ["--processed"] if processed else [])
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900, check=False)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("BIK_RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("BIK_RESULT "))
+    return run_case(CASE, args, env)
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from case_io import run_case
 
 pytest.importorskip("vllm")
 
@@ -33,11 +32,7 @@ def _run(setup: str, *, processed: bool = False, env: dict | None = None) -> dic
     env = os.environ | {"BIK_VLLM": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
                         "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} | (env or {})
-    args = [sys.executable, str(CASE), "float32", setup] + (["--processed"] if processed else [])
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900, check=False)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("BIK_RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("BIK_RESULT "))
+    return run_case(CASE, ["float32", setup] + (["--processed"] if processed else []), env)
 
 
 @pytest.fixture(scope="session")

@@ -14,14 +14,12 @@ embedding (one nonzero per element in its all-reduce) and the LM head's gather a
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from case_io import run_case
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
@@ -60,11 +58,7 @@ def _engine(model_dir: Path, tp: int, plugin: bool) -> dict:
                         "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp))),
                         # collective_rpc of tp_case's counter function (pickled): a test's own
                         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    proc = subprocess.run([sys.executable, str(CASE), str(model_dir), str(tp)], env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("BIK_RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("BIK_RESULT "))
+    return run_case(CASE, [str(model_dir), str(tp)], env, timeout=600)
 
 
 def _compare(model_dir: Path, requests: list[dict], with_bik: bool) -> tuple[int, int]:

@@ -10,8 +10,9 @@ core each (VLLM_CPU_OMP_THREADS_BIND); its worker processes are spawned, hence t
 
 from __future__ import annotations
 
-import json
 import sys
+
+from case_io import emit
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fib(n):", "Explain gravity to a child."]
 REQUESTS = ((0.0, None), (1.0, 3), (0.7, 5), (1.0, 11))  # (temperature, seed)
@@ -45,7 +46,7 @@ def main() -> None:
                                                          o.outputs[0].token_ids)]}
               for o in outs]
     stats = {"row_parallel_calls": llm.collective_rpc(_row_parallel_calls)}
-    print("BIK_RESULT " + json.dumps({"requests": result, "stats": stats}), flush=True)
+    emit({"requests": result, "stats": stats}, stats=False)
 
 
 if __name__ == "__main__":

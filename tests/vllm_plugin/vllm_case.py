@@ -33,9 +33,10 @@ another kernel depends on the batch as well (not measured here).
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
+
+from case_io import emit
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
            "def fib(n):", "Explain gravity to a child.", "The quick brown fox",
@@ -189,13 +190,7 @@ def main() -> None:
         t0 = time.perf_counter()
         result["trainer"] = _trainer(llm, dtype, processed)
         result["trainer"]["seconds"] = round(time.perf_counter() - t0, 1)
-    try:
-        from bik.integrations import vllm as plugin
-
-        result["stats"] = plugin.stats()
-    except ImportError:
-        pass
-    print("BIK_RESULT " + json.dumps(result), flush=True)
+    emit(result)
 
 
 if __name__ == "__main__":

@@ -71,11 +71,14 @@ def _while(flag: list, method):
 
 
 def _recording_positions(set_inputs_first_pass):
-    """Keeps each request's first drafted position: the one after its newest token."""
+    """Keeps each request's seed and first drafted position (the one after its newest token)
+    for the step's draft calls."""
+    from bik.integrations.vllm.sampler import request_seeds
 
     @functools.wraps(set_inputs_first_pass)
     def wrapped(self, *args, **kwargs):
         num_tokens, sample_at, cad = set_inputs_first_pass(self, *args, **kwargs)
+        self.bik_draft_seeds = request_seeds(self.bik_runner)
         self.bik_draft_position = self.positions[sample_at].to(torch.int64) + 1
         self.bik_draft_index = 0
         return num_tokens, sample_at, cad
@@ -87,14 +90,14 @@ def _recording_positions(set_inputs_first_pass):
 def _keyed_draft(self, hidden_states, sampling_metadata):
     """vLLM's _sample_draft_tokens on bik.sample: draft j of a request is drawn with the key
     (seed, first drafted position + j), which is the key of the target row that verifies it."""
-    from bik.integrations.vllm.sampler import keyed, request_seeds
+    from bik.integrations.vllm.sampler import keyed
 
     rows = hidden_states.shape[0]
     logits = self.model.compute_logits(hidden_states).to(torch.float32)
     position = self.bik_draft_position[:rows] + self.bik_draft_index
     self.bik_draft_index += 1
     sampler = self.bik_runner.sampler
-    with keyed(sampler, (request_seeds(self.bik_runner)[:rows], position.cpu())):
+    with keyed(sampler, (self.bik_draft_seeds[:rows], position.cpu())):
         tokens, _ = sampler.sample(logits, sampling_metadata,
                                    logprobs_mode_override="raw_logprobs")
     return tokens, None
