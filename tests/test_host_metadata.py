@@ -133,9 +133,16 @@ def test_sample_and_verify_with_max_top_k_read_nothing(target):
     ref = bik.sample(x, **params, backend=target.backend)
     for bound in (50, 99):  # the largest active top_k, a loose bound
         with forbid_host_reads():
-            _same(bik.sample(x, **params, max_top_k=bound, backend=target.backend), ref)
+            _same(bik.sample(x, **params, max_top_k=bound, any_top_p=(bound == 99) or None,
+                             backend=target.backend), ref)
     with pytest.raises(HostReadError), forbid_host_reads():
         bik.sample(x, **params, backend=target.backend)
+    # any_top_p=False where no row uses top-p: the search is not launched, same bits.
+    plain = {**params, "top_p": 1.0}
+    ref_plain = bik.sample(x, **plain, backend=target.backend)
+    with forbid_host_reads():
+        _same(bik.sample(x, **plain, max_top_k=50, any_top_p=False, backend=target.backend),
+              ref_plain)
 
     window = torch.randn(4, 3, 100, generator=torch.Generator().manual_seed(3)).to(x.device)
     drafts = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]], device=x.device)
@@ -173,6 +180,11 @@ def test_bad_host_metadata_is_a_clear_error_on_the_cpu():
     with pytest.raises(ValueError, match="bik.sample: max_top_k must be an int >= 0"):
         x, params = _logits("cpu")
         bik.sample(x, **params, max_top_k=-1)
+    with pytest.raises(TypeError, match="bik.sample: any_top_p must be a bool or None, got 0"):
+        bik.sample(x, **params, any_top_p=0)
+    with pytest.raises(ValueError, match="bik.sample: a row has top_p < 1 but the host "
+                                         "metadata says any_top_p=False"):
+        bik.sample(x, **params, any_top_p=False)  # no max_top_k: the values are checked
 
 
 @pytest.mark.cpu
@@ -234,6 +246,9 @@ def test_debug_checks_verify_host_metadata(monkeypatch):
         bik.sample(x, **params, max_top_k=49)
     with pytest.raises(ValueError, match="temperature must be finite"):
         bik.sample(x, **{**params, "temperature": -1.0}, max_top_k=50)
+    with pytest.raises(ValueError, match="any_top_p=False"):
+        bik.verify_draft(torch.zeros(4, 0, dtype=torch.int64), 0, x[:, None], **params,
+                         max_top_k=50, any_top_p=False)
     _, kc, vc, _ = _paged("cpu")
     k = torch.zeros(1, HKV, D)
     with pytest.raises(ValueError, match="slot 80 is outside the cache's 80 slots"):
@@ -244,7 +259,8 @@ def test_debug_checks_verify_host_metadata(monkeypatch):
 def test_too_small_a_max_top_k_changes_tokens(target):
     """Why the bound matters (and BIK_DEBUG_CHECKS exists): on the split-vocabulary GPU path a
     max_top_k below a row's top_k keeps fewer tokens for that row, shown here to change what
-    is drawn. (The CPU kernel reads each row's top_k itself and ignores the bound.)"""
+    is drawn; so does a wrong any_top_p=False on Triton. (The CPU kernel reads each row's
+    top_k itself and ignores the bound.)"""
     x, params = _logits(target.device, rows=1, vocab=100)
     dev = target.device
     # One row's logits drawn with 16 seeds, as 16 rows of one call (rows are independent).
@@ -255,6 +271,12 @@ def test_too_small_a_max_top_k_changes_tokens(target):
                                      backend=target.backend).tokens
     assert torch.equal(draws(60), draws(99))
     assert not torch.equal(draws(60), draws(1))
+    if target.backend == "triton":  # it skips the top-p search on any_top_p=False (CUDA: not)
+        cut = {**params, "top_p": 0.3}
+        draw_p = lambda any_top_p: bik.sample(x, **cut, max_top_k=99, any_top_p=any_top_p,
+                                              backend=target.backend).tokens
+        assert torch.equal(draw_p(None), draw_p(True))
+        assert not torch.equal(draw_p(None), draw_p(False))
 
 
 @pytest.mark.parametrize("target", targets("cpu", "interpreter", "gpu-triton", "gpu-cuda"))

@@ -12,9 +12,11 @@ pytest.importorskip("triton")
 # A change that spills more must raise these deliberately (and say why in its commit).
 # The sampler's top-p pass kernel (16 thresholds probed per pass, each with its own chunk fold,
 # the candidate buffer's compaction, and the deciding program's pick among G x 256 candidates)
-# spills up to 36 B at 128 registers (8 warps, sm_90, 16-bit logits, G = 8; none on sm_80): a
-# few words per thread.
-SPILL_BUDGET = {"attention_kernel": 32, "top_p_pass_kernel": 40}
+# spills up to 56 B at 128 registers (8 warps, sm_90, G = 8; none on sm_80): a few words per
+# thread. Its fallback, top_p_finish_kernel (one program walking every group for the passes a
+# row still needs after the spread ones; it returns at once for rows of real logits), keeps
+# the decision's state live across the group loop: up to 136 B (sm_80, G = 8).
+SPILL_BUDGET = {"attention_kernel": 32, "top_p_pass_kernel": 56, "top_p_finish_kernel": 136}
 
 
 @pytest.fixture(scope="module", params=ARCHS, ids=lambda a: f"sm{a}")
@@ -27,8 +29,9 @@ def test_every_config_compiles(records):
     hopper = {"matmul_tma_kernel"} if records[0].arch == 90 else set()
     assert kernels == {"matmul_kernel", "matmul_fold_kernel", "rms_norm_kernel", "softmax_kernel",
                        "log_softmax_kernel", "mean_kernel",
-                       "attention_kernel", "top_p_pass_kernel", "group_max_kernel",
-                       "group_mass_kernel", "gumbel_pick_kernel", "write_kv_kernel"} | hopper
+                       "attention_kernel", "top_p_pass_kernel", "top_p_finish_kernel",
+                       "group_max_kernel", "group_mass_kernel", "gumbel_pick_kernel",
+                       "finish_kernel", "write_kv_kernel"} | hopper
     assert len(records) >= 20
 
 

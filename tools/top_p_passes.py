@@ -22,7 +22,7 @@ import torch
 from bik._arch import device_arch
 from bik.configs import sampler_chunks, sampling_config
 from bik.ops._normaliser_triton import NO_FUSION
-from bik.ops.sampling.triton_common import _chunks_per_tile
+from bik.ops.sampling.triton_common import Workspace, _chunks_per_tile
 from bik.ops.sampling.triton_groups import launch_group_max
 from bik.ops.sampling.triton_top_p import TOP_P_PASSES, launch_top_p_stats
 
@@ -39,19 +39,14 @@ def top_p_cut(logits: torch.Tensor, top_p: float, *, passes: int = TOP_P_PASSES)
     dev = logits.device
     cfg = sampling_config(device_arch(dev))
     groups, chunk = sampler_chunks(v)
-    m, v_p, log_s = (torch.empty(b, dtype=torch.float32, device=dev) for _ in range(3))
-    bad = torch.empty(b, dtype=torch.int32, device=dev)
+    ws = Workspace.allocate(b, groups, 1, dev)
     ones = torch.ones(b, dtype=torch.float32, device=dev)
-    temp, vk = ones, torch.full_like(ones, float("-inf"))
-    ik = torch.full((b,), v, dtype=torch.int32, device=dev)
-    gmax, gbad = launch_group_max(logits, temp, vk, ik, groups=groups, block=cfg.block,
-                                  num_warps=cfg.num_warps, options=NO_FUSION)
-    taken = launch_top_p_stats(logits, temp, vk, ik, ones * top_p,
-                               torch.full_like(ones, float("-inf")), gmax, gbad, m, v_p,
-                               log_s, bad, groups=groups, chunk=chunk,
-                               nch=_chunks_per_tile(device_arch(dev), chunk),
+    launch_group_max(logits, ones, None, None, ws, block=cfg.block, num_warps=cfg.num_warps,
+                     options=NO_FUSION)
+    taken = launch_top_p_stats(logits, ones, None, None, ones * top_p, ones * 0, ws,
+                               chunk=chunk, nch=_chunks_per_tile(device_arch(dev), chunk),
                                num_warps=cfg.num_warps, options=NO_FUSION, passes=passes)
-    return v_p, log_s, taken
+    return ws.column("v_lo"), ws.column("log_s"), taken
 
 
 def main() -> None:

@@ -191,49 +191,59 @@ SAMPLE_VOCABS = (111, 128256, 262144)
 
 
 def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
-    """The sampler's kernels (top-p stats, the group stats of rows without top-p, the pick) for
-    every logits dtype and vocabulary, compiled exactly as launched (no fp fusion), so their PTX
-    can be checked for approximations."""
+    """The sampler's kernels (top-p passes and finish, the group stats of rows without top-p,
+    the pick, the finish) for every logits dtype and vocabulary, compiled exactly as launched
+    (no fp fusion), so their PTX can be checked for approximations."""
     from bik.configs import sampler_chunks, sampling_config
     from bik.ops._normaliser_triton import NO_FUSION
-    from bik.ops.sampling.triton import gumbel_pick_kernel
+    from bik.ops.sampling.triton import finish_kernel, gumbel_pick_kernel
     from bik.ops.sampling.triton_common import _chunks_per_tile
     from bik.ops.sampling.triton_groups import group_mass_kernel, group_max_kernel
     from bik.ops.sampling.triton_top_p import (
         TOP_P_CANDIDATES,
         TOP_P_LANES,
+        top_p_finish_kernel,
         top_p_pass_kernel,
     )
 
     cfg = sampling_config(f"sm{arch}")
-    f32, i32 = Ptr(torch.float32), Ptr(torch.int32)
+    f32, i32, i64 = Ptr(torch.float32), Ptr(torch.int32), Ptr(torch.int64)
     for dtype in DTYPES:
         for v in SAMPLE_VOCABS:
             groups, chunk = sampler_chunks(v)
+            splits = -(-v // cfg.split)
+            ws = {"ws_f": f32, "FW": 2 * groups + 3 + splits, "ws_i": i32,
+                  "IW": groups + 1 + splits}
             row = {"x_ptr": Ptr(dtype), "stride_x": v}
-            params = {"temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32, "top_p_ptr": f32}
+            filters = {"temp_ptr": f32, "vk_ptr": f32, "ik_ptr": i32}
             folds = {"CHUNK": chunk, "LOG2_CHUNK": chunk.bit_length() - 1,
                      "NCH": _chunks_per_tile(f"sm{arch}", chunk)}
-            args = row | {"V": v, "GROUP_LEN": v // groups, "it": 2} | params | {
-                "log_min_p_ptr": f32, "gmax_ptr": f32, "gbad_ptr": i32, "probe_ptr": f32,
-                "fstate_ptr": f32, "istate_ptr": Ptr(torch.int64), "gmass_ptr": f32,
-                "cand_ptr": f32, "count_ptr": i32, "ticket_ptr": i32, "m_ptr": f32,
-                "vlo_ptr": f32, "logs_ptr": f32, "bad_ptr": i32, "passes_ptr": i32}
-            consts = {"G": groups, "LANES": TOP_P_LANES, "CANDIDATES": TOP_P_CANDIDATES} | folds
+            search = {"top_p_ptr": f32, "min_p_ptr": f32} | ws | {
+                "probe_ptr": f32, "fstate_ptr": f32, "istate_ptr": i64, "gmass_ptr": f32,
+                "cand_ptr": f32, "count_ptr": i32}
+            consts = {"G": groups, "LANES": TOP_P_LANES, "CANDIDATES": TOP_P_CANDIDATES,
+                      "TOPK": True} | folds
+            args = row | {"GROUP_LEN": v // groups, "it": 2} | filters | search | {
+                "ticket_ptr": i32, "passes_ptr": i32}
             yield top_p_pass_kernel, args, consts, cfg.num_warps, 1, NO_FUSION
-            args = row | {"GROUP_LEN": v // groups, "temp_ptr": f32, "vk_ptr": f32,
-                          "ik_ptr": i32, "gmax_ptr": f32, "gbad_ptr": i32}
-            yield (group_max_kernel, args, {"G": groups, "BLOCK": cfg.block}, cfg.num_warps, 1,
-                   NO_FUSION)
-            args = row | {"GROUP_LEN": v // groups} | params | {
-                "log_min_p_ptr": f32, "gmax_ptr": f32, "gbad_ptr": i32, "gtot_ptr": f32,
-                "m_ptr": f32, "vlo_ptr": f32, "bad_ptr": i32}
-            yield (group_mass_kernel, args, {"G": groups} | folds, cfg.num_warps, 1, NO_FUSION)
-            args = row | {"V": v, "key_ptr": Ptr(torch.int64), "temp_ptr": f32, "vk_ptr": f32,
-                          "ik_ptr": i32, "vlo_ptr": f32, "m_ptr": f32, "part_val_ptr": f32,
-                          "part_idx_ptr": i32, "n_splits": -(-v // cfg.split)}
-            yield (gumbel_pick_kernel, args, {"SPLIT": cfg.split, "BLOCK": cfg.block},
+            args = row | {"GROUP_LEN": v // groups, "first": 4, "last": 10} | filters | search | {
+                "passes_ptr": i32}
+            yield top_p_finish_kernel, args, consts, cfg.num_warps, 1, NO_FUSION
+            args = row | {"GROUP_LEN": v // groups} | filters | ws
+            yield (group_max_kernel, args, {"G": groups, "BLOCK": cfg.block, "TOPK": True},
                    cfg.num_warps, 1, NO_FUSION)
+            args = row | {"GROUP_LEN": v // groups} | filters | {"top_p_ptr": f32,
+                                                                 "min_p_ptr": f32} | ws
+            yield (group_mass_kernel, args, {"G": groups, "TOPK": True, "PLAIN": False} | folds,
+                   cfg.num_warps, 1, NO_FUSION)
+            args = row | {"V": v, "seed_ptr": i64, "pos_ptr": i64} | filters | ws
+            yield (gumbel_pick_kernel, args, {"G": groups, "SPLIT": cfg.split,
+                                              "BLOCK": cfg.block, "TOPK": True},
+                   cfg.num_warps, 1, NO_FUSION)
+            args = row | {"temp_ptr": f32, "top_p_ptr": f32} | ws | {
+                "tokens_ptr": i64, "logprobs_ptr": f32, "n_splits": splits}
+            yield (finish_kernel, args, {"G": groups, "SPLITS_P2": 1 << (splits - 1).bit_length(),
+                                         "PLAIN": False}, 1, 1, NO_FUSION)
 
 
 def compile_all(arch: int) -> list[CompileRecord]:

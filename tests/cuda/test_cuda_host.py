@@ -183,7 +183,7 @@ def _emulated_sample(host, table, split, threads):
     temp, top_k = table["temperature"], table["top_k"]
     greedy = temp == 0
     t_safe = torch.where(greedy, torch.ones_like(temp), temp)
-    vk, ik = split_vocab._topk_threshold(x, t_safe, greedy, top_k, None)
+    vk, ik = split_vocab.topk_threshold(x, temp, top_k, None)
     seed, pos = table["seed"], table["position"]
     key = torch.stack([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, pos & 0xFFFFFFFF,
                        (pos >> 32) & 0xFFFFFFFF, torch.full_like(seed, noise.STREAM_SAMPLE)],

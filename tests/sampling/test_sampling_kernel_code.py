@@ -1,9 +1,10 @@
 """The compiled code of the Triton sampler kernels (compiled for sm_90 and sm_80, not run).
 
 In the plain process, no GPU needed: the noise + pick kernel (gumbel_pick_kernel), the top-p
-rows' statistics (top_p_pass_kernel: a pass of the top-p search; its last one gives the cut
-and the logprob's normaliser) and the
-other rows' (group_max_kernel, group_mass_kernel), compiled for
+rows' statistics (top_p_pass_kernel: a pass of the top-p search spread over the row's
+groups; top_p_finish_kernel: the passes a row still needs, on one program), the other rows'
+(group_max_kernel, group_mass_kernel) and the finish (finish_kernel: the splits' merge, the
+group fold, bik_log and the logprob), compiled for
 every dtype and vocabulary size of the launch table, use only exactly rounded fp32 ops: no
 div.full, .approx, fma, ex2, lg2 or rcp in their PTX, and div.rn.f32 present (mul.hi.u32 in the
 pick's Philox). That is what lets tokens and logprobs equal the CPU path's on a GPU
@@ -18,8 +19,8 @@ import pytest
 
 
 @pytest.mark.parametrize("arch", [90, 80])
-@pytest.mark.parametrize("name", ["gumbel_pick_kernel", "top_p_pass_kernel", "group_max_kernel",
-                                  "group_mass_kernel"])
+@pytest.mark.parametrize("name", ["gumbel_pick_kernel", "top_p_pass_kernel", "top_p_finish_kernel",
+                                  "group_max_kernel", "group_mass_kernel", "finish_kernel"])
 def test_sampler_kernel_code_has_no_approximation_or_fma(arch, name):
     """The compiled kernel uses only exactly rounded fp32 ops: no div.full, no .approx, no
     fma."""

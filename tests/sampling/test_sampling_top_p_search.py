@@ -102,22 +102,30 @@ def test_a_small_vocabulary_is_settled_by_its_first_buffer(target, gen):
 @pytest.mark.parametrize("vocab", [V, V + 1])
 def test_each_pass_runs_one_program_per_normaliser_group(target, vocab, gen, monkeypatch):
     """The search is spread over the row's normaliser groups (8 at V = 2000; one when 8 does not
-    divide V): TOP_P_PASSES launches of B x G programs, the last to arrive at each pass
-    deciding for its row; the cut is still the contract's."""
+    divide V): TOP_P_SPREAD_PASSES launches of B x G programs, the last to arrive at each pass
+    deciding for its row, then one launch of a program per row for the passes a row may still
+    need; the cut is still the contract's."""
     from bik.ops.sampling import triton_top_p
 
-    grids, kernel = [], triton_top_p.top_p_pass_kernel
+    grids = []
 
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return kernel[grid]
+    def spy(name):
+        kernel = getattr(triton_top_p, name)
 
-    monkeypatch.setattr(triton_top_p, "top_p_pass_kernel", Spy())
+        class Spy:
+            def __getitem__(self, grid):
+                grids.append((name, grid))
+                return kernel[grid]
+
+        monkeypatch.setattr(triton_top_p, name, Spy())
+
+    spy("top_p_pass_kernel")
+    spy("top_p_finish_kernel")
     x = torch.randn(3, vocab, generator=gen) * 2
     x[:, :20] += 6
     cut, _, _ = _search(target, x, 0.9)
     groups = configs.sampler_chunks(vocab).groups
     assert groups == (8 if vocab == V else 1)
-    assert grids == [(3, groups)] * triton_top_p.TOP_P_PASSES
+    assert grids == ([("top_p_pass_kernel", (3, groups))] * triton_top_p.TOP_P_SPREAD_PASSES
+                     + [("top_p_finish_kernel", (3,))])
     assert torch.equal(cut, _expected(x, 0.9)[0])

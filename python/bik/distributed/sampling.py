@@ -33,14 +33,13 @@ from bik.configs import MATMUL_TP_MAX, sampler_chunks
 from bik.distributed._meta import describe, gather_and_check, group_size_rank
 from bik.ops._registry import resolve_backend
 from bik.ops._normaliser import bik_exp_torch, bik_log_torch, group_totals_torch
-from bik.ops.sampling.noise import GUMBEL_MAX, GUMBEL_MIN, gumbel_torch, log_min_p
+from bik.ops.sampling.noise import GUMBEL_MAX, GUMBEL_MIN, greedy_limit, gumbel_torch, log_min_p
 from bik.ops.sampling.op import (
     SampleOutput,
     VerifyOutput,
     accept_drafts,
     check_row_params,
     check_verify,
-    greedy_limit,
     row_params,
     sample,
     window_rows,
@@ -180,7 +179,7 @@ def _whole_rows(group, size, x, params, vocab, backend, max_top_k, tokens, logpr
 
 def vocab_parallel_sample(logits_shard: torch.Tensor, *, seed, position, temperature=None,
                           top_k=None, top_p=None, min_p=None, group=None,
-                          max_top_k: int | None = None,
+                          max_top_k: int | None = None, any_top_p: bool | None = None,
                           backend: str | None = None) -> SampleOutput:
     """:func:`bik.sample` of logits whose vocabulary is sharded over the ranks of ``group``.
 
@@ -190,8 +189,9 @@ def vocab_parallel_sample(logits_shard: torch.Tensor, *, seed, position, tempera
     Rows with neither top-k nor top-p move three small collectives (a [2, B] all_reduce, a
     [B, 3 + G/TP] all_gather and the agreement check), never their logits; rows with top-k on
     or top-p < 1 gather their own logits (exactly) and are drawn by bik.sample (``backend`` and
-    ``max_top_k``: its arguments for those rows; the parameter values are checked here). V must be a multiple of bik.configs.MATMUL_TP_MAX and TP must
-    divide it. Mismatched shapes or parameters across ranks raise ValueError on every rank.
+    ``max_top_k``: its arguments for those rows; the parameter values are checked here, with
+    ``any_top_p`` if given; the rows to gather are found on the device either way). V must be
+    a multiple of bik.configs.MATMUL_TP_MAX and TP must divide it. Mismatched shapes or parameters across ranks raise ValueError on every rank.
     Reads the rows to gather back to the host (not CUDA-graph capturable).
     """
     size, rank = group_size_rank(group)
@@ -204,7 +204,7 @@ def vocab_parallel_sample(logits_shard: torch.Tensor, *, seed, position, tempera
         params = row_params(_SAMPLE, logits_shard.shape[0], logits_shard.device, seed, position,
                             temperature, top_k, top_p, min_p)
         check_row_params(_SAMPLE, logits_shard.shape[0], vocab, logits_shard.device, *params,
-                         max_top_k=max_top_k)
+                         max_top_k=max_top_k, any_top_p=any_top_p)
         return params
 
     params = _agree(_SAMPLE, group, logits_shard, build)
@@ -216,7 +216,7 @@ def vocab_parallel_sample(logits_shard: torch.Tensor, *, seed, position, tempera
 def vocab_parallel_verify_draft(draft_tokens: torch.Tensor, num_drafts,
                                 logits_shard: torch.Tensor, *, seed, position, temperature=None,
                                 top_k=None, top_p=None, min_p=None, group=None,
-                                max_top_k: int | None = None,
+                                max_top_k: int | None = None, any_top_p: bool | None = None,
                                 backend: str | None = None) -> VerifyOutput:
     """:func:`bik.verify_draft` of logits [B, K+1, V] sharded by vocabulary as in
     :func:`vocab_parallel_sample` (rank r passes ``logits[..., r*V/TP:(r+1)*V/TP]``): every
@@ -240,7 +240,7 @@ def vocab_parallel_verify_draft(draft_tokens: torch.Tensor, num_drafts,
         params = row_params(_VERIFY, rows, logits_shard.device, seed, position, temperature,
                             top_k, top_p, min_p)
         check_verify(_VERIFY, draft_tokens, nd, logits_shard, params, max_top_k=max_top_k,
-                     vocab=vocab)
+                     vocab=vocab, any_top_p=any_top_p)
         return (*params, nd, draft_tokens)
 
     *params, nd, drafts = _agree(_VERIFY, group, logits_shard, build)

@@ -28,6 +28,7 @@ def _param_tensors(params: Sequence[SamplingParams], positions: Sequence[int], d
     on the host, so the op need not read them back to check them again."""
     return {
         "max_top_k": max((max(p.top_k, 0) for p in params), default=0),
+        "any_top_p": any(p.top_p < 1 for p in params),  # True is always safe (fp32 rounding)
         "seed": torch.tensor([seed_int64(p.seed) for p in params], dtype=torch.int64,
                              device=device),
         "position": torch.tensor(list(positions), dtype=torch.int64, device=device),

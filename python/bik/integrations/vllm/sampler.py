@@ -71,7 +71,8 @@ class BikSampler(Sampler):
         top_p = None if md.top_p is None or md.all_greedy else md.top_p.to(device, torch.float32)
         out = bik.sample(logits, seed=seed.to(device), position=position.to(device),
                          temperature=temperature.to(device), top_k=top_k, top_p=top_p,
-                         max_top_k=_max_top_k(top_k, logits.shape[-1]))
+                         max_top_k=_max_top_k(top_k, logits.shape[-1]),
+                         any_top_p=None if top_p is not None else False)
         CALLS[0] += 1
         if logits.device.type == "cpu" and bool((out.tokens < 0).any()):
             rows = (out.tokens < 0).nonzero().flatten().tolist()

@@ -12,7 +12,7 @@ import torch
 
 from bik.configs import sampler_chunks
 from bik.ops._checks import require, require_cpu
-from bik.ops.sampling.noise import STREAM_SAMPLE
+from bik.ops.sampling.noise import STREAM_SAMPLE, greedy_limit, log_min_p
 from bik.runtime import cpu_ext
 
 
@@ -101,9 +101,9 @@ def gumbel_from_unit(u: torch.Tensor) -> torch.Tensor:
     return _elementwise("gumbel", u, torch.empty_like(u), u.numel())
 
 
-def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p,
-                max_top_k=None):
+def sample_rows(x, seed, position, temperature, top_k, top_p, min_p, max_top_k=None,
+                any_top_p=None):
     """The op's entry point on this backend (see bik/ops/sampling/op.py)."""
-    del max_top_k  # the kernel reads each row's top_k itself: nothing to bound on the host
-    return sample_cpu(x.float(), seed, position, temperature, top_k, top_p, log_min_p,
-                      stream=STREAM_SAMPLE)
+    del max_top_k, any_top_p  # the kernel reads each row's filters itself: no host metadata
+    return sample_cpu(x.float(), seed, position, greedy_limit(temperature), top_k, top_p,
+                      log_min_p(min_p), stream=STREAM_SAMPLE)

@@ -1,7 +1,8 @@
 """Launcher for the CUDA C++ sampler (csrc/cuda/sampling.cu).
 
-Same interface and outputs as :func:`bik.ops.sampling.triton.launch_sample`, so the ops
-layer merges the splits' winners the same way. Both kernels use only exactly rounded
+``launch_sample`` returns per row the max, log of the kept mass, the invalid flag and each
+vocabulary split's winner; split_vocab.sample_split_vocab merges them in torch (the Triton
+sampler does the same in its finish kernel). Both kernels use only exactly rounded
 operations: the pick (noise, filters, argmax) and the stats (top-p masses and the logprob's
 normaliser in the contract's order, bik.configs.sampler_chunks), so tokens and logprobs are
 the CPU path's and the Triton kernels'. The split size and block width never change a bit.
@@ -13,6 +14,7 @@ import torch
 
 from bik._dtypes import DTYPES, info
 from bik.configs import sampler_chunks
+from bik.ops.sampling.noise import greedy_limit, log_min_p
 from bik.ops.sampling.split_vocab import sample_split_vocab
 from bik.runtime import cuda_jit
 from bik.runtime.cuda_jit import F32, I32, I64, PTR
@@ -105,8 +107,10 @@ def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Te
     return m, log_s, bad, part_val, part_idx
 
 
-def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p,
-                max_top_k=None):
-    """The op's entry point on this backend (see bik/ops/sampling/op.py)."""
-    return sample_split_vocab(launch_sample, x, seed, position, temperature, top_k, top_p,
-                              log_min_p, max_top_k)
+def sample_rows(x, seed, position, temperature, top_k, top_p, min_p, max_top_k=None,
+                any_top_p=None):
+    """The op's entry point on this backend (see bik/ops/sampling/op.py). The top-p launches
+    run whatever ``any_top_p`` says (rows without top-p return at once)."""
+    del any_top_p
+    return sample_split_vocab(launch_sample, x, seed, position, greedy_limit(temperature),
+                              top_k, top_p, log_min_p(min_p), max_top_k)

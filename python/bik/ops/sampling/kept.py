@@ -5,7 +5,7 @@ sampler keeps top-k's first k tokens in the order (z desc, index asc), then the 
 z >= v_p, top-p's cut: the largest fp32 v whose mass vocab_sum(bik_exp(z_j - m) [z_j >= v])
 reaches p * S (docs/design.md#sampler). bik.sample does not return the set, so this finds it
 again from the contract with exact operations and the normaliser's order: top-k with
-``split_vocab._topk_threshold`` (the GPU samplers' host side), the cut by the CPU kernel's 32
+``split_vocab.topk_threshold`` (the GPU samplers' host side), the cut by the CPU kernel's 32
 bisection steps on the fp32 order key, each mass a ``vocab_sum_torch``. Since v_p is defined
 by the contract, any correct search gives the same set, hence
 ``bik.log_softmax(z.masked_fill(~kept, -inf))`` at the drawn token = bik.sample's logprob
@@ -18,7 +18,7 @@ import torch
 
 from bik.configs import sampler_chunks
 from bik.ops._normaliser import bik_exp_torch, vocab_sum_torch
-from bik.ops.sampling.split_vocab import _topk_threshold
+from bik.ops.sampling.split_vocab import topk_threshold
 
 _SEARCH_STEPS = 32  # the CPU kernel's: the order key's range is below 2^33
 
@@ -42,8 +42,7 @@ def kept_tokens(z: torch.Tensor, top_k: torch.Tensor | None = None,
     top_k = torch.zeros(rows, dtype=torch.int64, device=device) if top_k is None else top_k
     top_p = torch.ones(rows, dtype=torch.float32, device=device) if top_p is None else top_p
     ones = torch.ones(rows, dtype=torch.float32, device=device)
-    vk, ik = _topk_threshold(z, ones, torch.zeros(rows, dtype=torch.bool, device=device),
-                             top_k, None)
+    vk, ik = topk_threshold(z, ones, top_k, None)
     index = torch.arange(vocab, device=device)
     kept = (z > vk[:, None]) | ((z == vk[:, None]) & (index <= ik[:, None]))
     on = top_p < 1

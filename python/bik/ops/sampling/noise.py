@@ -1,9 +1,10 @@
 """The sampler contract's pieces every backend shares, written with torch's elementwise ops.
 
-``log_min_p`` turns min-p into the threshold every backend applies; ``STREAM_SAMPLE`` is the
-Philox counter word that separates this draw from future ones; ``gumbel_torch`` is the noise of
-given token ids, which a vocab-parallel rank computes on its shard
-(bik.distributed.vocab_parallel_sample), on any device, with the kernels' bits. The
+``greedy_limit`` makes a row greedy below a temperature, ``log_min_p`` turns min-p into the
+threshold every backend applies; ``STREAM_SAMPLE`` is the Philox counter word that separates
+this draw from future ones; ``gumbel_torch`` is the noise of given token ids, which a
+vocab-parallel rank computes on its shard (bik.distributed.vocab_parallel_sample), on any
+device, with the kernels' bits. The
 normaliser's pieces (``bik_exp``, ``bik_log``, the group totals) are shared with log_softmax
 and live in ops/_normaliser.py.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from bik.configs import SAMPLER_GREEDY_BELOW
 from bik.ops._normaliser import bik_log_torch
 
 STREAM_SAMPLE = 0  # Philox counter word 3; other values are reserved for future draws
@@ -28,6 +30,12 @@ def seed_int64(seed: int, label: str = "bik.sample") -> int:
 FLT_MIN = 1.1754943508222875e-38
 # The noise's exact extremes over all 2^23 u (csrc/cpu/sampling.h kGumbelMin / kGumbelMax).
 GUMBEL_MIN, GUMBEL_MAX = -2.8115408420562744, 16.63553237915039
+
+def greedy_limit(temperature: torch.Tensor) -> torch.Tensor:
+    """The contract's greedy limit: a temperature below SAMPLER_GREEDY_BELOW becomes 0, for every
+    backend (a device op: nothing read back; the Triton kernels apply it as they load)."""
+    return torch.where(temperature < SAMPLER_GREEDY_BELOW, 0.0, temperature)
+
 
 def log_min_p(min_p: torch.Tensor) -> torch.Tensor:
     """bik_log(min_p) (identical on every backend); -inf where min_p == 0 (off). min_p below the

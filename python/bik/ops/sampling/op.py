@@ -16,20 +16,20 @@ from typing import NamedTuple
 import torch
 
 from bik._dtypes import dtype_name
-from bik.configs import SAMPLER_GREEDY_BELOW
 from bik.ops._checks import check_float_dtype, check_same_device, check_tensor, debug_checks
 from bik.ops._call import call
 from bik.ops._define import define
 from bik.ops._registry import documented, resolve_backend
-from bik.ops._normaliser import bik_log_torch
-from bik.ops.sampling.noise import log_min_p, seed_int64
+from bik.ops.sampling.noise import seed_int64
 
 # Every backend module (triton.py, cuda.py, cpu.py) defines the row's entry point
-#   sample_rows(x [B, V], seed, position, temperature, top_k, top_p, log_min_p, max_top_k)
-#       -> (tokens int64 [B], logprobs fp32 [B])
-# for validated, contiguous per-row parameters (log_min_p from noise.log_min_p); x has unit
-# stride along V and any supported dtype. max_top_k: the caller's host bound on the rows'
-# top_k, or None; given, the backend reads nothing back from the device.
+#   sample_rows(x [B, V], seed, position, temperature, top_k, top_p, min_p, max_top_k,
+#               any_top_p) -> (tokens int64 [B], logprobs fp32 [B])
+# for validated, contiguous per-row parameters as the caller gave them (each backend applies
+# noise.greedy_limit and noise.log_min_p: the Triton kernels inside, as they load); x has unit
+# stride along V and any supported dtype. Host metadata: max_top_k, the caller's bound on the
+# rows' top_k, or None (given, the backend reads nothing back from the device); any_top_p,
+# False when no row has top_p < 1 (a backend may then skip the top-p search), or None.
 
 
 class SampleOutput(NamedTuple):
@@ -58,7 +58,8 @@ def _row_tensor(op: str, name: str, t, rows: int, dtypes: tuple, device) -> None
 
 
 def check_row_params(op: str, rows: int, vocab: int, device, seed, position, temperature, top_k,
-                  top_p, min_p, values: bool = True, max_top_k: int | None = None) -> None:
+                  top_p, min_p, values: bool = True, max_top_k: int | None = None,
+                  any_top_p: bool | None = None) -> None:
     """Check the per-row parameters of ``rows`` rows of a ``vocab``-token vocabulary (their
     dtypes, shapes and devices; with ``values``, their values, in one host sync); ValueError or
     TypeError naming ``op`` and the parameter."""
@@ -71,6 +72,8 @@ def check_row_params(op: str, rows: int, vocab: int, device, seed, position, tem
     if max_top_k is not None and (isinstance(max_top_k, bool) or max_top_k < 0):
         raise ValueError(f"{op}: max_top_k must be an int >= 0 (0: no row uses top-k), got "
                          f"{max_top_k!r}")
+    if any_top_p is not None and not isinstance(any_top_p, bool):
+        raise TypeError(f"{op}: any_top_p must be a bool or None, got {any_top_p!r}")
     if not values or rows == 0:
         return
     # One host sync: every value check at once.
@@ -81,11 +84,14 @@ def check_row_params(op: str, rows: int, vocab: int, device, seed, position, tem
         ~((top_p > 0) & (top_p <= 1)).all(),
         ~((min_p >= 0) & (min_p <= 1)).all(),
         (active_k > (max_top_k if max_top_k is not None else active_k)).any(),
+        (top_p < 1).any() & (any_top_p is False),
     ]).tolist()
     what = ("position must be >= 0", "temperature must be finite and >= 0 (0 = greedy)",
             "top_p must be in (0, 1]", "min_p must be in [0, 1]",
             (f"a row's top_k exceeds the host metadata max_top_k={max_top_k} "
-             f"(BIK_DEBUG_CHECKS found it)"))
+             f"(BIK_DEBUG_CHECKS found it)"),
+            ("a row has top_p < 1 but the host metadata says any_top_p=False "
+             "(BIK_DEBUG_CHECKS found it)"))
     for flag, msg in zip(bad, what):
         if flag:
             raise ValueError(f"{op}: {msg}")
@@ -103,37 +109,29 @@ def _check_sample(op, args, values: bool):
     if logits.shape[1] == 0:
         raise ValueError(f"{op}: logits {list(logits.shape)} has an empty vocabulary (V = 0)")
     check_row_params(op, logits.shape[0], logits.shape[1], logits.device, *_row_params(args),
-                     values, args.max_top_k)
+                     values, args.max_top_k, args.any_top_p)
     return args
 
 
 def _checks_values(max_top_k) -> bool:
     """Whether a call checks its parameter values (one host sync): unless the caller passed
-    host metadata (max_top_k) and vouches for them, or BIK_DEBUG_CHECKS asks anyway."""
+    host metadata (max_top_k; any_top_p alone reads nothing either way) and vouches for them,
+    or BIK_DEBUG_CHECKS asks anyway."""
     return max_top_k is None or debug_checks()
 
 
 # ---- the impls: each backend (triton, cpu, cuda) through the (op, backend) table ----------
 
-def greedy_limit(temperature: torch.Tensor) -> torch.Tensor:
-    """The contract's greedy limit: a temperature below SAMPLER_GREEDY_BELOW becomes 0, for every
-    backend (a device op: nothing read back)."""
-    return torch.where(temperature < SAMPLER_GREEDY_BELOW, 0.0, temperature)
-
-
-def _draw(sample_rows, logits, params, max_top_k):
+def _draw(sample_rows, logits, params, max_top_k, any_top_p):
     """Rows of ``logits`` drawn with their ``params`` (seed, position, ... in schema order)."""
-    seed, position, temperature, top_k, top_p, min_p = params
     x = logits
     if x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
-    return sample_rows(x, seed.contiguous(), position.contiguous(),
-                       greedy_limit(temperature).contiguous(), top_k.contiguous(),
-                       top_p.contiguous(), log_min_p(min_p).contiguous(), max_top_k)
+    return sample_rows(x, *(t.contiguous() for t in params), max_top_k, any_top_p)
 
 
 def _sample_rows(sample_rows, args):
-    return _draw(sample_rows, args.logits, _row_params(args), args.max_top_k)
+    return _draw(sample_rows, args.logits, _row_params(args), args.max_top_k, args.any_top_p)
 
 
 def _check_sample_call(op, args):
@@ -152,13 +150,14 @@ def _fake_sample(args):
 
 define("sample",
        "(Tensor logits, Tensor seed, Tensor position, Tensor temperature, Tensor top_k, "
-       "Tensor top_p, Tensor min_p, str backend, int? max_top_k=None) -> (Tensor, Tensor)",
+       "Tensor top_p, Tensor min_p, str backend, int? max_top_k=None, bool? any_top_p=None) "
+       "-> (Tensor, Tensor)",
        check=_check_sample_call, fake_check=_shapes_sample, run=_sample_rows,
        fake=_fake_sample)
 
 
 def check_verify(op, draft_tokens, num_drafts, logits, params, values=True, max_top_k=None,
-                 vocab: int | None = None):
+                 vocab: int | None = None, any_top_p: bool | None = None):
     """verify_draft's argument checks (``vocab``: the whole vocabulary when ``logits`` holds a
     shard of it; default its last dimension)."""
     check_tensor(op, "logits", logits, 3)
@@ -175,7 +174,8 @@ def check_verify(op, draft_tokens, num_drafts, logits, params, values=True, max_
                          f"draft_tokens {list(draft_tokens.shape)} [B, K]")
     _row_tensor(op, "num_drafts", num_drafts, rows, (torch.int32, torch.int64), logits.device)
     check_same_device(op, logits=logits, draft_tokens=draft_tokens)
-    check_row_params(op, rows, vocab, logits.device, *params, values=values, max_top_k=max_top_k)
+    check_row_params(op, rows, vocab, logits.device, *params, values=values, max_top_k=max_top_k,
+                     any_top_p=any_top_p)
     if values and rows > 0 and not ((num_drafts >= 0) & (num_drafts <= window - 1)).all():
         raise ValueError(f"{op}: num_drafts must be in [0, K] = [0, {window - 1}]; got "
                          f"{num_drafts.tolist()}")
@@ -183,7 +183,7 @@ def check_verify(op, draft_tokens, num_drafts, logits, params, values=True, max_
 
 def _check_verify_call(op, args):
     check_verify(op, args.draft_tokens, args.num_drafts, args.logits, _row_params(args),
-                 _checks_values(args.max_top_k), args.max_top_k)
+                 _checks_values(args.max_top_k), args.max_top_k, any_top_p=args.any_top_p)
     return args
 
 
@@ -197,7 +197,8 @@ def _run_verify(sample_rows, args):
     logits = args.logits
     rows, window, vocab = logits.shape
     tokens, logprobs = _draw(sample_rows, logits.reshape(rows * window, vocab),
-                             window_rows(_row_params(args), window), args.max_top_k)
+                             window_rows(_row_params(args), window), args.max_top_k,
+                             args.any_top_p)
     return accept_drafts(args.draft_tokens, args.num_drafts, tokens.reshape(rows, window),
                          logprobs.reshape(rows, window))
 
@@ -238,7 +239,7 @@ def _fake_verify(args):
 define("verify_draft",
        "(Tensor draft_tokens, Tensor num_drafts, Tensor logits, Tensor seed, Tensor position, "
        "Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, str backend, "
-       "int? max_top_k=None) -> (Tensor, Tensor, Tensor)",
+       "int? max_top_k=None, bool? any_top_p=None) -> (Tensor, Tensor, Tensor)",
        check=_check_verify_call, fake_check=_shapes_verify, run=_run_verify, fake=_fake_verify)
 
 
@@ -285,7 +286,7 @@ def row_params(op, rows, device, seed, position, temperature, top_k, top_p, min_
 
 @documented("sample")
 def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None, top_p=None,
-           min_p=None, max_top_k: int | None = None,
+           min_p=None, max_top_k: int | None = None, any_top_p: bool | None = None,
            backend: str | None = None) -> SampleOutput:
     """Draw one token per row by Gumbel-max, keyed by (seed, position, token id).
 
@@ -301,6 +302,10 @@ def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None
             top-k). Given, the op reads nothing back from the device (CUDA-graph safe) and
             trusts the parameters: their value checks (one host sync otherwise) are skipped
             unless BIK_DEBUG_CHECKS=1. A larger bound never changes a token.
+        any_top_p: host metadata, False when no row has top_p < 1: the GPU backends then
+            launch no top-p pass (4 launches for a temperature-only call on Triton). Not
+            checked unless the values are (a wrong False is caught by BIK_DEBUG_CHECKS=1);
+            None (default) or True never changes a token.
         backend: {backends}
 
     Returns:
@@ -315,21 +320,22 @@ def sample(logits: torch.Tensor, *, seed, position, temperature=None, top_k=None
     backend = resolve_backend("sample", backend, logits.device)
     params = row_params(op, logits.shape[0], logits.device, seed, position, temperature, top_k,
                      top_p, min_p)
-    return SampleOutput(*call("sample", logits, *params, backend, max_top_k))
+    return SampleOutput(*call("sample", logits, *params, backend, max_top_k, any_top_p))
 
 
 @documented("verify_draft")
 def verify_draft(draft_tokens: torch.Tensor, num_drafts, logits: torch.Tensor, *, seed,
                  position, temperature=None, top_k=None, top_p=None, min_p=None,
-                 max_top_k: int | None = None, backend: str | None = None) -> VerifyOutput:
+                 max_top_k: int | None = None, any_top_p: bool | None = None,
+                 backend: str | None = None) -> VerifyOutput:
     """Verify drafted tokens by Gumbel coupling (accept iff the draft equals the target's draw).
 
     Args:
         draft_tokens: [B, K] int; the first num_drafts[b] of row b are real.
         num_drafts: int or int [B] in [0, K].
         logits: [B, K+1, V], the target's logits for positions position[b] ... position[b] + K.
-        seed, position, temperature, top_k, top_p, min_p, max_top_k: as :func:`sample`, per
-            row (with max_top_k, num_drafts is not checked either).
+        seed, position, temperature, top_k, top_p, min_p, max_top_k, any_top_p: as
+            :func:`sample`, per row (with max_top_k, num_drafts is not checked either).
         backend: {backends}
 
     Returns:
@@ -349,4 +355,4 @@ def verify_draft(draft_tokens: torch.Tensor, num_drafts, logits: torch.Tensor, *
                               None)
     params = row_params(op, rows, logits.device, seed, position, temperature, top_k, top_p, min_p)
     return VerifyOutput(*call("verify_draft", draft_tokens, num_drafts, logits, *params,
-                              backend, max_top_k))
+                              backend, max_top_k, any_top_p))

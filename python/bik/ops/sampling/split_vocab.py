@@ -1,9 +1,10 @@
-"""The host side of the split-vocabulary GPU samplers (Triton and CUDA C++ share it).
+"""The host side of the split-vocabulary GPU samplers.
 
-The kernels return, per row, the max m, log of the kept mass, an invalid flag and each
-vocabulary split's winner; here the top-k threshold is found with exact operations before the
-launch, and the splits' winners are merged after it under (value desc, index asc), a total
-order, so any split gives the same token.
+Both GPU backends find the top-k threshold here, with exact operations before the launch
+(``topk_threshold``). The CUDA C++ kernels return, per row, the max m, log of the kept mass,
+an invalid flag and each vocabulary split's winner, and ``sample_split_vocab`` merges the
+splits' winners under (value desc, index asc), a total order, so any split gives the same
+token (the Triton sampler does the same merge in its finish kernel).
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import torch
 from bik.ops.sampling.noise import STREAM_SAMPLE
 
 
-def _topk_threshold(x: torch.Tensor, t_safe: torch.Tensor, greedy: torch.Tensor,
-                    top_k: torch.Tensor, max_top_k: int | None):
-    """(vk, ik) per row: the k-th token in the order (z desc, index asc); a token is kept iff
-    z > vk or (z == vk and index <= ik). Exact operations only (IEEE division, sorting,
-    counting), so the kept set is the CPU kernel's. Rows with top-k off keep everything.
+def topk_threshold(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   max_top_k: int | None):
+    """(vk, ik) per row for the greedy-limited ``temperature``: the k-th token in the order
+    (z desc, index asc); a token is kept iff z > vk or (z == vk and index <= ik). Exact
+    operations only (IEEE division, sorting, counting), so the kept set is the CPU kernel's.
+    Rows with top-k off keep everything.
 
     One ``topk`` of width ``max_top_k`` (the caller's host bound on the rows' top_k) serves
     every row, so nothing is read back; without the bound one host sync finds it."""
     rows, v = x.shape
+    greedy = temperature == 0
+    t_safe = torch.where(greedy, torch.ones_like(temperature), temperature)
     vk = torch.full((rows,), float("-inf"), dtype=torch.float32, device=x.device)
     ik = torch.full((rows,), v, dtype=torch.int32, device=x.device)
     on = (top_k > 0) & (top_k < v)
@@ -47,13 +51,13 @@ def sample_split_vocab(launch_sample: Callable, x: torch.Tensor, seed: torch.Ten
                        position: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                        top_p: torch.Tensor, log_min_p: torch.Tensor,
                        max_top_k: int | None = None):
-    """(tokens, logprobs) of bik::sample with a GPU ``launch_sample`` (the Triton or the CUDA
-    C++ one: same interface and outputs). Arguments as ``sample_rows`` receives them; with
-    ``max_top_k`` given, nothing is read back to the host."""
+    """(tokens, logprobs) of bik::sample with the CUDA C++ ``launch_sample``, for the
+    greedy-limited temperature and log_min_p (noise.py); with ``max_top_k`` given, nothing is
+    read back to the host."""
     rows = x.shape[0]
     greedy = temperature == 0
     t_safe = torch.where(greedy, torch.ones_like(temperature), temperature)
-    vk, ik = _topk_threshold(x, t_safe, greedy, top_k, max_top_k)
+    vk, ik = topk_threshold(x, temperature, top_k, max_top_k)
     key = torch.stack([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, position & 0xFFFFFFFF,
                        (position >> 32) & 0xFFFFFFFF,
                        torch.full_like(seed, STREAM_SAMPLE)], dim=1).contiguous()

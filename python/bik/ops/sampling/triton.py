@@ -37,12 +37,23 @@ import triton.language as tl
 from bik._arch import device_arch
 from bik.configs import sampler_chunks, sampling_config
 from bik.ops._normaliser_triton import NO_FUSION, bik_log
-from bik.ops.sampling.split_vocab import sample_split_vocab
-from bik.ops.sampling.triton_common import _chunks_per_tile, _kept_k, _tempered
-from bik.ops.sampling.triton_groups import finish_plain_rows, launch_group_mass, launch_group_max
+from bik.ops.sampling.noise import STREAM_SAMPLE, greedy_limit
+from bik.ops.sampling.split_vocab import topk_threshold
+from bik.ops.sampling.triton_common import (
+    INT32_MAX,
+    Workspace,
+    _chunks_per_tile,
+    _kept_k,
+    _tempered,
+    row_slots,
+    row_temperature,
+    row_topk,
+    topk_args,
+)
+from bik.ops.sampling.triton_groups import launch_group_mass, launch_group_max
 from bik.ops.sampling.triton_top_p import launch_top_p_stats
 
-INT32_MAX = tl.constexpr(2**31 - 1)
+STREAM = tl.constexpr(STREAM_SAMPLE)
 # The noise's exact extremes over all 2^23 u (fp32): a token with fl(z + G_MAX) < fl(m + G_MIN)
 # scores below the max token whatever the noise, so its noise need not be computed.
 G_MIN = tl.constexpr(-2.8115408420562744)
@@ -71,23 +82,24 @@ def unit_gumbel(bits):
 
 
 @triton.jit
-def gumbel_pick_kernel(x_ptr, stride_x, V, key_ptr, temp_ptr, vk_ptr, ik_ptr, vlo_ptr, m_ptr,
-                       part_val_ptr, part_idx_ptr, n_splits,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def gumbel_pick_kernel(x_ptr, stride_x, V, seed_ptr, pos_ptr, temp_ptr, vk_ptr, ik_ptr, ws_f, FW,
+                       ws_i, IW, G: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                       TOPK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     x_row = x_ptr + row * stride_x
-    temp = tl.load(temp_ptr + row)
-    vk = tl.load(vk_ptr + row)
-    ik = tl.load(ik_ptr + row)
-    v_lo = tl.load(vlo_ptr + row)
-    floor = tl.load(m_ptr + row) + G_MIN  # the max token's lowest possible score
+    _, _, m_slot, vlo_slot, _, part_val, _, _, part_idx = row_slots(ws_f, FW, ws_i, IW, row, G)
+    temp = row_temperature(temp_ptr, row)
+    vk, ik = row_topk(vk_ptr, ik_ptr, row, TOPK)
+    v_lo = tl.load(vlo_slot)
+    floor = tl.load(m_slot) + G_MIN  # the max token's lowest possible score
     # Philox key (seed lo, hi) and counter words 1..3 (position lo, hi, stream), uint32.
-    k0 = tl.load(key_ptr + row * 5).to(tl.uint32)
-    k1 = tl.load(key_ptr + row * 5 + 1).to(tl.uint32)
-    p_lo = tl.load(key_ptr + row * 5 + 2).to(tl.uint32)
-    p_hi = tl.load(key_ptr + row * 5 + 3).to(tl.uint32)
-    stream = tl.load(key_ptr + row * 5 + 4).to(tl.uint32)
+    seed = tl.load(seed_ptr + row)
+    pos = tl.load(pos_ptr + row)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    p_lo = (pos & 0xFFFFFFFF).to(tl.uint32)
+    p_hi = ((pos >> 32) & 0xFFFFFFFF).to(tl.uint32)
     cols = tl.arange(0, BLOCK)
     best_v = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_i = tl.full((BLOCK,), INT32_MAX, tl.int32)
@@ -102,8 +114,8 @@ def gumbel_pick_kernel(x_ptr, stride_x, V, key_ptr, temp_ptr, vk_ptr, ik_ptr, vl
         contender = keep & (z + G_MAX >= floor)
         if (temp > 0.0) & (tl.max(contender.to(tl.int32), axis=0) > 0):
             zero = tl.zeros((BLOCK,), tl.uint32)
-            bits, _, _, _ = philox4x32_10(offs.to(tl.uint32), zero + p_lo, zero + p_hi,
-                                          zero + stream, zero + k0, zero + k1)
+            bits, _w1, _w2, _w3 = philox4x32_10(offs.to(tl.uint32), zero + p_lo, zero + p_hi,
+                                          zero + STREAM, zero + k0, zero + k1)
             s = z + unit_gumbel(bits)
         s = tl.where(contender, s, float("-inf"))
         better = s > best_v  # chunks ascend, so ties keep the lower index per lane
@@ -111,46 +123,89 @@ def gumbel_pick_kernel(x_ptr, stride_x, V, key_ptr, temp_ptr, vk_ptr, ik_ptr, vl
         best_i = tl.where(better, offs, best_i)
     top = tl.max(best_v, axis=0)
     idx = tl.min(tl.where(best_v == top, best_i, INT32_MAX), axis=0)
-    tl.store(part_val_ptr + row * n_splits + split, top)
-    tl.store(part_idx_ptr + row * n_splits + split, idx)
+    tl.store(part_val + split, top)
+    tl.store(part_idx + split, idx)
 
 
-def launch_sample(logits: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor,
-                  vk: torch.Tensor, ik: torch.Tensor, top_p: torch.Tensor,
-                  log_min_p: torch.Tensor):
-    """Run the statistics kernels and the pick. logits [B, V] with unit stride along V; key
-    int64 [B, 5] (seed lo, seed hi, position lo, position hi, stream; each in [0, 2^32)); per-row fp32
-    temperature, top-k threshold (vk fp32, ik int32), top_p, log_min_p. Returns (m, log_s, bad,
-    part_val, part_idx) for the ops layer to merge."""
-    b, v = logits.shape
-    cfg = sampling_config(device_arch(logits.device))
-    dev = logits.device
-    m = torch.empty(b, dtype=torch.float32, device=dev)
-    v_lo = torch.empty(b, dtype=torch.float32, device=dev)
-    log_s = torch.empty(b, dtype=torch.float32, device=dev)
-    bad = torch.empty(b, dtype=torch.int32, device=dev)
-    n_splits = triton.cdiv(v, cfg.split)
-    part_val = torch.empty(b, n_splits, dtype=torch.float32, device=dev)
-    part_idx = torch.empty(b, n_splits, dtype=torch.int32, device=dev)
+@triton.jit
+def finish_kernel(x_ptr, stride_x, temp_ptr, top_p_ptr, ws_f, FW, ws_i, IW, tokens_ptr,
+                  logprobs_ptr, n_splits, G: tl.constexpr, SPLITS_P2: tl.constexpr,
+                  PLAIN: tl.constexpr):
+    """One program per row: the splits' winners merged under (value desc, index asc), the
+    group totals of a row without top-p folded ascending from +0 and bik_log'd (the top-p
+    search wrote its own log S), and the token's logprob (z - m) - log S, each an exactly
+    rounded fp32 op (no fusion): the bits of the CPU's sequence. Token -1 and NaN for an
+    invalid row."""
+    row = tl.program_id(0).to(tl.int64)
+    _, gtot, m_slot, _, logs_slot, part_val, _, bad_slot, part_idx = row_slots(
+        ws_f, FW, ws_i, IW, row, G)
+    lanes = tl.arange(0, SPLITS_P2)
+    vals = tl.load(part_val + lanes, mask=lanes < n_splits, other=float("-inf"))
+    idxs = tl.load(part_idx + lanes, mask=lanes < n_splits, other=INT32_MAX)
+    top = tl.max(vals, axis=0)
+    idx = tl.min(tl.where(vals == top, idxs, INT32_MAX), axis=0)
+    bad = tl.load(bad_slot) != 0
+    invalid = bad | (top == float("-inf"))
+    total = tl.full((), 0.0, tl.float32)
+    for g in tl.static_range(G):  # group totals ascending from +0
+        total = total + tl.load(gtot + g)
+    log_s = bik_log(tl.where(bad, 1.0, total))
+    if not PLAIN:
+        if tl.load(top_p_ptr + row) < 1.0:
+            log_s = tl.load(logs_slot)
+    temp = row_temperature(temp_ptr, row)
+    token = tl.where(invalid, 0, idx)
+    x_c = tl.load(x_ptr + row * stride_x + token).to(tl.float32)
+    z_c = tl.where(temp > 0.0, tl.math.div_rn(x_c, tl.where(temp > 0.0, temp, 1.0)), x_c)
+    logprob = (z_c - tl.load(m_slot)) - log_s
+    tl.store(tokens_ptr + row, tl.where(invalid, -1, idx).to(tl.int64))
+    tl.store(logprobs_ptr + row, tl.where(invalid, float("nan"), logprob))
+
+
+def launch_sample(x: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
+                  temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, max_top_k: int | None = None,
+                  any_top_p: bool | None = None):
+    """(tokens int64 [B], logprobs fp32 [B]) of x [B, V] (unit stride along V, any float
+    dtype, read in place) with the op's per-row parameters as the caller gave them (the greedy
+    limit and min-p's log are applied in the kernels). Host metadata: ``max_top_k`` (0: no top-k
+    row; None: one host sync finds it), ``any_top_p`` (False: no top-p row, the search is not
+    launched; None: launched, its programs return at once for rows without top-p). With
+    neither top-k nor top-p rows: 4 launches and 4 allocations, nothing else."""
+    b, v = x.shape
+    dev = x.device
+    tokens = torch.empty(b, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(b, dtype=torch.float32, device=dev)
     if b == 0:
-        return m, log_s, bad, part_val, part_idx
-    stride = logits.stride(0)
+        return tokens, logprobs
+    arch = device_arch(dev)
+    cfg = sampling_config(arch)
     groups, chunk = sampler_chunks(v)
-    nch = _chunks_per_tile(device_arch(logits.device), chunk)
-    shape = {"groups": groups, "num_warps": cfg.num_warps, "options": NO_FUSION}
-    gmax, gbad = launch_group_max(logits, temperature, vk, ik, block=cfg.block, **shape)
-    gtot = launch_group_mass(logits, temperature, vk, ik, top_p, log_min_p, gmax, gbad, m,
-                             v_lo, bad, chunk=chunk, nch=nch, **shape)
-    launch_top_p_stats(logits, temperature, vk, ik, top_p, log_min_p, gmax, gbad, m, v_lo,
-                       log_s, bad, chunk=chunk, nch=nch, **shape)
-    gumbel_pick_kernel[(b, n_splits)](logits, stride, v, key, temperature, vk, ik, v_lo, m,
-                                      part_val, part_idx, n_splits, SPLIT=cfg.split,
-                                      BLOCK=cfg.block, num_warps=cfg.num_warps, **NO_FUSION)
-    return m, finish_plain_rows(gtot, bad, top_p, log_s), bad, part_val, part_idx
+    nch = _chunks_per_tile(arch, chunk)
+    n_splits = triton.cdiv(v, cfg.split)
+    vk = ik = None
+    if max_top_k != 0:
+        vk, ik = topk_threshold(x, greedy_limit(temperature), top_k, max_top_k)
+    ws = Workspace.allocate(b, groups, n_splits, dev)
+    plain = any_top_p is False
+    shape = {"chunk": chunk, "nch": nch, "num_warps": cfg.num_warps, "options": NO_FUSION}
+    launch_group_max(x, temperature, vk, ik, ws, block=cfg.block, num_warps=cfg.num_warps,
+                     options=NO_FUSION)
+    launch_group_mass(x, temperature, vk, ik, top_p, min_p, ws, plain=plain, **shape)
+    if not plain:
+        launch_top_p_stats(x, temperature, vk, ik, top_p, min_p, ws, **shape)
+    gumbel_pick_kernel[(b, n_splits)](x, x.stride(0), v, seed, position, temperature,
+                                      *topk_args(vk, ik, ws), *ws.args(), G=groups,
+                                      SPLIT=cfg.split, BLOCK=cfg.block, TOPK=vk is not None,
+                                      num_warps=cfg.num_warps, **NO_FUSION)
+    finish_kernel[(b,)](x, x.stride(0), temperature, top_p, *ws.args(), tokens, logprobs,
+                        n_splits, G=groups, SPLITS_P2=triton.next_power_of_2(n_splits),
+                        PLAIN=plain, num_warps=1, **NO_FUSION)
+    return tokens, logprobs
 
 
-def sample_rows(x, seed, position, temperature, top_k, top_p, log_min_p,
-                max_top_k=None):
+def sample_rows(x, seed, position, temperature, top_k, top_p, min_p, max_top_k=None,
+                any_top_p=None):
     """The op's entry point on this backend (see bik/ops/sampling/op.py)."""
-    return sample_split_vocab(launch_sample, x, seed, position, temperature, top_k, top_p,
-                              log_min_p, max_top_k)
+    return launch_sample(x, seed, position, temperature, top_k, top_p, min_p, max_top_k,
+                         any_top_p)

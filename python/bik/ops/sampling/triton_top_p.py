@@ -42,10 +42,23 @@ import triton
 import triton.language as tl
 
 from bik.ops._normaliser_triton import bik_exp, bik_log, chunk_sums
-from bik.ops.sampling.triton_common import _from_key, _kept_k, _key, _tempered
+from bik.ops.sampling.triton_common import (
+    _from_key,
+    _kept_k,
+    _key,
+    _tempered,
+    row_log_min_p,
+    row_slots,
+    row_temperature,
+    row_topk,
+    topk_args,
+)
 
 TOP_P_LANES = 16  # thresholds probed per pass
 TOP_P_CANDIDATES = 256  # tokens of the bracket a split pass keeps for the candidates pass
+# Passes spread over (row, group) programs; a row that needs more finishes on one program
+# (real logits: 3-4 passes on SmolLM2's, bench/results; the bound below covers any row).
+TOP_P_SPREAD_PASSES = 4
 
 
 def _passes(lanes: int) -> int:
@@ -137,28 +150,21 @@ def _next_probes(cand_ptr, count_ptr, lo, hi, collect, G: tl.constexpr, LANES: t
     return tl.where(final != 0, picked, split), final
 
 
-@triton.jit(do_not_specialize=["it"])
-def top_p_pass_kernel(x_ptr, stride_x, V, GROUP_LEN, it, temp_ptr, vk_ptr, ik_ptr, top_p_ptr,
-                      log_min_p_ptr, gmax_ptr, gbad_ptr, probe_ptr, fstate_ptr, istate_ptr,
-                      gmass_ptr, cand_ptr, count_ptr, ticket_ptr, m_ptr, vlo_ptr, logs_ptr,
-                      bad_ptr, passes_ptr, G: tl.constexpr, CHUNK: tl.constexpr,
-                      LOG2_CHUNK: tl.constexpr, NCH: tl.constexpr, LANES: tl.constexpr,
-                      CANDIDATES: tl.constexpr):
-    """Pass ``it`` of a top-p row's search, one program per (row, normaliser group). Each
-    program probes its group and buffers its group's bracket tokens; the row's last program to
-    arrive (a ticket) folds the G group masses in ascending order, narrows the bracket, picks
-    the next probes and writes the row's state and results. A settled row returns at once."""
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    top_p = tl.load(top_p_ptr + row)
-    if top_p >= 1.0:  # triton_groups' group_mass_kernel takes rows without top-p
-        return
-    lanes = tl.arange(0, LANES)
-    m = tl.max(tl.load(gmax_ptr + row * G + tl.arange(0, G)), axis=0)
-    is_bad = (tl.max(tl.load(gbad_ptr + row * G + tl.arange(0, G)), axis=0) > 0) | (
-        m == float("-inf"))
+@triton.jit
+def _row_setup(row, top_p_ptr, min_p_ptr, ws_f, FW, ws_i, IW, G: tl.constexpr):
+    """(m_safe, is_bad, v_min_p) of a top-p row from its groups' maxima and flags."""
+    gmax, _, _, _, _, _, gbad, _, _ = row_slots(ws_f, FW, ws_i, IW, row, G)
+    m = tl.max(tl.load(gmax + tl.arange(0, G)), axis=0)
+    is_bad = (tl.max(tl.load(gbad + tl.arange(0, G)), axis=0) > 0) | (m == float("-inf"))
     m_safe = tl.where(is_bad, 0.0, m)
-    v_min_p = m_safe + tl.load(log_min_p_ptr + row)
+    return m_safe, is_bad, m_safe + row_log_min_p(min_p_ptr, row)
+
+
+@triton.jit
+def _pass_state(it, row, m_safe, v_min_p, probe_ptr, istate_ptr, LANES: tl.constexpr):
+    """(probes, lo, hi) of pass ``it``: pass 0's fixed grid over the whole key range, or what
+    the previous pass's decision stored."""
+    lanes = tl.arange(0, LANES)
     if it == 0:
         step = (lanes + 1).to(tl.float32)
         probes = tl.where(lanes < LANES - 2, m_safe - 0.45 * (step * step),
@@ -166,93 +172,176 @@ def top_p_pass_kernel(x_ptr, stride_x, V, GROUP_LEN, it, temp_ptr, vk_ptr, ik_pt
         lo = _key(tl.full((), float("-inf"), tl.float32))  # M(lo) >= target > M(hi)
         hi = _key(m_safe) + 1
     else:
-        probes = tl.load(probe_ptr + row * LANES + lanes)
-        lo = tl.load(istate_ptr + row * 3)
-        hi = tl.load(istate_ptr + row * 3 + 1)
+        probes = tl.load(probe_ptr + row * LANES + lanes, cache_modifier=".cg")
+        lo = tl.load(istate_ptr + row * 3, cache_modifier=".cg")
+        hi = tl.load(istate_ptr + row * 3 + 1, cache_modifier=".cg")
+    return probes, lo, hi
+
+
+@triton.jit
+def _probe_group(x_row, g0, GROUP_LEN, group_row, temp, vk, ik, m_safe, probes, lo, hi,
+                 collect, gmass_ptr, cand_ptr, count_ptr, LANES: tl.constexpr,
+                 CANDIDATES: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+                 NCH: tl.constexpr):
+    """The masses at the probes of the group from token g0 and its bracket tokens, stored for
+    the decision."""
+    masses_g, n_g = _group_probe_masses(
+        x_row, g0, g0 + GROUP_LEN, temp, vk, ik, m_safe, probes, _from_key(lo), _from_key(hi),
+        collect, cand_ptr + group_row * CANDIDATES, LANES, CANDIDATES, CHUNK, LOG2_CHUNK, NCH)
+    tl.store(gmass_ptr + group_row * LANES + tl.arange(0, LANES), masses_g)
+    tl.store(count_ptr + group_row, n_g)
+
+
+@triton.jit
+def _decide(it, row, top_p, m_safe, is_bad, v_min_p, probes, lo, hi, collect, probe_ptr,
+            fstate_ptr, istate_ptr, gmass_ptr, cand_ptr, count_ptr, m_out, vlo_out, logs_out,
+            bad_out, passes_ptr, G: tl.constexpr, LANES: tl.constexpr,
+            CANDIDATES: tl.constexpr):
+    """After pass ``it`` over every group of the row: fold the G group masses in ascending
+    order from +0, narrow the bracket, pick the next probes and store the row's state and its
+    results so far (final once the bracket is one key: no later pass runs)."""
+    lanes = tl.arange(0, LANES)
+    masses = tl.zeros((LANES,), tl.float32)
+    for k in range(G):  # group totals in ascending order from +0
+        masses = masses + tl.load(gmass_ptr + (row * G + k) * LANES + lanes,
+                                  cache_modifier=".cg")
+    if it == 0:
+        s_all = _lane(masses, lanes, LANES - 1, float("-inf"))  # M(-inf) = S
+        target = top_p * s_all
+        lo_mass = s_all
+        mass_min_p = _lane(masses, lanes, LANES - 2, float("-inf"))
+        final = tl.full((), 0, tl.int32)
+    else:
+        target = tl.load(fstate_ptr + row * 3, cache_modifier=".cg")
+        lo_mass = tl.load(fstate_ptr + row * 3 + 1, cache_modifier=".cg")
+        mass_min_p = tl.load(fstate_ptr + row * 3 + 2, cache_modifier=".cg")
+        final = tl.load(istate_ptr + row * 3 + 2, cache_modifier=".cg").to(tl.int32)
+    keys = _key(probes)
+    ok = masses >= target
+    new_lo = tl.maximum(lo, tl.max(tl.where(ok, keys, lo), axis=0))
+    lo_mass = tl.where(new_lo > lo,
+                       tl.max(tl.where(ok & (keys == new_lo), masses, 0.0), axis=0), lo_mass)
+    lo = new_lo
+    hi = tl.minimum(hi, tl.min(tl.where(ok, hi, keys), axis=0))
+    hi = tl.where(final != 0, lo + 1, hi)
+    probes, final = _next_probes(cand_ptr + row * G * CANDIDATES, count_ptr + row * G, lo, hi,
+                                 collect, G, LANES, CANDIDATES)
+    tl.store(probe_ptr + row * LANES + lanes, probes)
+    tl.store(istate_ptr + row * 3, lo)
+    tl.store(istate_ptr + row * 3 + 1, hi)
+    tl.store(istate_ptr + row * 3 + 2, final.to(tl.int64))
+    tl.store(fstate_ptr + row * 3, target)
+    tl.store(fstate_ptr + row * 3 + 1, lo_mass)
+    tl.store(fstate_ptr + row * 3 + 2, mass_min_p)
+    v_p = _from_key(lo)
+    # The logprob's normaliser over the finally kept tokens (>= 1: the max's term is 1).
+    norm = tl.where(v_p >= v_min_p, lo_mass, mass_min_p)
+    tl.store(m_out, m_safe)
+    tl.store(vlo_out, tl.maximum(v_p, v_min_p))
+    tl.store(logs_out, bik_log(tl.where(is_bad, 1.0, norm)))
+    tl.store(bad_out, is_bad.to(tl.int32))
+    tl.store(passes_ptr + row, it + 1)
+
+
+@triton.jit(do_not_specialize=["it"])
+def top_p_pass_kernel(x_ptr, stride_x, GROUP_LEN, it, temp_ptr, vk_ptr, ik_ptr, top_p_ptr,
+                      min_p_ptr, ws_f, FW, ws_i, IW, probe_ptr, fstate_ptr, istate_ptr,
+                      gmass_ptr, cand_ptr, count_ptr, ticket_ptr, passes_ptr,
+                      G: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+                      NCH: tl.constexpr, LANES: tl.constexpr, CANDIDATES: tl.constexpr,
+                      TOPK: tl.constexpr):
+    """Pass ``it`` of a top-p row's search, one program per (row, normaliser group). Each
+    program probes its group and buffers its group's bracket tokens; the row's last program to
+    arrive (a ticket) decides for the row (``_decide``). A settled row returns at once."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    top_p = tl.load(top_p_ptr + row)
+    if top_p >= 1.0:  # triton_groups' group_mass_kernel takes rows without top-p
+        return
+    m_safe, is_bad, v_min_p = _row_setup(row, top_p_ptr, min_p_ptr, ws_f, FW, ws_i, IW, G)
+    probes, lo, hi = _pass_state(it, row, m_safe, v_min_p, probe_ptr, istate_ptr, LANES)
     if lo + 1 >= hi:
         return
     collect = (it > 0) | (GROUP_LEN <= CANDIDATES)
-    g0 = g.to(tl.int64) * GROUP_LEN
-    group_row = row * G + g
-    masses_g, n_g = _group_probe_masses(
-        x_ptr + row * stride_x, g0, g0 + GROUP_LEN, tl.load(temp_ptr + row),
-        tl.load(vk_ptr + row), tl.load(ik_ptr + row), m_safe, probes, _from_key(lo),
-        _from_key(hi), collect, cand_ptr + group_row * CANDIDATES, LANES, CANDIDATES, CHUNK,
-        LOG2_CHUNK, NCH)
-    tl.store(gmass_ptr + group_row * LANES + lanes, masses_g)
-    tl.store(count_ptr + group_row, n_g)
+    vk, ik = row_topk(vk_ptr, ik_ptr, row, TOPK)
+    _probe_group(x_ptr + row * stride_x, g.to(tl.int64) * GROUP_LEN, GROUP_LEN, row * G + g,
+                 row_temperature(temp_ptr, row),
+                 vk, ik, m_safe, probes, lo, hi, collect, gmass_ptr, cand_ptr, count_ptr, LANES,
+                 CANDIDATES, CHUNK, LOG2_CHUNK, NCH)
     # Every thread's stores, then one release / acquire ticket per program: the row's last
     # program of this pass sees every group's masses and candidates.
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel", scope="gpu")
     if ticket == (it + 1) * G - 1:
         tl.debug_barrier()
-        masses = tl.zeros((LANES,), tl.float32)
-        for k in range(G):  # group totals in ascending order from +0
-            masses = masses + tl.load(gmass_ptr + (row * G + k) * LANES + lanes,
-                                      cache_modifier=".cg")
-        if it == 0:
-            s_all = _lane(masses, lanes, LANES - 1, float("-inf"))  # M(-inf) = S
-            target = top_p * s_all
-            lo_mass = s_all
-            mass_min_p = _lane(masses, lanes, LANES - 2, float("-inf"))
-            final = tl.full((), 0, tl.int32)
-        else:
-            target = tl.load(fstate_ptr + row * 3)
-            lo_mass = tl.load(fstate_ptr + row * 3 + 1)
-            mass_min_p = tl.load(fstate_ptr + row * 3 + 2)
-            final = tl.load(istate_ptr + row * 3 + 2).to(tl.int32)
-        keys = _key(probes)
-        ok = masses >= target
-        new_lo = tl.maximum(lo, tl.max(tl.where(ok, keys, lo), axis=0))
-        lo_mass = tl.where(new_lo > lo,
-                           tl.max(tl.where(ok & (keys == new_lo), masses, 0.0), axis=0),
-                           lo_mass)
-        lo = new_lo
-        hi = tl.minimum(hi, tl.min(tl.where(ok, hi, keys), axis=0))
-        hi = tl.where(final != 0, lo + 1, hi)
-        probes, final = _next_probes(cand_ptr + row * G * CANDIDATES, count_ptr + row * G, lo,
-                                     hi, collect, G, LANES, CANDIDATES)
-        tl.store(probe_ptr + row * LANES + lanes, probes)
-        tl.store(istate_ptr + row * 3, lo)
-        tl.store(istate_ptr + row * 3 + 1, hi)
-        tl.store(istate_ptr + row * 3 + 2, final.to(tl.int64))
-        tl.store(fstate_ptr + row * 3, target)
-        tl.store(fstate_ptr + row * 3 + 1, lo_mass)
-        tl.store(fstate_ptr + row * 3 + 2, mass_min_p)
-        # The results so far (final once the bracket is one key: no later pass runs).
-        v_p = _from_key(lo)
-        # The logprob's normaliser over the finally kept tokens (>= 1: the max's term is 1).
-        norm = tl.where(v_p >= v_min_p, lo_mass, mass_min_p)
-        tl.store(m_ptr + row, m_safe)
-        tl.store(vlo_ptr + row, tl.maximum(v_p, v_min_p))
-        tl.store(logs_ptr + row, bik_log(tl.where(is_bad, 1.0, norm)))
-        tl.store(bad_ptr + row, is_bad.to(tl.int32))
-        tl.store(passes_ptr + row, it + 1)
+        _, _, m_out, vlo_out, logs_out, _, _, bad_out, _ = row_slots(ws_f, FW, ws_i, IW, row, G)
+        _decide(it, row, top_p, m_safe, is_bad, v_min_p, probes, lo, hi, collect, probe_ptr,
+                fstate_ptr, istate_ptr, gmass_ptr, cand_ptr, count_ptr, m_out, vlo_out,
+                logs_out, bad_out, passes_ptr, G, LANES, CANDIDATES)
 
 
-def launch_top_p_stats(logits, temperature, vk, ik, top_p, log_min_p, gmax, gbad, m, v_lo,
-                       log_s, bad, *, groups: int, chunk: int, nch: int, num_warps: int,
-                       options: dict, passes: int = TOP_P_PASSES) -> torch.Tensor:
-    """``passes`` launches of the pass kernel over every (row, group) (rows without top-p and
-    settled rows return at once: no host sync, CUDA-graph safe), after triton_groups'
-    group_max_kernel wrote gmax / gbad for every row; m, v_lo, log_s and bad are written for
-    the top-p rows. Returns the probe passes each took (int32 [B]; 0 for the others), which
-    tests and benchmarks read."""
+@triton.jit(do_not_specialize=["first", "last"])
+def top_p_finish_kernel(x_ptr, stride_x, GROUP_LEN, first, last, temp_ptr, vk_ptr, ik_ptr,
+                        top_p_ptr, min_p_ptr, ws_f, FW, ws_i, IW, probe_ptr, fstate_ptr,
+                        istate_ptr, gmass_ptr, cand_ptr, count_ptr, passes_ptr,
+                        G: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+                        NCH: tl.constexpr, LANES: tl.constexpr, CANDIDATES: tl.constexpr,
+                        TOPK: tl.constexpr):
+    """Passes ``first`` .. ``last - 1`` of a row the spread passes left unsettled, one program
+    per row walking its G groups in turn: the same probes, sums and decisions as the pass
+    kernel (the groups' masses are folded in the same ascending order), so the same cut. A
+    settled row (every row of real logits after a few passes) returns at once."""
+    row = tl.program_id(0).to(tl.int64)
+    top_p = tl.load(top_p_ptr + row)
+    if top_p >= 1.0:
+        return
+    m_safe, is_bad, v_min_p = _row_setup(row, top_p_ptr, min_p_ptr, ws_f, FW, ws_i, IW, G)
+    _, _, m_out, vlo_out, logs_out, _, _, bad_out, _ = row_slots(ws_f, FW, ws_i, IW, row, G)
+    vk, ik = row_topk(vk_ptr, ik_ptr, row, TOPK)
+    temp = row_temperature(temp_ptr, row)
+    for it in range(first, last):
+        tl.debug_barrier()  # the previous decision's stores, seen by every thread
+        probes, lo, hi = _pass_state(it, row, m_safe, v_min_p, probe_ptr, istate_ptr, LANES)
+        if lo + 1 < hi:
+            for g in range(G):
+                _probe_group(x_ptr + row * stride_x, g * GROUP_LEN, GROUP_LEN, row * G + g,
+                             temp, vk, ik, m_safe, probes, lo, hi, True, gmass_ptr, cand_ptr,
+                             count_ptr, LANES, CANDIDATES, CHUNK, LOG2_CHUNK, NCH)
+            tl.debug_barrier()
+            _decide(it, row, top_p, m_safe, is_bad, v_min_p, probes, lo, hi, True, probe_ptr,
+                    fstate_ptr, istate_ptr, gmass_ptr, cand_ptr, count_ptr, m_out, vlo_out,
+                    logs_out, bad_out, passes_ptr, G, LANES, CANDIDATES)
+
+
+def launch_top_p_stats(logits, temperature, vk, ik, top_p, min_p, ws, *, chunk: int, nch: int,
+                       num_warps: int, options: dict, passes: int = TOP_P_PASSES,
+                       spread: int = TOP_P_SPREAD_PASSES) -> torch.Tensor:
+    """The search for every top-p row, after triton_groups' group_max_kernel filled the
+    workspace ``ws`` with each group's max and flag: ``spread`` launches of the pass kernel
+    over every (row, group), then one launch of the finish kernel (one program per row) for
+    the passes up to ``passes`` that a row still needs. Rows without top-p and settled rows
+    return at once: no host sync, CUDA-graph safe. m, v_lo, log_s and bad are written into
+    ``ws`` for the top-p rows. Returns the passes each took (int32 [B]; 0 for the others),
+    which tests and benchmarks read."""
     b, v = logits.shape
+    g = ws.groups
     dev = logits.device
     probes = torch.empty(b, TOP_P_LANES, dtype=torch.float32, device=dev)
     fstate = torch.empty(b, 3, dtype=torch.float32, device=dev)
     istate = torch.empty(b, 3, dtype=torch.int64, device=dev)
-    gmass = torch.empty(b, groups, TOP_P_LANES, dtype=torch.float32, device=dev)
-    cand = torch.empty(b, groups, TOP_P_CANDIDATES, dtype=torch.float32, device=dev)
-    count = torch.zeros(b, groups, dtype=torch.int32, device=dev)
+    gmass = torch.empty(b, g, TOP_P_LANES, dtype=torch.float32, device=dev)
+    cand = torch.empty(b, g, TOP_P_CANDIDATES, dtype=torch.float32, device=dev)
+    count = torch.zeros(b, g, dtype=torch.int32, device=dev)
     tickets = torch.zeros(b, dtype=torch.int32, device=dev)
     taken = torch.zeros(b, dtype=torch.int32, device=dev)
-    for it in range(passes):
-        top_p_pass_kernel[(b, groups)](
-            logits, logits.stride(0), v, v // groups, it, temperature, vk, ik, top_p, log_min_p,
-            gmax, gbad, probes, fstate, istate, gmass, cand, count, tickets, m, v_lo, log_s, bad,
-            taken, G=groups, CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, NCH=nch,
-            LANES=TOP_P_LANES, CANDIDATES=TOP_P_CANDIDATES, num_warps=num_warps, **options)
+    common = (logits, logits.stride(0), v // g)
+    row_args = (temperature, *topk_args(vk, ik, ws), top_p, min_p, *ws.args(), probes, fstate,
+                istate, gmass, cand, count)
+    consts = {"G": g, "CHUNK": chunk, "LOG2_CHUNK": chunk.bit_length() - 1, "NCH": nch,
+              "LANES": TOP_P_LANES, "CANDIDATES": TOP_P_CANDIDATES, "TOPK": vk is not None,
+              "num_warps": num_warps, **options}
+    for it in range(min(spread, passes)):
+        top_p_pass_kernel[(b, g)](*common, it, *row_args, tickets, taken, **consts)
+    if passes > spread:
+        top_p_finish_kernel[(b,)](*common, spread, passes, *row_args, taken, **consts)
     return taken
