@@ -110,6 +110,50 @@ def test_hopper_matmul_pipelines(records):
     assert big and all(r.shared >= 3 * (128 + 128) * 64 * 2 for r in big)
 
 
+def test_matmul_runs_one_pipelined_k_loop_per_tile(records):
+    """Every matmul mode walks a tile's K in one loop (its TTGIR holds one scf.for with the dot,
+    tools/triton_compile.dot_loops), splits included: FOLD and PERSISTENT fold each split's
+    partial where it ends instead of draining the pipeline and refilling it per split (a loop
+    per split counts two). The pointer kernels keep async copies in flight while the dot waits
+    wherever K is 16-aligned (unaligned K loads element by element)."""
+    mm = [r for r in records if r.kernel in ("matmul_kernel", "matmul_tma_kernel")]
+    assert any(r.config["MULTI_SPLIT"] for r in mm)
+    many = [(r.kernel, r.config, r.dot_loops) for r in mm if len(r.dot_loops) != 1]
+    assert not many, many
+    stalled = [(r.config, r.dot_loops) for r in mm if r.kernel == "matmul_kernel"
+               and r.config["shape"]["K"] % 16 == 0 and r.dot_loops[0] < 1]
+    assert not stalled, stalled
+
+
+def test_dot_loops_counts_a_loop_per_split():
+    """The control: a loop per split inside a loop over splits (today's SPREAD-free FOLD before
+    it was one loop) reads as two dot loops, each waiting with its copies drained to 1."""
+    from triton_compile import dot_loops
+
+    ttgir = """
+    %0 = scf.for %k = %a to %b step %c iter_args(%acc = %z) -> (t) : i32 {
+      %w = ttg.async_wait %x {num = 1 : i32}
+      %d = ttng.warp_group_dot %p, %q, %acc
+      scf.yield %d
+    }
+    %1 = scf.for %s = %a to %b step %c iter_args(%t = %0) -> (t) : i32 {
+      %2 = scf.for %k = %a to %b step %c iter_args(%acc = %z) -> (t) : i32 {
+        %w = ttg.async_wait %x {num = 1 : i32}
+        %d = ttng.warp_group_dot %p, %q, %acc
+        %e = scf.if %f -> (t) {
+          scf.yield %d
+        } else {
+          scf.yield %acc
+        }
+        scf.yield %e
+      }
+      %w0 = ttg.async_wait {num = 0 : i32}
+      scf.yield %2
+    }
+    """
+    assert dot_loops(ttgir) == (1, 1)
+
+
 def test_attention_runs_two_ctas_per_sm(records):
     """Decode attention fills the GPU only with several CTAs per SM: every attention config
     (head_dim 64 and 128, Llama GQA ratios, paged and contiguous, FOLD and SPLIT with its fused

@@ -64,6 +64,9 @@ class CompileRecord(NamedTuple):
     spill_loads: int
     mma: tuple[str, ...] = ()  # the distinct tensor-core instructions in the PTX
     tma: bool = False  # the PTX loads through TMA (cp.async.bulk.tensor)
+    # Per scf.for loop of the TTGIR that holds a dot: the fewest async copies its waits leave
+    # in flight (-1: no wait inside). One entry per pipelined K loop of a tile.
+    dot_loops: tuple[int, ...] = ()
 
 
     @property
@@ -173,7 +176,37 @@ def compile_kernel(kernel, args: dict, constexprs: dict, *, arch: int, num_warps
     return CompileRecord(kernel.__name__, arch, config, compiled.metadata.shared,
                          SHARED_LIMIT[arch], regs, stack, local, spill_st, spill_ld,
                          mma_instructions(compiled.asm["ptx"]),
-                         "cp.async.bulk.tensor" in compiled.asm["ptx"])
+                         "cp.async.bulk.tensor" in compiled.asm["ptx"],
+                         dot_loops(compiled.asm["ttgir"]))
+
+
+_DOT = re.compile(r"\b(ttng\.warp_group_dot|tt\.dot|ttng\.tc_gen5_mma)\b")
+_WAIT = re.compile(r"ttg\.async_wait\b.*\{num = (\d+)")
+
+
+def dot_loops(ttgir: str) -> tuple[int, ...]:
+    """For each scf.for of ``ttgir`` whose own body (not a nested loop's) holds a dot: the
+    smallest ``num`` of the async waits in that body (the copies left in flight while the dot
+    waits), or -1 without one. A K loop pipelined across a tile is one entry; a loop per K
+    split nested in a loop over splits is two (the first split's and the loop's)."""
+    stack: list[int | None] = []  # innermost region last: a loop's index, or None
+    with_dot: set[int] = set()
+    in_flight: dict[int, int] = {}
+    loops = 0
+    for line in ttgir.splitlines():
+        text = line.strip()
+        if text.startswith("}"):
+            stack.pop()
+        loop = next((i for i in reversed(stack) if i is not None), None)
+        if loop is not None and _DOT.search(text):
+            with_dot.add(loop)
+        wait = _WAIT.search(text)
+        if loop is not None and wait:
+            in_flight[loop] = min(in_flight.get(loop, 1 << 30), int(wait.group(1)))
+        if text.endswith("{"):
+            stack.append(loops if "scf.for" in text and not text.startswith("}") else None)
+            loops += "scf.for" in text and not text.startswith("}")
+    return tuple(in_flight.get(i, -1) for i in sorted(with_dot))
 
 
 def _code_of(ptx: str) -> str:

@@ -196,6 +196,12 @@ def test_triton_spread_equals_fold_at_every_m(target, small_splits, k):
                                        name=f"triton spread={spread} K={k}")
         assert report.ok, report.summary()
     assert same_bits(run(pool, True), run(pool, False))
+    # FOLD's one K loop with splits that do not end on BLOCK_K steps (40 = 16 + 16 + 8): the
+    # split's short last step, then the next split's first, as SPREAD's loop per split.
+    odd = [torch.empty(1, 33, 40) for _ in range(2)]
+    for out, spread in zip(odd, (True, False)):
+        triton_matmul.launch_matmul(pool[None], w.t()[None], bias, out, split=40, spread=spread)
+    assert same_bits(odd[0], odd[1])
     if k == 100:
         # The splits are real: one split over all of K gives other bits. (At K = 64 each split
         # is one BLOCK_K step, and the interpreter's dot adds its step sum to acc, so there

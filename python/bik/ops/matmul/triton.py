@@ -9,12 +9,13 @@ rounding. Inside a split the order is fixed by (BLOCK_K, the dot instruction) â€
 valid row or BLOCK_M. Rows beyond M are masked to zero on load and never stored, so no index
 wraps around (the failure mode of kernels that take ``offs % M``).
 
-Three launch modes, one split loop (bik/ops/matmul/schedule.py): FOLD (grid axis 1 = 1; the
-program runs its splits in order) and SPREAD (grid axis 1 = the split; fp32 partials to a
-workspace, ``matmul_fold_kernel`` folds them in order) load tiles through pointers;
-PERSISTENT (``matmul_tma_kernel``, Hopper, large M) keeps one program per SM looping over
-output tiles, loads A and B through TMA tensor descriptors and folds each tile's splits as FOLD
-does. TMA fills out-of-bounds elements with zeros, which is what the pointer kernels' masks
+Three launch modes, one split order (bik/ops/matmul/schedule.py): FOLD (grid axis 1 = 1; the
+program runs its splits in order, in one K loop that folds each split's partial where it ends
+and restarts the accumulator from zero, ``_splits_dot``: the loads stay in flight across split
+boundaries) and SPREAD (grid axis 1 = the split, ``_split_dot``; fp32 partials to a workspace,
+``matmul_fold_kernel`` folds them in order) load tiles through pointers; PERSISTENT
+(``matmul_tma_kernel``, Hopper, large M) keeps one program per SM looping over output tiles,
+loads A and B through TMA tensor descriptors and folds each tile's splits as FOLD does. TMA fills out-of-bounds elements with zeros, which is what the pointer kernels' masks
 load, the k steps are the same BLOCK_K steps from each split's start, and the dot is the same
 instruction (checked on the PTX for every mode): same bits by construction.
 """
@@ -49,6 +50,37 @@ def _split_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, lo, hi, stride_ak, stride
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc
+
+
+@triton.jit
+def _splits_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, K, SPLIT, stride_ak, stride_bk,
+                INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """Every split of [0, K) folded, in one K loop: step i is split s = i // steps' j-th
+    BLOCK_K step, acc = dot(a, b, acc) from a zero accumulator as in _split_dot; where a
+    split ends the partial enters the total (t = p_0; t = t + p_s, s ascending) and acc
+    restarts from zero. The same dots and adds in the same order as a _split_dot per split,
+    but the loads run ahead across split boundaries: one pipelined loop per tile, not a
+    prologue and a drain per split."""
+    steps = tl.cdiv(SPLIT, BLOCK_K)
+    last = tl.cdiv(K, SPLIT) - 1
+    n_steps = last * steps + tl.cdiv(K - last * SPLIT, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, n_steps):
+        s = i // steps
+        start = s * SPLIT
+        k0 = start + (i - s * steps) * BLOCK_K
+        hi = tl.minimum(start + SPLIT, K)
+        mask_k = (offs_k + k0) < hi
+        k64 = tl.cast(k0, tl.int64)  # k0 * stride may pass 2**31 elements
+        a = tl.load(a_ptrs + k64 * stride_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs + k64 * stride_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if k0 + BLOCK_K >= hi:  # split s ends: fold its partial, restart from zero
+            total = tl.where(s == 0, acc, total + acc)  # p_0 itself: -0.0 stays -0.0
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return total
 
 
 @triton.jit
@@ -96,21 +128,21 @@ def matmul_kernel(
 
     # SPREAD: this program's split. FOLD: axis 1 has one program, so s = 0, the first split
     # (a runtime 0, so every caller of _split_dot hands it the same kind of bounds).
-    s = tl.program_id(1)
-    lo = s * SPLIT
-    part = _split_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, lo, tl.minimum(lo + SPLIT, K),
-                      stride_ak, stride_bk, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if SPREAD:
+        s = tl.program_id(1)
+        lo = s * SPLIT
+        part = _split_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, lo, tl.minimum(lo + SPLIT, K),
+                          stride_ak, stride_bk, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         # Workspace fp32 [batch, n_splits, M, N], contiguous.
         row = (batch * tl.num_programs(1) + s) * M + offs_m
         tl.store(ws_ptr + row[:, None] * N + offs_n[None, :], part, mask=mask_c)
     else:
-        total = part  # t = p_0 itself (no 0 + p_0, which would turn -0.0 into +0.0)
         if MULTI_SPLIT:
-            for lo_s in range(SPLIT, K, SPLIT):  # t = t + p_s, s ascending
-                total = total + _split_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, lo_s,
-                                           tl.minimum(lo_s + SPLIT, K), stride_ak, stride_bk,
-                                           INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+            total = _splits_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, K, SPLIT, stride_ak,
+                                stride_bk, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:  # FOLD's one split: t = p_0 itself
+            total = _split_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, 0, K, stride_ak,
+                               stride_bk, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             total = total + bias[None, :]
@@ -166,6 +198,29 @@ def _tma_split_dot(a_desc, b_desc, off_m, off_n, lo, hi, B_NK: tl.constexpr,
     return acc
 
 
+@triton.jit
+def _tma_splits_dot(a_desc, b_desc, off_m, off_n, K, SPLIT, B_NK: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_splits_dot with TMA loads (splits end on BLOCK_K boundaries: step i starts at
+    i * BLOCK_K, and split s ends at its last step): every split folded in one K loop."""
+    steps = SPLIT // BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = i * BLOCK_K
+        a = a_desc.load([off_m, k0])
+        if B_NK:
+            b = b_desc.load([off_n, k0]).T
+        else:
+            b = b_desc.load([k0, off_n])
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if ((i + 1) % steps == 0) | (k0 + BLOCK_K >= K):  # split i // steps ends
+            total = tl.where(i < steps, acc, total + acc)  # p_0 itself: -0.0 stays -0.0
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return total
+
+
 @triton.jit(do_not_specialize=["M", "num_programs"])
 def matmul_tma_kernel(
     a_desc, b_desc, bias_ptr, c_ptr,
@@ -186,13 +241,12 @@ def matmul_tma_kernel(
         pid_m, pid_n = _tile_of(pid, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        total = _tma_split_dot(a_desc, b_desc, off_m, off_n, 0, tl.minimum(SPLIT, K), B_NK,
-                               INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         if MULTI_SPLIT:
-            for lo_s in range(SPLIT, K, SPLIT):  # t = t + p_s, s ascending
-                total = total + _tma_split_dot(a_desc, b_desc, off_m, off_n, lo_s,
-                                               tl.minimum(lo_s + SPLIT, K), B_NK,
-                                               INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+            total = _tma_splits_dot(a_desc, b_desc, off_m, off_n, K, SPLIT, B_NK,
+                                    INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            total = _tma_split_dot(a_desc, b_desc, off_m, off_n, 0, K, B_NK, INPUT_PRECISION,
+                                   BLOCK_M, BLOCK_N, BLOCK_K)
         offs_m = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
         offs_n = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
