@@ -125,6 +125,18 @@ def test_matmul_runs_one_pipelined_k_loop_per_tile(records):
     assert not stalled, stalled
 
 
+def test_attention_keeps_the_next_key_block_in_flight(records):
+    """Every attention config walks its keys in one loop across its splits, and the loop's wait
+    leaves the next block's K and V copies pending (>= 2 copies in flight) while a block is
+    computed: the contiguous cache's base is loaded before the loop and a paged cache's
+    page-table entries a block ahead, so no K / V address waits on a load of its own
+    iteration (before: a wait to zero at the top of every block)."""
+    att = [(r.config, r.dot_loops) for r in records if r.kernel == "attention_kernel"]
+    assert att and {c["PAGED"] for c, _ in att} == {True, False}
+    stalled = [(c, loops) for c, loops in att if len(loops) != 1 or loops[0] < 2]
+    assert not stalled, stalled
+
+
 def test_dot_loops_counts_a_loop_per_split():
     """The control: a loop per split inside a loop over splits (today's SPREAD-free FOLD before
     it was one loop) reads as two dot loops, each waiting with its copies drained to 1."""

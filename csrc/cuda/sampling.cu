@@ -221,13 +221,24 @@ __device__ void group_max(const typename T::storage* x, i64 sx, i64 group_len,
   }
 }
 
+// A row's results: its max, cut, log of the kept mass (norm >= 1: the max token's term is 1)
+// and invalid flag.
+__device__ void write_row_stats(i64 row, float m_safe, float v_lo, float norm, bool is_bad,
+                                float* m_out, float* vlo_out, float* logs_out, i32* bad_out) {
+  m_out[row] = m_safe;
+  vlo_out[row] = v_lo;
+  logs_out[row] = bik_log(is_bad ? 1.0f : norm);
+  bad_out[row] = is_bad ? 1 : 0;
+}
+
 // Pass `it` of the row statistics, one block per (row, normaliser group g), grid (rows, G).
 // Each block sums its group in the contract's order: a row without top-p (pass 0 only) its mass
 // at min-p's bound; a top-p row the masses at the search's kProbeLanes probes, collecting its
 // group's bracket tokens (sampling.cuh cut_step). Then a ticket per row (atomicAdd after
 // __threadfence); the row's last block of the pass folds the G group masses in ascending order
 // from +0 -- the contract's fold of group totals, so the single-block sums -- steps the search
-// (state kept in global memory between launches) and writes the row's results. A settled row
+// (state kept in global memory between launches; the scan of the G x 256 buffered candidates
+// spread over its threads, not one) and writes the row's results. A settled row
 // returns at once, so kTopPPasses launches serve every row without a host sync.
 template <class T>
 __device__ void sample_pass(const typename T::storage* x, i64 sx, i64 group_len, int it,
@@ -283,28 +294,49 @@ __device__ void sample_pass(const typename T::storage* x, i64 sx, i64 group_len,
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(&tickets[row], 1) == (it + 1) * int(groups) - 1;
   __syncthreads();
-  if (!last || threadIdx.x != 0) return;
+  if (!last) return;
   __threadfence();
-  float total[kProbeLanes];
-  for (int k = 0; k < kProbeLanes; ++k) total[k] = 0.0f;
-  for (i64 q = 0; q < groups; ++q)  // group totals in ascending order from +0
-    for (int k = 0; k < kProbeLanes; ++k)
-      total[k] = add_rn(total[k], __ldcg(gmass + (row * groups + q) * kProbeLanes + k));
-  float v_lo, norm;
-  if (plain) {
-    v_lo = v_m;
-    norm = total[0];
-  } else {
-    // cut_step reads the other blocks' candidates and counts past L1 (read_cg).
-    cut_step(st, it, top_p, total, collect, cand + row * groups * kTopPCandidates,
-             counts + row * groups, int(groups));
-    state[row] = st;
-    cut_result(st, v_m, v_lo, norm);
+  __shared__ CutState decided;
+  if (threadIdx.x == 0) {
+    float total[kProbeLanes];
+    for (int k = 0; k < kProbeLanes; ++k) total[k] = 0.0f;
+    for (i64 q = 0; q < groups; ++q)  // group totals in ascending order from +0
+      for (int k = 0; k < kProbeLanes; ++k)
+        total[k] = add_rn(total[k], __ldcg(gmass + (row * groups + q) * kProbeLanes + k));
+    if (plain) {
+      write_row_stats(row, m_safe, v_m, total[0], is_bad, m_out, vlo_out, logs_out, bad_out);
+    } else {
+      cut_narrow(st, it, top_p, total);
+      decided = st;
+    }
   }
-  m_out[row] = m_safe;
-  vlo_out[row] = v_lo;
-  logs_out[row] = bik_log(is_bad ? 1.0f : norm);  // norm >= 1: the max token's term is 1
-  bad_out[row] = is_bad ? 1 : 0;
+  if (plain) return;  // the whole block: plain is the row's
+  __syncthreads();
+  // The candidate scan over every buffer of the row, spread over the block (a thread per
+  // slot); cut_next turns its result into the next probes (sampling.cuh).
+  __shared__ int inside, held;
+  __shared__ float picked[kProbeLanes];
+  if (threadIdx.x == 0) inside = 0, held = 1;
+  __syncthreads();
+  const float lo_v = from_order_key(decided.lo), hi_v = from_order_key(decided.hi);
+  const float* row_cand = cand + row * groups * kTopPCandidates;
+  for (i64 i = threadIdx.x; i < groups * kTopPCandidates; i += blockDim.x) {
+    const i64 count = read_cg(counts + row * groups + i / kTopPCandidates);
+    if (i % kTopPCandidates == 0 && count > kTopPCandidates) held = 0;  // every writer: 0
+    if (i % kTopPCandidates >= count) continue;
+    const float c = read_cg(row_cand + i);
+    if (!(c >= lo_v && c < hi_v)) continue;
+    const int at = atomicAdd(&inside, 1);
+    if (at < kProbeLanes) picked[at] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  st = decided;
+  cut_next(st, collect, held != 0, inside, picked);
+  state[row] = st;
+  float v_lo, norm;
+  cut_result(st, v_m, v_lo, norm);
+  write_row_stats(row, m_safe, v_lo, norm, is_bad, m_out, vlo_out, logs_out, bad_out);
 }
 
 constexpr i32 kNoIndex = 0x7FFFFFFF;

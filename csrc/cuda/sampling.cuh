@@ -222,13 +222,8 @@ BIK_HD bool cut_open(const CutState& st) { return st.lo + 1 < st.hi; }
 // share (group_len tokens each) of pass 0's bracket, the whole row.
 BIK_HD bool cut_collects(int it, i64 share) { return it > 0 || share <= kTopPCandidates; }
 
-// After pass it: masses[k] = M(probes[k]); the pass collected (when collect) the bracket's kept
-// finite tokens into `buffers` buffers, buffer b holding counts[b] of them, its first
-// kTopPCandidates at cand + b * kTopPCandidates (any order: the set matters; on the device
-// other blocks wrote them, so they are read past L1). Narrows the bracket and chooses the next
-// probes.
-BIK_HD void cut_step(CutState& st, int it, float top_p, const float (&masses)[kProbeLanes],
-                     bool collect, const float* cand, const i64* counts, int buffers) {
+// After pass it, masses[k] = M(probes[k]): narrow the bracket (the first half of cut_step).
+BIK_HD void cut_narrow(CutState& st, int it, float top_p, const float (&masses)[kProbeLanes]) {
   if (it == 0) {
     st.target = mul_rn(top_p, masses[kProbeLanes - 1]);
     st.lo_mass = masses[kProbeLanes - 1];  // M(-inf) = S
@@ -247,39 +242,52 @@ BIK_HD void cut_step(CutState& st, int it, float top_p, const float (&masses)[kP
     }
   }
   if (st.final) st.hi = st.lo + 1;
+}
+
+// The second half: the next probes from the scan of the narrowed bracket's candidates. held:
+// every buffer held its whole share; inside: the candidates in [lo, hi); picked[0 ..
+// min(inside, kProbeLanes)): those candidates in any order (the probes are a set: the bracket
+// update takes the largest key whose mass reaches the target and the smallest below it, and
+// equal values have equal masses). When they are all there, they are the probes and the next
+// pass ends the search; else keys evenly through [lo, hi).
+BIK_HD void cut_next(CutState& st, bool collect, bool held, i64 inside, const float* picked) {
+  st.final = collect && held && inside <= kProbeLanes ? 1 : 0;
+  const float lo_v = from_order_key(st.lo);
+  for (int k = 0; k < kProbeLanes; ++k) {
+    if (st.final)  // -0 becomes +0 (the bisection's largest key)
+      st.probes[k] = k < inside ? add_rn(picked[k], 0.0f) : lo_v;
+    else
+      st.probes[k] = from_order_key(st.lo + (st.hi - st.lo) * (k + 1) / (kProbeLanes + 1));
+  }
+}
+
+// One thread's whole step (the host emulation's row_cut): the pass collected (when collect) the
+// bracket's kept finite tokens into `buffers` buffers, buffer b holding counts[b] of them, its
+// first kTopPCandidates at cand + b * kTopPCandidates (any order: the set matters; on the device
+// other blocks wrote them, so they are read past L1). The CUDA pass kernel runs cut_narrow and
+// cut_next around a scan spread over its block (sampling.cu decide_block).
+BIK_HD void cut_step(CutState& st, int it, float top_p, const float (&masses)[kProbeLanes],
+                     bool collect, const float* cand, const i64* counts, int buffers) {
+  cut_narrow(st, it, top_p, masses);
   const float lo_v = from_order_key(st.lo), hi_v = from_order_key(st.hi);
-  auto in_bracket = [=](float c) { return c >= lo_v && c < hi_v; };
   bool held = true;
   i64 inside = 0;
+  float picked[kProbeLanes];
   for (int b = 0; b < buffers; ++b) {
     const i64 count = read_cg(counts + b);
     held = held && count <= kTopPCandidates;
     const i64 stored = count < kTopPCandidates ? count : kTopPCandidates;
-    for (i64 i = 0; i < stored; ++i)
-      inside += in_bracket(read_cg(cand + b * kTopPCandidates + i)) ? 1 : 0;
-  }
-  st.final = collect && held && inside <= kProbeLanes ? 1 : 0;
-  if (st.final) {  // probe k: the bracket's k-th candidate (constant indices: registers)
-    for (int k = 0; k < kProbeLanes; ++k) st.probes[k] = lo_v;
-    int rank = 0;
-    for (int b = 0; b < buffers; ++b) {
-      const i64 count = read_cg(counts + b);
-      const i64 stored = count < kTopPCandidates ? count : kTopPCandidates;
-      for (i64 i = 0; i < stored; ++i) {
-        const float c_i = read_cg(cand + b * kTopPCandidates + i);
-        if (!in_bracket(c_i)) continue;
-        const float c = add_rn(c_i, 0.0f);  // -0 becomes +0 (the bisection's largest key)
+    for (i64 i = 0; i < stored; ++i) {
+      const float c = read_cg(cand + b * kTopPCandidates + i);
+      if (!(c >= lo_v && c < hi_v)) continue;
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-        for (int k = 0; k < kProbeLanes; ++k) st.probes[k] = rank == k ? c : st.probes[k];
-        ++rank;
-      }
+      for (int k = 0; k < kProbeLanes; ++k) picked[k] = inside == k ? c : picked[k];
+      ++inside;
     }
-  } else {
-    for (int k = 0; k < kProbeLanes; ++k)
-      st.probes[k] = from_order_key(st.lo + (st.hi - st.lo) * (k + 1) / (kProbeLanes + 1));
   }
+  cut_next(st, collect, held, inside, picked);
 }
 
 // The row's cut v_lo (top-p's v_p, then min-p's bound v_m) and the kept mass norm.

@@ -86,8 +86,8 @@ class ReductionConfig:
 # (block_m + block_n) * block_k * itemsize; see tests/test_triton_compile.py for the limits.
 _MATMUL_BASE = {
     "sm90": {
-        "bf16": MatmulConfig(128, 128, 64, 8, num_warps=8, num_stages=4),
-        "fp16": MatmulConfig(128, 128, 64, 8, num_warps=8, num_stages=4),
+        "bf16": MatmulConfig(128, 128, 64, 8, num_warps=8, num_stages=3),
+        "fp16": MatmulConfig(128, 128, 64, 8, num_warps=8, num_stages=3),
         # FOLD over several K splits holds two fp32 tiles (the split's and the running total)
         # in registers: at 128 x 128 the IEEE fp32 loop spilled (255 registers); 64 x 64 x 16
         # with 8 warps holds both without spills at every K (tests/test_triton_compile.py).
@@ -95,8 +95,8 @@ _MATMUL_BASE = {
     },
     "sm80": {
         # 8 warps: two 128 x 128 fp32 tiles in FOLD take 232 registers (4 warps spilled).
-        "bf16": MatmulConfig(128, 128, 32, 8, num_warps=8, num_stages=4),
-        "fp16": MatmulConfig(128, 128, 32, 8, num_warps=8, num_stages=4),
+        "bf16": MatmulConfig(128, 128, 32, 8, num_warps=8, num_stages=3),
+        "fp16": MatmulConfig(128, 128, 32, 8, num_warps=8, num_stages=3),
         "fp32": MatmulConfig(64, 64, 16, 8, num_warps=8, num_stages=3),
     },
     # Small tiles keep TRITON_INTERPRET=1 tests fast; the interpreter is a test vehicle only.
@@ -247,16 +247,18 @@ def config_table() -> dict:
 
 
 # Per (arch family, dtype): the split size is a constant of the table, never of the length.
+# Three stages: the next key block's K and V copies stay in flight while one is computed (the
+# key loop's wait leaves 2 pending; tests/test_triton_compile.py), two CTAs per SM still fit.
 _ATTENTION_BASE = {
     "sm90": {
-        "bf16": AttentionConfig(64, 64, 256, num_warps=4, num_stages=2),
-        "fp16": AttentionConfig(64, 64, 256, num_warps=4, num_stages=2),
-        "fp32": AttentionConfig(16, 32, 256, num_warps=4, num_stages=2),
+        "bf16": AttentionConfig(64, 64, 256, num_warps=4, num_stages=3),
+        "fp16": AttentionConfig(64, 64, 256, num_warps=4, num_stages=3),
+        "fp32": AttentionConfig(16, 32, 256, num_warps=4, num_stages=3),
     },
     "sm80": {
-        "bf16": AttentionConfig(64, 32, 256, num_warps=4, num_stages=2),
-        "fp16": AttentionConfig(64, 32, 256, num_warps=4, num_stages=2),
-        "fp32": AttentionConfig(16, 32, 256, num_warps=4, num_stages=2),
+        "bf16": AttentionConfig(64, 32, 256, num_warps=4, num_stages=3),
+        "fp16": AttentionConfig(64, 32, 256, num_warps=4, num_stages=3),
+        "fp32": AttentionConfig(16, 32, 256, num_warps=4, num_stages=3),
     },
     # Small splits so interpreter tests cross several splits at lengths of a few dozen.
     "interpreter": {dt: AttentionConfig(16, 16, 32, num_warps=4, num_stages=1)
@@ -270,14 +272,14 @@ _ATTENTION_BASE = {
 # 16-row tiles run eight warps.
 _ATTENTION_D128 = {
     "sm90": {
-        "bf16": AttentionConfig(64, 32, 256, num_warps=4, num_stages=2),
-        "fp16": AttentionConfig(64, 32, 256, num_warps=4, num_stages=2),
-        "fp32": AttentionConfig(16, 32, 256, num_warps=8, num_stages=2),
+        "bf16": AttentionConfig(64, 32, 256, num_warps=4, num_stages=3),
+        "fp16": AttentionConfig(64, 32, 256, num_warps=4, num_stages=3),
+        "fp32": AttentionConfig(16, 32, 256, num_warps=8, num_stages=3),
     },
     "sm80": {
-        "bf16": AttentionConfig(32, 32, 256, num_warps=4, num_stages=2),
-        "fp16": AttentionConfig(32, 32, 256, num_warps=4, num_stages=2),
-        "fp32": AttentionConfig(16, 32, 256, num_warps=8, num_stages=2),
+        "bf16": AttentionConfig(32, 32, 256, num_warps=4, num_stages=3),
+        "fp16": AttentionConfig(32, 32, 256, num_warps=4, num_stages=3),
+        "fp32": AttentionConfig(16, 32, 256, num_warps=8, num_stages=3),
     },
     "interpreter": _ATTENTION_BASE["interpreter"],
 }

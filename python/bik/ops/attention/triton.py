@@ -53,17 +53,29 @@ def finalize(m, l, acc):
 
 
 @triton.jit
-def _kv_offsets(kv_pos, kv_ok, b, table_ptr, stride_table_b, base_ptr, block_size,
-                stride_page, stride_tok, PAGED: tl.constexpr, BASE_MULTIPLE: tl.constexpr):
+def _kv_base(b, base_ptr, PAGED: tl.constexpr, BASE_MULTIPLE: tl.constexpr):
+    """A contiguous cache's offset of sequence b's first key (0 when paged): loaded once per
+    program, before the key loop, so the loop's loads depend on nothing loaded in it."""
     if PAGED:
-        page = tl.load(table_ptr + b * stride_table_b + kv_pos // block_size, mask=kv_ok, other=0)
-        return page.to(tl.int64) * stride_page + (kv_pos % block_size).to(tl.int64) * stride_tok
+        return tl.full((), 0, tl.int64)
     base = tl.load(base_ptr + b)
     if BASE_MULTIPLE > 1:
         # A loaded offset has no known alignment: without the host's divisor every K/V element
         # is loaded alone (head_dim 128 then spilled 1.4 KB; ptxas, sm_90).
         base = tl.multiple_of(base, BASE_MULTIPLE)
-    return base + kv_pos.to(tl.int64) * stride_tok
+    return base
+
+
+@triton.jit
+def _kv_offsets(kv_pos, kv_ok, b, table_ptr, stride_table_b, kv_base, block_size,
+                stride_page, stride_tok, PAGED: tl.constexpr):
+    """Element offsets of keys kv_pos (their head's: ``kv_base`` holds the head offset, and
+    the contiguous cache's sequence base); keys outside ``kv_ok`` read no page-table entry."""
+    if PAGED:
+        page = tl.load(table_ptr + b * stride_table_b + kv_pos // block_size, mask=kv_ok, other=0)
+        return kv_base + page.to(tl.int64) * stride_page + \
+            (kv_pos % block_size).to(tl.int64) * stride_tok
+    return kv_base + kv_pos.to(tl.int64) * stride_tok
 
 
 # Lengths and batch-sized ints are not specialised (Triton would compile 1 and multiples of 16
@@ -159,40 +171,58 @@ def attention_kernel(
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    for j in range(j_lo, j_hi):
-        m_j = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_j = tl.zeros((BLOCK_M,), tl.float32)
-        acc_j = tl.zeros((BLOCK_M, D), tl.float32)
-        lo = j * SPLIT
-        hi = tl.minimum(lo + SPLIT, kv_end)
-        for n0 in range(lo, hi, BLOCK_N):
-            kv_pos = n0 + tl.arange(0, BLOCK_N)
-            kv_ok = kv_pos < hi
-            off = _kv_offsets(kv_pos, kv_ok, b, table_ptr, stride_table_b, base_ptr, block_size,
-                              stride_page, stride_tok, PAGED, BASE_MULTIPLE) + hk * stride_kvh
-            k = tl.load(k_ptr + off[:, None] + dims[None, :], mask=kv_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-            visible = kv_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                visible = visible & (kv_pos[None, :] <= pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_j, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_j - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_j = l_j * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + off[:, None] + dims[None, :], mask=kv_ok[:, None], other=0.0)
-            acc_j = acc_j * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_j = m_new
-        if FOLD:
-            m, l, acc = merge_partial(m, l, acc, m_j, l_j, acc_j)
-        else:
-            # partial layout: pml [SPLITS, 2, total_q, Hq], pacc [SPLITS, total_q, Hq, D]
-            plane = total_q.to(tl.int64) * num_heads_q
-            row_idx = j * plane + q_rows * num_heads_q + head
-            tl.store(pml_ptr + row_idx + j * plane, m_j, mask=row_ok)
-            tl.store(pml_ptr + row_idx + (j + 1) * plane, l_j, mask=row_ok)
-            tl.store(pacc_ptr + row_idx[:, None] * D + dims[None, :], acc_j, mask=row_ok[:, None])
+    m_j = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_j = tl.zeros((BLOCK_M,), tl.float32)
+    acc_j = tl.zeros((BLOCK_M, D), tl.float32)
+    kv_base = _kv_base(b, base_ptr, PAGED, BASE_MULTIPLE) + hk * stride_kvh
+    # One loop over the key blocks of splits j_lo .. j_hi - 1 (BLOCK_N divides SPLIT, so no
+    # block straddles two splits): each split's (m_j, l_j, acc_j) starts empty and is folded
+    # (FOLD) or stored (SPLIT) at its last block, as a loop per split would, while the next
+    # blocks' loads stay in flight across the split boundary. A paged cache's page-table
+    # entries are read a block ahead (``off_next``), so no K / V address waits on a load of
+    # its own iteration.
+    n_lo = j_lo * SPLIT
+    n_hi = tl.minimum(j_hi * SPLIT, kv_end)
+    off_next = _kv_offsets(n_lo + tl.arange(0, BLOCK_N), n_lo + tl.arange(0, BLOCK_N) < n_hi, b,
+                           table_ptr, stride_table_b, kv_base, block_size, stride_page,
+                           stride_tok, PAGED)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        j = n0 // SPLIT
+        hi = tl.minimum(j * SPLIT + SPLIT, kv_end)
+        kv_pos = n0 + tl.arange(0, BLOCK_N)
+        kv_ok = kv_pos < hi
+        off = off_next
+        ahead = kv_pos + BLOCK_N
+        off_next = _kv_offsets(ahead, ahead < n_hi, b, table_ptr, stride_table_b, kv_base,
+                               block_size, stride_page, stride_tok, PAGED)
+        k = tl.load(k_ptr + off[:, None] + dims[None, :], mask=kv_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        visible = kv_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (kv_pos[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_j, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_j - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_j = l_j * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + off[:, None] + dims[None, :], mask=kv_ok[:, None], other=0.0)
+        acc_j = acc_j * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_j = m_new
+        if n0 + BLOCK_N >= hi:  # split j ends
+            if FOLD:
+                m, l, acc = merge_partial(m, l, acc, m_j, l_j, acc_j)
+            else:
+                # partial layout: pml [SPLITS, 2, total_q, Hq], pacc [SPLITS, total_q, Hq, D]
+                plane = total_q.to(tl.int64) * num_heads_q
+                row_idx = j * plane + q_rows * num_heads_q + head
+                tl.store(pml_ptr + row_idx + j * plane, m_j, mask=row_ok)
+                tl.store(pml_ptr + row_idx + (j + 1) * plane, l_j, mask=row_ok)
+                tl.store(pacc_ptr + row_idx[:, None] * D + dims[None, :], acc_j,
+                         mask=row_ok[:, None])
+            m_j = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l_j = tl.zeros((BLOCK_M,), tl.float32)
+            acc_j = tl.zeros((BLOCK_M, D), tl.float32)
 
     last = True
     if not FOLD:
