@@ -158,7 +158,7 @@ def _attention_cases(arch: int) -> Iterator[tuple]:
                                 "stride_ot": hq * d, "stride_oh": d, "stride_table_b": 64,
                                 "stride_page": 16 * hkv * d if paged else 0,
                                 "stride_tok": hkv * d, "stride_kvh": d, "block_size": 16, "total_q": 4096,
-                                "num_heads_q": hq, "splits_per_prog": 4,
+                                "num_heads_q": hq,
                                 "scale_log2e": LOG2E / d**0.5, "num_bh": 8 * hkv,
                                 "q_bound": 4096, "k_bound": 131072}
                     consts = {"HKV": hkv, "G": g, "D": d, "BLOCK_M": block_m,

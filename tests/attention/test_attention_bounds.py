@@ -2,7 +2,8 @@
 ``max_seqlen_k`` / ``max_seqlen_q`` (a caller error; BIK_DEBUG_CHECKS=1 raises it on the host,
 tests/test_host_metadata.py) must never write past the SPLIT workspace the bound sized, nor
 leave a row's output as stale memory. Such a sequence's rows come back NaN, the other rows
-keep their bits. Also: a launch too large for the grid is refused by name.
+keep their bits. Also: a launch too large for the grid is refused by name, and a generous
+bound (a captured graph's) still spreads each tile's real splits over the launched programs.
 
 Interpreter (real kernel programs) and GPU; the bodies (tests/attention_checks.py) allocate the
 workspace with guard elements after it and pre-fill the output with a sentinel. The CUDA C++
@@ -11,9 +12,10 @@ kernel runs the same bodies in tests/cuda/test_cuda_kernels_host.py.
 
 from __future__ import annotations
 
+import bik
 import pytest
 import torch
-from attention_checks import BOUND_HEADS, past_key_bound, past_query_bound
+from attention_checks import BOUND_HEADS, _bound_cache, past_key_bound, past_query_bound
 from bik.ops.attention import triton as triton_attention
 from targets import targets
 
@@ -50,3 +52,68 @@ def test_a_launch_past_the_grid_limits_is_refused_by_name(target):
             table=torch.zeros(1, 1, dtype=torch.int32), base=None, block_size=16,
             stride_page=k.stride(0), stride_tok=k.stride(1), max_q_len=1, max_k_len=2**40,
             scale=d ** -0.5, causal=True, split_mode=True, per_program=1)
+
+
+# ---- a generous bound still spreads the real splits -------------------------------------------
+
+@pytest.mark.parametrize("bound_splits", [8, 64, 512, 4096])
+@pytest.mark.parametrize("real_splits", [1, 3, 5, 40])
+@pytest.mark.parametrize("items", [1, 8, 16, 64, 256])
+def test_programs_with_work_follow_the_real_lengths(bound_splits, real_splits, items):
+    """A launch sized by a bound (a CUDA graph captured at a generous max_seqlen_k) launches
+    runs per tile for the bound's splits; the kernel spreads each tile's real splits over those
+    runs, so min(two waves, the real splits) programs work. The old rule (the host's splits per
+    program applied to the real splits) is the control: at a generous bound it leaves most runs
+    idle."""
+    from bik.ops.attention._layout import SPLIT_PROGRAM_TARGET, busy_programs, splits_per_program
+
+    real_splits = min(real_splits, bound_splits)
+    per = splits_per_program(items, bound_splits)
+    runs = -(-bound_splits // per)
+    tiles = [real_splits] * items
+    want = min(SPLIT_PROGRAM_TARGET, items * real_splits, items * runs)
+    assert busy_programs(runs, tiles) >= want
+    old = items * -(-real_splits // per)
+    if bound_splits >= 8 * real_splits and items in (8, 16) and real_splits > 1:
+        assert old < want  # the control: the host's run length starves a generous bound
+
+
+@pytest.mark.parametrize("target", targets("interpreter", "gpu-triton"))
+def test_the_kernel_spreads_the_real_splits_over_the_runs(target, monkeypatch):
+    """8 decode rows of 160 keys (5 interpreter splits) launched with max_seqlen_k = 2048 (64
+    splits): 16 (sequence, KV head) items get 16 runs of 4 bound splits, and the kernel gives
+    each tile's 5 real splits to 5 programs (their tickets count them), as busy_programs says;
+    the bits are the true bound's."""
+    from bik import configs
+    from bik.ops.attention._layout import busy_programs
+
+    split = configs.attention_config(torch.float32, BOUND_HEADS[2], 2, "interpreter").split
+    if target.device != "cpu":
+        split = configs.attention_config(torch.float32, BOUND_HEADS[2], 2, "sm90").split
+    lengths = [5 * split] * 8
+    k, v, table = _bound_cache(lengths, 4, target.device)
+    q = torch.randn(8, BOUND_HEADS[0], BOUND_HEADS[2],
+                    generator=torch.Generator().manual_seed(5)).to(target.device)
+    meta = {"cache_seqlens": torch.tensor(lengths, dtype=torch.int32, device=target.device),
+            "cu_seqlens_q": torch.arange(9, dtype=torch.int32, device=target.device),
+            # room for the bound's 2048 keys: pages past the real ones point at page 0
+            "block_table": torch.nn.functional.pad(table, (0, 4 * split - table.shape[1]))}
+    right = bik.attention(q, k, v, **meta, max_seqlen_q=1, max_seqlen_k=5 * split,
+                          backend="triton")
+    launches, kernel = [], triton_attention.attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                kernel[grid](*args, **kwargs)
+                launches.append((grid, args[7].clone()))  # the tickets after the launch
+            return run
+
+    monkeypatch.setattr(triton_attention, "attention_kernel", Spy())
+    monkeypatch.setattr(triton_attention, "use_split_mode", lambda *args: True)
+    got = bik.attention(q, k, v, **meta, max_seqlen_q=1, max_seqlen_k=64 * split,
+                        backend="triton")
+    assert torch.equal(got.cpu(), right.cpu())
+    (grid, tickets), = launches
+    assert grid == (16, 1, 16)
+    assert tickets.tolist() == [busy_programs(16, [5])] * 16 == [5] * 16

@@ -28,6 +28,15 @@ def splits_per_program(items: int, n_splits: int) -> int:
     return -(-n_splits // runs)
 
 
+def busy_programs(runs: int, tile_splits: list[int]) -> int:
+    """How many SPLIT programs have work when ``runs`` programs per tile (grid axis 2, set from
+    the host bound) take tiles whose real lengths give ``tile_splits`` splits each: the Triton
+    kernel gives run r the splits [r n / runs, (r + 1) n / runs), so min(runs, n) programs of
+    a tile work (attention_kernel, which counts them for its ticket the same way)."""
+    return sum(sum(r * n // runs < (r + 1) * n // runs for r in range(runs))
+               for n in tile_splits)
+
+
 class Layout(NamedTuple):
     """Where a sequence's keys live: paged (table) or one contiguous run per sequence (base)."""
 

@@ -102,13 +102,13 @@ def _fold_partials(pml_ptr, pacc_ptr, q_rows, head, row_ok, dims, n_splits, tota
     return m, l, acc
 
 
-@triton.jit(do_not_specialize=["block_size", "total_q", "num_heads_q", "splits_per_prog"])
+@triton.jit(do_not_specialize=["block_size", "total_q", "num_heads_q"])
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, pacc_ptr, pml_ptr, ticket_ptr,
     cu_q_ptr, seqlens_k_ptr, table_ptr, base_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table_b,
     stride_page, stride_tok, stride_kvh,
-    block_size, total_q, num_heads_q, splits_per_prog, scale_log2e, num_bh, q_bound, k_bound,
+    block_size, total_q, num_heads_q, scale_log2e, num_bh, q_bound, k_bound,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, FOLD: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -116,7 +116,9 @@ def attention_kernel(
 ):
     # Axis 0 (up to 2**31 - 1 programs) takes query tiles x sequences x KV heads (a long
     # prefill with a large GQA group has more than axis 1's 65535 tiles), the tile slowest;
-    # axis 2 (65535 max) takes (SPLIT) runs of splits_per_prog splits.
+    # axis 2 (65535 max) takes (SPLIT) runs of consecutive splits: the tile's real splits
+    # spread evenly over the launched runs (the host sized them by its bound), so a launch
+    # sized by a generous bound (a captured graph) still spreads a short sequence's splits.
     tile = tl.program_id(0) // num_bh
     b = (tl.program_id(0) % num_bh) // HKV
     hk = tl.program_id(0) % HKV
@@ -163,9 +165,11 @@ def attention_kernel(
         j_lo = 0
         j_hi = n_splits
     else:
-        j_lo = tl.program_id(2) * splits_per_prog
-        j_hi = tl.minimum(j_lo + splits_per_prog, n_splits)
-        if j_lo >= n_splits:
+        # Run r takes splits [r n / R, (r + 1) n / R): min(R, n) runs have work.
+        runs = tl.num_programs(2)
+        j_lo = tl.program_id(2) * n_splits // runs
+        j_hi = (tl.program_id(2) + 1) * n_splits // runs
+        if j_lo >= j_hi:
             return
 
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -230,7 +234,7 @@ def attention_kernel(
         # tile's last program to arrive sees every partial and folds them.
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        last = ticket == tl.cdiv(n_splits, splits_per_prog) - 1
+        last = ticket == tl.minimum(runs, n_splits) - 1
         if last:
             tl.debug_barrier()
             m, l, acc = _fold_partials(pml_ptr, pacc_ptr, q_rows, head, row_ok, dims, n_splits,
@@ -259,9 +263,10 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
 
     ``cu_q`` int32 [B+1], ``seqlens_k`` int32 [B], ``table`` int32 [B, max_pages] or None,
     ``base`` int64 [B] when ``table`` is None. ``split_mode`` None = by work size;
-    ``per_program``: SPLIT's splits per program, None = by work size (the bits do not depend on
-    either). ``base_multiple``: a divisor of every ``base`` entry known on the host (an
-    alignment hint for vectorised loads; 1 = none).
+    ``per_program``: SPLIT's splits per program at the bound max_k_len, which sets the runs
+    launched (grid axis 2); the kernel spreads each tile's real splits evenly over them. None =
+    by work size (the bits do not depend on either). ``base_multiple``: a divisor of every
+    ``base`` entry known on the host (an alignment hint for vectorised loads; 1 = none).
     """
     total_q, hq, d = q.shape
     hkv = k.shape[-2]
@@ -297,7 +302,7 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         table.stride(0) if paged else 0,
         stride_page, stride_tok, k.stride(-2),
-        block_size, total_q, hq, per, scale * LOG2E, n_seq * hkv, max_q_len, max_k_len,
+        block_size, total_q, hq, scale * LOG2E, n_seq * hkv, max_q_len, max_k_len,
         HKV=hkv, G=g, D=d, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
         SPLIT=cfg.split, PAGED=paged, CAUSAL=causal, FOLD=not split,
         BASE_MULTIPLE=1 if paged else math.gcd(base_multiple, 16),
