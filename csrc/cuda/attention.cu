@@ -10,8 +10,9 @@
 // `block_t` tokens (gh * block_t <= 16), so decode and verify rows share each K/V block load.
 //
 // Two launch modes with the same bits: FOLD (fold = 1: a program folds every split of its
-// tile) and SPLIT (fold = 0: grid z takes runs of `splits_per_prog` consecutive splits, each
-// split reduced alone and its fp32 partial written to pml/pacc; then the tile's last program to
+// tile) and SPLIT (fold = 0: grid z takes runs of consecutive splits, a tile's real splits
+// spread over the launched runs, each split reduced alone and its fp32 partial written to
+// pml/pacc; then the tile's last program to
 // take a ticket folds every partial in ascending order with FOLD's merge_scales / fold2 /
 // finalize: one launch, FOLD's bits).
 #include "attention_plan.cuh"
@@ -46,8 +47,7 @@ __device__ __forceinline__ void attention_body(
     float* pml, int* tickets, const int* cu_q, const int* seqlens, const int* table,
     const i64* base, i64 sqt, i64 sqh, i64 sot, i64 soh, i64 stable, i64 spage, i64 stok,
     i64 skvh, int block_size, int total_q, int hq, int hkv, int gh, int block_t,
-    float scale_log2e, int split, int causal, int fold, int splits_per_prog, int q_bound,
-    int k_bound) {
+    float scale_log2e, int split, int causal, int fold, int q_bound, int k_bound) {
   constexpr int kPer = kRows * D / kThreads;  // (row, d) accumulators per thread
   __shared__ float qs[kRows][D];
   __shared__ float ks[kBlockN][D + 1];  // +1: lanes read different keys at the same d
@@ -91,10 +91,12 @@ __device__ __forceinline__ void attention_body(
   }
   const i64 kv_end = bik_attn::tile_kv_end(seqlen, q_len, tile, block_t, causal);
   const int n_splits = bik_attn::tile_splits(kv_end, split);
-  const int j_first = fold ? 0 : static_cast<int>(blockIdx.z) * splits_per_prog;
-  const int j_run_end = j_first + splits_per_prog;
-  const int j_end = fold || j_run_end > n_splits ? n_splits : j_run_end;
-  if (j_first >= n_splits) return;
+  // SPLIT: run r of the R = gridDim.z runs (sized by the host's bound) takes the tile's real
+  // splits [r n / R, (r + 1) n / R), so min(R, n) programs work whatever the bound.
+  const int runs = static_cast<int>(gridDim.z), run = static_cast<int>(blockIdx.z);
+  const int j_first = fold ? 0 : static_cast<int>(static_cast<i64>(run) * n_splits / runs);
+  const int j_end = fold ? n_splits : static_cast<int>(static_cast<i64>(run + 1) * n_splits / runs);
+  if (j_first >= j_end) return;
 
   if (tid < kRows) {
     const int r = tid;
@@ -226,9 +228,9 @@ __device__ __forceinline__ void attention_body(
     __threadfence();
     __syncthreads();
     if (tid == 0) {
-      const int runs = (n_splits + splits_per_prog - 1) / splits_per_prog;
+      const int busy = runs < n_splits ? runs : n_splits;  // runs with splits
       const i64 slot = static_cast<i64>(blockIdx.x) * gridDim.y + tile;
-      last_s = atomicAdd(tickets + slot, 1) == runs - 1;
+      last_s = atomicAdd(tickets + slot, 1) == busy - 1;
       __threadfence();
     }
     __syncthreads();
@@ -276,7 +278,8 @@ __device__ __forceinline__ void attention_body(
 }  // namespace
 
 // Grid: x = n_seq * Hkv * ceil(G / gh), y = ceil(max_q_len / block_t), z = runs of
-// splits_per_prog splits (split mode) or 1. Block: 128 threads. Lengths: cu_q int32 [B+1],
+// consecutive splits (split mode: sized from the host's bound; each tile's real splits spread
+// over them) or 1. Block: 128 threads. Lengths: cu_q int32 [B+1],
 // seqlens int32 [B]; keys via table int32 [B, stride_table] (paged) or base int64 [B]
 // (contiguous; table null). Split mode: pacc/pml workspaces and tickets int32 [x * y], zeroed.
 // q_bound / k_bound: the host bounds the grid and workspace were sized by (a longer sequence
@@ -287,12 +290,11 @@ __device__ __forceinline__ void attention_body(
       float* pml, int* tickets, const int* cu_q, const int* seqlens, const int* table,        \
       const i64* base, i64 sqt, i64 sqh, i64 sot, i64 soh, i64 stable, i64 spage, i64 stok,   \
       i64 skvh, int block_size, int total_q, int hq, int hkv, int gh, int block_t,            \
-      float scale_log2e, int split, int causal, int fold, int splits_per_prog, int q_bound,   \
-      int k_bound) {                                                                          \
+      float scale_log2e, int split, int causal, int fold, int q_bound, int k_bound) {         \
     attention_body<KIND, D>(q, kc, vc, out, lse, pacc, pml, tickets, cu_q, seqlens, table,    \
                             base, sqt, sqh, sot, soh, stable, spage, stok, skvh, block_size,  \
                             total_q, hq, hkv, gh, block_t, scale_log2e, split, causal, fold,  \
-                            splits_per_prog, q_bound, k_bound);                               \
+                            q_bound, k_bound);                                                \
   }
 
 BIK_ATTENTION_ENTRY(bik_attention_f32_d64, bik_cvt::kF32, 64)

@@ -304,3 +304,34 @@ def test_attention_lengths_past_the_host_bounds_give_nan_not_stale_or_stray_writ
     assert torch.equal(out[:3], right[:3])
     assert bool(out[3:].isnan().all()) and bool(lse[3:].isnan().all())
     assert "bik_attention_f32_d64" in host
+
+
+def test_attention_spreads_the_real_splits_over_the_runs(host, monkeypatch):
+    """A SPLIT launch sized by a generous bound (64 splits of 32 keys for 16 (sequence, KV
+    head) items: 16 runs of 4) spreads each tile's 5 real splits over 5 programs (their tickets
+    count them; tests/attention/test_attention_bounds.py for Triton), with the true bound's
+    bits."""
+    from bik.ops.attention._layout import busy_programs
+    from bik.runtime import cuda_jit
+
+    lengths = [5 * 32] * 8
+    k, v, table = ac._bound_cache(lengths, 4, "cpu")
+    q = torch.randn(8, ac.BOUND_HEADS[0], ac.BOUND_HEADS[2],
+                    generator=torch.Generator().manual_seed(5))
+    meta = {"cache_seqlens": torch.tensor(lengths, dtype=torch.int32),
+            "cu_seqlens_q": torch.arange(9, dtype=torch.int32),
+            "block_table": torch.nn.functional.pad(table, (0, 128 - table.shape[1]))}
+    right = bik.attention(q, k, v, **meta, max_seqlen_q=1, max_seqlen_k=160, backend="cuda")
+    tickets, launch = [], cuda_jit.launch
+
+    def spy(kernel, grid, block, shared_bytes, *args, device=None):
+        launch(kernel, grid, block, shared_bytes, *args, device=device)
+        tickets.append((tuple(grid), args[7].clone()))
+
+    monkeypatch.setattr(cuda_jit, "launch", spy)
+    monkeypatch.setattr(cuda_attention, "use_split_mode", lambda *args: True)
+    got = bik.attention(q, k, v, **meta, max_seqlen_q=1, max_seqlen_k=64 * 32, backend="cuda")
+    assert torch.equal(got, right)
+    (grid, counts), = tickets
+    assert grid == (16, 1, 16)
+    assert counts.tolist() == [busy_programs(16, [5])] * 16 == [5] * 16

@@ -30,7 +30,7 @@ KERNELS = cuda_jit.declare(
      ("stride_o_head", I64), ("stride_table", I64), ("stride_page", I64), ("stride_tok", I64),
      ("stride_kv_head", I64), ("block_size", I32), ("total_q", I32), ("hq", I32), ("hkv", I32),
      ("gh", I32), ("block_t", I32), ("scale_log2e", F32), ("split", I32), ("causal", I32),
-     ("fold", I32), ("splits_per_prog", I32), ("q_bound", I32), ("k_bound", I32)])
+     ("fold", I32), ("q_bound", I32), ("k_bound", I32)])
 
 
 class AttentionLaunch(NamedTuple):
@@ -40,7 +40,7 @@ class AttentionLaunch(NamedTuple):
     block_t: int  # query tokens per program
     n_splits: int  # splits of the longest sequence
     split_mode: bool
-    per_program: int  # SPLIT: consecutive splits per program
+    per_program: int  # SPLIT: consecutive splits per program at the bound (sets the runs)
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
 
@@ -113,7 +113,7 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
         cu_q, seqlens_k, table, base, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         table.stride(0) if paged else 0, stride_page, stride_tok, k.stride(-2), block_size,
         total_q, hq, hkv, plan.gh, plan.block_t, scale * LOG2E, plan.config.split, int(causal),
-        int(not plan.split_mode), plan.per_program, max_q_len, max_k_len, device=q.device)
+        int(not plan.split_mode), max_q_len, max_k_len, device=q.device)
 
 
 

@@ -78,30 +78,46 @@ def _kv_offsets(kv_pos, kv_ok, b, table_ptr, stride_table_b, kv_base, block_size
     return kv_base + kv_pos.to(tl.int64) * stride_tok
 
 
-# Lengths and batch-sized ints are not specialised (Triton would compile 1 and multiples of 16
-# separately): one compiled kernel per config serves every batch and every q_len.
+@triton.jit
+def _load_partial(pml_ptr, pacc_ptr, j, q_rows, head, row_ok, dims, plane, num_heads_q,
+                  D: tl.constexpr):
+    """Split j's (m_j, l_j, acc_j) of the tile's rows, read past L1 (other SMs wrote them);
+    rows outside ``row_ok`` read the empty state."""
+    row_idx = j * plane + q_rows * num_heads_q + head
+    m_j = tl.load(pml_ptr + row_idx + j * plane, mask=row_ok, other=float("-inf"),
+                  cache_modifier=".cg")
+    l_j = tl.load(pml_ptr + row_idx + (j + 1) * plane, mask=row_ok, other=0.0,
+                  cache_modifier=".cg")
+    acc_j = tl.load(pacc_ptr + row_idx[:, None] * D + dims[None, :], mask=row_ok[:, None],
+                    other=0.0, cache_modifier=".cg")
+    return m_j, l_j, acc_j
+
+
 @triton.jit
 def _fold_partials(pml_ptr, pacc_ptr, q_rows, head, row_ok, dims, n_splits, total_q,
                    num_heads_q, BLOCK_M: tl.constexpr, D: tl.constexpr):
-    """SPLIT's fused merge: the tile's split partials read back (past L1: other SMs wrote
-    them) and folded j ascending from the empty state, as FOLD folds them in registers. A
-    split a row cannot see was stored as (-inf, 0, 0): folding it is an exact identity."""
+    """SPLIT's fused merge: the tile's split partials read back and folded j ascending from
+    the empty state, as FOLD folds them in registers; split j + 1's loads are issued before
+    split j is folded, so the fold does not wait on one load at a time. A split a row cannot
+    see was stored as (-inf, 0, 0): folding it is an exact identity."""
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     plane = total_q.to(tl.int64) * num_heads_q
+    m_n, l_n, acc_n = _load_partial(pml_ptr, pacc_ptr, 0, q_rows, head, row_ok, dims, plane,
+                                    num_heads_q, D)
     for j in range(n_splits):
-        row_idx = j * plane + q_rows * num_heads_q + head
-        m_j = tl.load(pml_ptr + row_idx + j * plane, mask=row_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        l_j = tl.load(pml_ptr + row_idx + (j + 1) * plane, mask=row_ok, other=0.0,
-                      cache_modifier=".cg")
-        acc_j = tl.load(pacc_ptr + row_idx[:, None] * D + dims[None, :], mask=row_ok[:, None],
-                        other=0.0, cache_modifier=".cg")
+        m_j, l_j, acc_j = m_n, l_n, acc_n
+        # The next split's partial (the empty state past the last split: never folded).
+        m_n, l_n, acc_n = _load_partial(pml_ptr, pacc_ptr, j + 1, q_rows, head,
+                                        row_ok & (j + 1 < n_splits), dims, plane, num_heads_q,
+                                        D)
         m, l, acc = merge_partial(m, l, acc, m_j, l_j, acc_j)
     return m, l, acc
 
 
+# Lengths and batch-sized ints are not specialised (Triton would compile 1 and multiples of 16
+# separately): one compiled kernel per config serves every batch and every q_len.
 @triton.jit(do_not_specialize=["block_size", "total_q", "num_heads_q"])
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, pacc_ptr, pml_ptr, ticket_ptr,
