@@ -97,21 +97,16 @@ def _load_partial(pml_ptr, pacc_ptr, j, q_rows, head, row_ok, dims, plane, num_h
 def _fold_partials(pml_ptr, pacc_ptr, q_rows, head, row_ok, dims, n_splits, total_q,
                    num_heads_q, BLOCK_M: tl.constexpr, D: tl.constexpr):
     """SPLIT's fused merge: the tile's split partials read back and folded j ascending from
-    the empty state, as FOLD folds them in registers; split j + 1's loads are issued before
-    split j is folded, so the fold does not wait on one load at a time. A split a row cannot
-    see was stored as (-inf, 0, 0): folding it is an exact identity."""
+    the empty state, as FOLD folds them in registers. A split a row cannot see was stored as
+    (-inf, 0, 0): folding it is an exact identity. (Loading split j + 1 before folding split j
+    holds a second BLOCK_M x D tile: at head_dim 128 on sm_90 that spilled.)"""
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     plane = total_q.to(tl.int64) * num_heads_q
-    m_n, l_n, acc_n = _load_partial(pml_ptr, pacc_ptr, 0, q_rows, head, row_ok, dims, plane,
-                                    num_heads_q, D)
     for j in range(n_splits):
-        m_j, l_j, acc_j = m_n, l_n, acc_n
-        # The next split's partial (the empty state past the last split: never folded).
-        m_n, l_n, acc_n = _load_partial(pml_ptr, pacc_ptr, j + 1, q_rows, head,
-                                        row_ok & (j + 1 < n_splits), dims, plane, num_heads_q,
-                                        D)
+        m_j, l_j, acc_j = _load_partial(pml_ptr, pacc_ptr, j, q_rows, head, row_ok, dims,
+                                        plane, num_heads_q, D)
         m, l, acc = merge_partial(m, l, acc, m_j, l_j, acc_j)
     return m, l, acc
 
@@ -183,8 +178,8 @@ def attention_kernel(
     else:
         # Run r takes splits [r n / R, (r + 1) n / R): min(R, n) runs have work.
         runs = tl.num_programs(2)
-        j_lo = tl.program_id(2) * n_splits // runs
-        j_hi = (tl.program_id(2) + 1) * n_splits // runs
+        j_lo = (tl.program_id(2).to(tl.int64) * n_splits // runs).to(tl.int32)
+        j_hi = ((tl.program_id(2).to(tl.int64) + 1) * n_splits // runs).to(tl.int32)
         if j_lo >= j_hi:
             return
 
