@@ -8,8 +8,9 @@ in v (a fixed-order sum of non-negative terms), so a probe with M >= target rais
 end of the key bracket [lo, hi) that holds v_p and one below target lowers the upper end. The
 probes decide how many passes a row takes, never its cut: the CPU's bits.
 
-Each pass reads the row once and probes LANES thresholds together, split over the row's
-normaliser groups: one launch of ``top_p_pass_kernel`` per pass, one program per (row, group),
+Each pass reads the row once and probes LANES thresholds together. The first
+TOP_P_SPREAD_PASSES are split over the row's normaliser groups: one launch of
+``top_p_pass_kernel`` per pass, one program per (row, group),
 each probing its group (its chunk sums ascending, as the contract folds them) and buffering
 its group's bracket tokens. The row's last program to arrive (an acq_rel ticket) folds the G
 group masses in ascending order from +0 -- the contract's fold of group totals -- and decides:
@@ -26,8 +27,11 @@ group masses in ascending order from +0 -- the contract's fold of group totals -
     values, so v_p is one of them (or lo): the largest probe with M >= target is v_p, and the
     row is done.
   Splits alone shrink any bracket of 2^32 keys to one in ceil(32 / log2(LANES + 1)) passes, so
-  ``TOP_P_PASSES`` launches bound every row without a host sync (CUDA-graph safe); a settled
-  row's programs return at once.
+  ``TOP_P_PASSES`` passes bound every row without a host sync (CUDA-graph safe): after the
+  spread passes, one launch of ``top_p_finish_kernel`` gives each row still unsettled one
+  program that walks its groups in turn through the remaining passes (the same probes, group
+  masses folded in the same order, the same decisions); real logits settle within the spread
+  passes. A settled row's programs return at once.
 
 The logprob's normaliser is M at max(v_p, m + log_min_p), a probe's mass already. Within a
 pass, a threshold at or below a tile's smallest kept z takes the tile's full chunk sums, one
