@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="matmul: only this K-split contract (default: both)")
     bench.add_argument("--spec", action="store_true",
                        help="vllm: speculative decoding (ngram, the fast-path draft) vs none")
+    bench.add_argument("--profile", action="store_true",
+                       help="vllm: where the decode step's time goes (torch.profiler)")
     bench.add_argument("--tp", type=positive_int, default=2,
                        help="tp: ranks of the gloo world (processes; default 2)")
 

