@@ -269,9 +269,8 @@ def top_p_pass_kernel(x_ptr, stride_x, GROUP_LEN, it, temp_ptr, vk_ptr, ik_ptr, 
     collect = (it > 0) | (GROUP_LEN <= CANDIDATES)
     vk, ik = row_topk(vk_ptr, ik_ptr, row, TOPK)
     _probe_group(x_ptr + row * stride_x, g.to(tl.int64) * GROUP_LEN, GROUP_LEN, row * G + g,
-                 row_temperature(temp_ptr, row),
-                 vk, ik, m_safe, probes, lo, hi, collect, gmass_ptr, cand_ptr, count_ptr, LANES,
-                 CANDIDATES, CHUNK, LOG2_CHUNK, NCH)
+                 row_temperature(temp_ptr, row), vk, ik, m_safe, probes, lo, hi, collect,
+                 gmass_ptr, cand_ptr, count_ptr, LANES, CANDIDATES, CHUNK, LOG2_CHUNK, NCH)
     # Every thread's stores, then one release / acquire ticket per program: the row's last
     # program of this pass sees every group's masses and candidates.
     tl.debug_barrier()
