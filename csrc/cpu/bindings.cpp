@@ -14,6 +14,7 @@
 #include "attention.h"
 #include "c_abi.h"
 #include "contract.h"
+#include "dot_reference.h"
 #include "reductions.h"
 #include "sampling.h"
 
@@ -35,6 +36,7 @@
 // ---- per-ISA instantiations (same source, different vector width and blocking) ----------------
 
 #if BIK_X86
+#include <immintrin.h>
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f"))), apply_to = function)
 #else
@@ -52,6 +54,24 @@
 #undef BIK_MR
 #undef BIK_NRV
 #undef BIK_MC
+// The bf16 dot path: AVX-512 plus the bf16 dot-product instruction, inside the avx512 namespace.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+#endif
+namespace bik_cpu {
+namespace avx512 {
+#include "matmul_bf16_dot.h"
+}  // namespace avx512
+}  // namespace bik_cpu
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
 #if defined(__clang__)
 #pragma clang attribute pop
 #pragma clang attribute push(__attribute__((target("avx2"))), apply_to = function)
@@ -109,6 +129,13 @@ struct Isa {
   void (*pack_bf16)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
   void (*rms)(const float*, idx_t, const float*, float*, idx_t, idx_t, idx_t, idx_t, float);
   void (*log_softmax)(const float*, idx_t, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t);
+  // The bf16 dot path (a and b bf16; matmul_bf16_dot.h), null where the ISA has none. Same
+  // arguments as tile, a packed B in pair words; its pack_b_all takes the split.
+  void (*tile_dot)(const std::uint16_t*, idx_t, idx_t, const std::uint16_t*, idx_t, idx_t,
+                   const float*, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
+                   idx_t, float*, const std::uint32_t*) = nullptr;
+  void (*pack_dot)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t,
+                   std::uint32_t*) = nullptr;
 };
 
 #define BIK_ISA_ENTRY(ns)                                                                    \
@@ -128,6 +155,17 @@ bool isa_supported(const std::string& name) {
   return false;
 }
 
+// The CPU has the bf16 dot-product instruction (AVX512_BF16) and this build compiled it.
+bool bf16_dot_cpu() {
+#if BIK_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 // "auto" picks the widest supported ISA; bits do not depend on the choice (tests check this).
 Isa select_isa(const std::string& want) {
   std::string name = want;
@@ -138,7 +176,14 @@ Isa select_isa(const std::string& want) {
   if (!isa_supported(name))
     throw std::invalid_argument("bik: isa '" + name + "' is not supported by this CPU/build");
 #if BIK_X86
-  if (name == "avx512") return BIK_ISA_ENTRY(avx512);
+  if (name == "avx512") {
+    Isa isa = BIK_ISA_ENTRY(avx512);
+    if (bf16_dot_cpu()) {
+      isa.tile_dot = &avx512::dot::matmul_tile;
+      isa.pack_dot = &avx512::dot::pack_b_all;
+    }
+    return isa;
+  }
   if (name == "avx2") return BIK_ISA_ENTRY(avx2);
 #endif
   return BIK_ISA_ENTRY(generic);
@@ -152,7 +197,7 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
                 idx_t sbk, idx_t sbn, std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M,
                 idx_t N, idx_t K, idx_t split, int num_threads, idx_t block_k, idx_t block_n,
                 bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb,
-                std::uintptr_t packed = 0) {
+                std::uintptr_t packed = 0, bool a_bf16 = false) {
   if (M == 0 || N == 0 || batch == 0) return;
   if (split <= 0 || split >= K) split = K;  // one split
   // Blocking (speed only; K blocks store/reload the fp32 acc in order, so bits never change).
@@ -195,7 +240,12 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
     const idx_t step = part_rows > 0 ? part_rows : m1 - m0;
     for (idx_t r0 = m0; r0 < m1; r0 += step) {
       const idx_t r1 = std::min(m1, r0 + step);
-      if (b_bf16)
+      if (a_bf16)
+        isa.tile_dot(reinterpret_cast<const std::uint16_t*>(a) + e * sab, sam, sak,
+                     reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p, C, ldc, r0,
+                     r1, n0, n1, K, split, kcb, ncb, mine,
+                     reinterpret_cast<const std::uint32_t*>(packed));
+      else if (b_bf16)
         isa.tile_bf16(A, sam, sak, reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p,
                       C, ldc, r0, r1, n0, n1, K, split, kcb, ncb, mine, P);
       else
@@ -222,19 +272,126 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
   }
 }
 
+// Why the bf16 dot path cannot run here ("" when it can): the CPU lacks the instruction, or
+// the start-up self-test found the kernel's bits differing from the contract's transcription
+// (dot_reference.h) on a fixed probe. Decided once per process.
+const std::string& bf16_dot_refusal();
+
 void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t sbk, idx_t sbn,
                 std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M, idx_t N, idx_t K,
                 idx_t split, int num_threads, const std::string& isa_name, idx_t block_k,
                 idx_t block_n, bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb,
-                std::uintptr_t packed) {
+                std::uintptr_t packed, bool a_bf16) {
   if (M < 0 || N < 0 || K < 0 || batch < 0)
     throw std::invalid_argument("bik: negative matmul size");
   if (split < 0) throw std::invalid_argument("bik: negative matmul split");
   if (packed && batch != 1) throw std::invalid_argument("bik: a packed B serves one entry");
   const Isa isa = select_isa(isa_name);
+  if (a_bf16) {
+    if (!b_bf16) throw std::invalid_argument("bik: the bf16 dot path takes a and b both bf16");
+    if (!bf16_dot_refusal().empty())
+      throw std::invalid_argument("bik: the bf16 dot path is unavailable: " + bf16_dot_refusal());
+    if (isa.tile_dot == nullptr)
+      throw std::invalid_argument("bik: isa '" + std::string(isa.name) +
+                                  "' has no bf16 dot path (avx512 has)");
+  }
   pybind11::gil_scoped_release nogil;
   matmul_run(isa, a, sam, sak, b, sbk, sbn, bias, c, ldc, M, N, K, split, num_threads, block_k,
-             block_n, b_bf16, batch, sab, sbb, scb, packed);
+             block_n, b_bf16, batch, sab, sbb, scb, packed, a_bf16);
+}
+
+// The self-test's probe: bf16 words whose exponents reach the denormals, products near the
+// flush threshold 2^-126 and cancellations, from a fixed generator; odd K, row and column tails;
+// one split and splits of 16 (an odd last one). Row 0 x column 0 is the add where tininess is
+// judged after rounding: 2^-126 - 2^-152 rounds up to 2^-126 at fp32's precision and is kept.
+struct DotProbe {
+  static constexpr idx_t M = 7, N = 35, K = 45, kSplits[2] = {45, 16};
+  std::vector<std::uint16_t> a = std::vector<std::uint16_t>(M * K),
+                             b = std::vector<std::uint16_t>(K * N);  // row-major [K, N]
+  DotProbe() {
+    std::uint32_t state = 12345u;
+    auto word = [&state]() {
+      state = state * 1664525u + 1013904223u;
+      static const std::uint16_t exps[] = {0,  1,  3,   60,  62,  63,  64,
+                                           65, 66, 120, 125, 127, 128, 131};
+      const std::uint16_t e = exps[(state >> 8) % (sizeof exps / sizeof exps[0])];
+      return std::uint16_t(((state >> 31) << 15) | (e << 7) | ((state >> 20) & 0x7f));
+    };
+    for (auto& x : a) x = word();
+    for (auto& x : b) x = word();
+    for (idx_t k = 0; k < K; ++k) a[k] = b[k * N] = 0;
+    a[0] = 0x3f80;      // 1.0
+    b[0] = 0x0080;      // 2^-126
+    a[1] = 0x1980;      // 2^-76
+    b[1 * N] = 0x9980;  // -2^-76: the product is -2^-152
+  }
+};
+
+// Runs the probe through the kernel (B row-major, B as a weight's transpose, B packed once)
+// and returns "" when its bits equal the transcription's everywhere (NaN where it is NaN).
+std::string bf16_dot_self_test() {
+  if (!bf16_dot_cpu()) return "this CPU has no AVX512_BF16 (vdpbf16ps)";
+  const DotProbe probe;
+  constexpr idx_t M = DotProbe::M, N = DotProbe::N, K = DotProbe::K;
+  const Isa isa = select_isa("avx512");
+  std::vector<float> got(M * N), want(M * N);
+  float* scratch = scratch_floats(isa.scratch_per_thread(16, 64, M));
+  std::vector<std::uint32_t> panels(size_t((N + isa.nrw - 1) / isa.nrw) * K * isa.nrw);
+  std::vector<std::uint16_t> bt(K * N);  // [N, K]: b = bt.t() reads K with unit stride
+  for (idx_t k = 0; k < K; ++k)
+    for (idx_t n = 0; n < N; ++n) bt[n * K + k] = probe.b[k * N + n];
+  FenvGuard g;
+  for (const idx_t split : DotProbe::kSplits) {
+    dot_ref::matmul(probe.a.data(), K, 1, probe.b.data(), N, 1, nullptr, want.data(), N, M, N, K,
+                    split);
+    for (int layout = 0; layout < 3; ++layout) {
+      const std::uint16_t* bp = layout == 1 ? bt.data() : probe.b.data();
+      const idx_t sbk = layout == 1 ? 1 : N, sbn = layout == 1 ? K : 1;
+      if (layout == 2) isa.pack_dot(probe.b.data(), N, 1, K, N, split, panels.data());
+      isa.tile_dot(probe.a.data(), K, 1, bp, sbk, sbn, nullptr, got.data(), N, 0, M, 0, N, K,
+                   split, 16, 64, scratch, layout == 2 ? panels.data() : nullptr);
+      for (idx_t i = 0; i < M * N; ++i) {
+        const bool both_nan = std::isnan(got[i]) && std::isnan(want[i]);
+        if (!both_nan && std::memcmp(&got[i], &want[i], sizeof(float)) != 0)
+          return "self-test: c[" + std::to_string(i / N) + ", " + std::to_string(i % N) +
+                 "] differs from the transcription (split " + std::to_string(split) +
+                 ", B layout " + std::to_string(layout) + ")";
+      }
+    }
+  }
+  return "";
+}
+
+const std::string& bf16_dot_refusal() {
+  static const std::string why = bf16_dot_self_test();
+  return why;
+}
+
+// contract.h's bf16 dot sequence in scalar code (dot_reference.h), for the tests.
+void matmul_bf16_dot_reference(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b,
+                               idx_t sbk, idx_t sbn, std::uintptr_t bias, std::uintptr_t c,
+                               idx_t ldc, idx_t M, idx_t N, idx_t K, idx_t split) {
+  if (M < 0 || N < 0 || K < 0 || split < 0)
+    throw std::invalid_argument("bik: negative matmul size or split");
+  pybind11::gil_scoped_release nogil;
+  FenvGuard g;
+  dot_ref::matmul(reinterpret_cast<const std::uint16_t*>(a), sam, sak,
+                  reinterpret_cast<const std::uint16_t*>(b), sbk, sbn,
+                  bias ? fptr(bias) : nullptr, reinterpret_cast<float*>(c), ldc, M, N, K, split);
+}
+
+// All of b[K, N] (bf16) in the dot path's pair panels: panels * pair_rows * nrw words (sizes
+// from matmul_dot_pair_rows and matmul_panel_width("avx512")); copies only.
+void matmul_pack_b_pairs(std::uintptr_t b, idx_t sbk, idx_t sbn, idx_t K, idx_t N, idx_t split,
+                         std::uintptr_t dst) {
+  if (K < 0 || N < 0 || split < 0) throw std::invalid_argument("bik: negative matmul size");
+  if (!bf16_dot_refusal().empty())
+    throw std::invalid_argument("bik: the bf16 dot path is unavailable: " + bf16_dot_refusal());
+  const Isa isa = select_isa("avx512");
+  if (K == 0 || N == 0) return;
+  pybind11::gil_scoped_release nogil;
+  isa.pack_dot(reinterpret_cast<const std::uint16_t*>(b), sbk, sbn, K, N, split,
+               reinterpret_cast<std::uint32_t*>(dst));
 }
 
 // All of b[K, N] packed once into the matmul's panels for `isa_name` (dst: panels * K * nrw
@@ -469,13 +626,16 @@ void sampling_elementwise(const std::string& fn, std::uintptr_t in, std::uintptr
 extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
   if (p->M < 0 || p->N < 0 || p->K < 0 || p->batch < 0 || p->split < 0) return 1;
   static const bik_cpu::Isa isa = bik_cpu::select_isa("auto");
+  if (p->a_bf16 && (!p->b_bf16 || isa.tile_dot == nullptr ||
+                    !bik_cpu::bf16_dot_refusal().empty()))
+    return 3;
   try {  // a thread that cannot start (std::system_error) must not cross the C boundary
     bik_cpu::matmul_run(isa, reinterpret_cast<std::uintptr_t>(p->a), p->sam, p->sak,
                         reinterpret_cast<std::uintptr_t>(p->b), p->sbk, p->sbn,
                         reinterpret_cast<std::uintptr_t>(p->bias),
                         reinterpret_cast<std::uintptr_t>(p->c), p->ldc, p->M, p->N, p->K,
                         p->split, p->num_threads, 0, 0, p->b_bf16 != 0, p->batch, p->sab,
-                        p->sbb, p->scb);
+                        p->sbb, p->scb, 0, p->a_bf16 != 0);
   } catch (...) {
     return 2;
   }
@@ -492,19 +652,52 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.attr("SOURCE_HASH") = BIK_CPU_SOURCE_HASH;  // of csrc/cpu, computed by setup.py
   // The numerics contract's revision (in bik.fingerprint): raised whenever a kernel's bits
   // change or a kernel is added, so fingerprints of different contracts never match.
-  m.attr("CONTRACT_VERSION") = 7;
+  m.attr("CONTRACT_VERSION") = 8;
   m.def("matmul_f32", &bik_cpu::matmul_f32, py::arg("a"), py::arg("sam"), py::arg("sak"),
         py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),
         py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("split"),
         py::arg("num_threads"), py::arg("isa") = "auto", py::arg("block_k") = 0,
         py::arg("block_n") = 0, py::arg("b_bf16") = false, py::arg("batch") = 1, py::arg("sab") = 0, py::arg("sbb") = 0,
-        py::arg("scb") = 0, py::arg("packed") = 0,
+        py::arg("scb") = 0, py::arg("packed") = 0, py::arg("a_bf16") = false,
         "c[M,N] (row pitch ldc) = a[M,K] @ b[K,N] (+ bias[N]); raw pointers, element strides.\n"
         "split: the K-split length S of contract.h (0 or >= K: one split).\n"
         "isa/block_k/block_n (0 = auto) change speed only, never bits (tests check this).\n"
         "b_bf16: b holds bf16 bit patterns, widened exactly to fp32 while packing.\n"
         "batch entries e < batch: a + e*sab, b + e*sbb, c + e*scb (elements; b's in its dtype).\n"
-        "packed: b as matmul_pack_b wrote it for the same isa (b unread; batch 1), same bits.");
+        "packed: b as matmul_pack_b wrote it for the same isa (b unread; batch 1), same bits.\n"
+        "a_bf16: a and b hold bf16 bit patterns: the bf16 dot sequence of contract.h on\n"
+        "vdpbf16ps (isa avx512; packed: as matmul_pack_b_pairs wrote it).");
+  m.def(
+      "bf16_dot_probe",
+      [] {
+        const bik_cpu::DotProbe p;
+        py::dict d;
+        d["M"] = p.M;
+        d["N"] = p.N;
+        d["K"] = p.K;
+        d["splits"] = std::vector<bik_cpu::idx_t>(std::begin(p.kSplits), std::end(p.kSplits));
+        d["a"] = p.a;
+        d["b"] = p.b;
+        return d;
+      },
+      "The self-test's probe: M, N, K, splits and the bf16 words of a [M, K] and b [K, N].");
+  m.def("bf16_dot_refusal", &bik_cpu::bf16_dot_refusal,
+        "Why the bf16 dot path cannot run in this process ('' when it can): no AVX512_BF16, or\n"
+        "the start-up self-test disagreed with the transcription.");
+  m.def("matmul_bf16_dot_reference", &bik_cpu::matmul_bf16_dot_reference, py::arg("a"),
+        py::arg("sam"), py::arg("sak"), py::arg("b"), py::arg("sbk"), py::arg("sbn"),
+        py::arg("bias"), py::arg("c"), py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"),
+        py::arg("split"), "contract.h's bf16 dot sequence in scalar C++ (any CPU; tests).");
+  m.def("matmul_pack_b_pairs", &bik_cpu::matmul_pack_b_pairs, py::arg("b"), py::arg("sbk"),
+        py::arg("sbn"), py::arg("K"), py::arg("N"), py::arg("split"), py::arg("dst"),
+        "All of b[K, N] (bf16) in the bf16 dot path's pair panels, each split's pairs apart.");
+  m.def(
+      "matmul_dot_pair_rows",
+      [](bik_cpu::idx_t K, bik_cpu::idx_t split) {
+        if (split <= 0 || split >= K) split = K > 0 ? K : 1;
+        return (K / split) * ((split + 1) / 2) + (K % split + 1) / 2;
+      },
+      py::arg("K"), py::arg("split"), "Pair rows of a packed panel for K and the split.");
   m.def(
       "matmul_split_len",
       [](std::int64_t K, std::array<std::int64_t, 5> r) {

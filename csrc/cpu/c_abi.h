@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#define BIK_C_ABI_VERSION 2  // 2: + split
+#define BIK_C_ABI_VERSION 3  // 2: + split; 3: + a_bf16
 
 #ifdef __cplusplus
 extern "C" {
@@ -28,6 +28,9 @@ typedef struct {
   int64_t batch, sab, sbb, scb;
   int64_t split;
   int32_t num_threads, b_bf16;
+  // a_bf16 != 0: a and b hold bf16 bit patterns and the product runs contract.h's bf16 dot
+  // sequence (vdpbf16ps); refused with code 3 where that path is unavailable.
+  int32_t a_bf16;
 } BikMatmulF32Args;
 
 // The K-split rule of bik.configs.matmul_split, for C++ callers that pick a split themselves
@@ -44,7 +47,8 @@ static inline int64_t bik_matmul_split_len(int64_t K, const BikMatmulSplitRule* 
   return K <= r->one_split_max_k ? one : r->split;
 }
 
-// 0 on success; 1: sizes refused (negative); 2: the kernel failed (a thread could not start).
+// 0 on success; 1: sizes refused (negative); 2: the kernel failed (a thread could not start);
+// 3: the bf16 dot path asked for where it is unavailable.
 // Never throws, takes no GIL.
 typedef int (*BikMatmulF32Fn)(const BikMatmulF32Args*);
 

@@ -40,6 +40,7 @@ enum Op { kMm, kAddmm, kBmm, kOps };
 
 BikMatmulF32Fn g_matmul = nullptr;
 BikMatmulSplitRule g_split_rule{};  // set with g_matmul
+bool g_bf16_dot = false;  // bf16 products on contract.h's bf16 dot sequence (set with g_matmul)
 std::mutex g_switch;
 std::unique_ptr<torch::Library> g_library;  // while installed: the aten overrides
 std::array<std::atomic<int64_t>, kOps> g_served{};
@@ -81,16 +82,18 @@ bool is_one(const c10::Scalar& s) {
   return false;  // bool or complex: the Python route decides
 }
 
-// What bik's CPU launcher does (ops/matmul/cpu.py): rows and bias widened to fp32 (exact), a bf16
-// b read as bf16 by the kernel, fp16 b widened first; one fp32 product; rounded once to a's dtype.
+// What bik's CPU launcher does (ops/matmul/cpu.py): bf16 a and b on the bf16 dot path when the
+// process takes it (both read as bf16); else rows and bias widened to fp32 (exact), a bf16 b read
+// as bf16 by the kernel, fp16 b widened first; one fp32 product; rounded once to a's dtype.
 Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
   const bool batched = a.dim() == 3;
   const int64_t B = batched ? a.size(0) : 1, M = a.size(-2), K = a.size(-1), N = b.size(-1);
   const auto dtype = a.scalar_type();
   const bool f32 = dtype == at::kFloat;
   // Each skipped call (a no-op .to(), a dispatched empty) is ~0.3 us on a ~1 us product.
-  const Tensor a32 = f32 ? a : a.to(at::kFloat);
   const bool b_bf16 = dtype == at::kBFloat16;
+  const bool dot = b_bf16 && g_bf16_dot;
+  const Tensor a32 = f32 || dot ? a : a.to(at::kFloat);
   const Tensor bk = dtype == at::kHalf ? b.to(at::kFloat) : b;
   Tensor bias32;
   if (bias != nullptr) {
@@ -119,6 +122,7 @@ Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
   args.scb = M * N;
   args.num_threads = at::get_num_threads();
   args.b_bf16 = b_bf16;
+  args.a_bf16 = dot;
   TORCH_CHECK(g_matmul != nullptr, "bik: its CPU matmul kernel was not handed over "
               "(torch.ops.bik_native.set_cpu_kernels; bik.mode._native does it)");
   args.split = bik_matmul_split_len(K, &g_split_rule);  // set with g_matmul (nonzero)
@@ -207,15 +211,17 @@ Tensor compiled_bmm(const Tensor& a, const Tensor& b, std::optional<c10::ScalarT
 // ---- control -----------------------------------------------------------------------------------
 
 // split_rule: bik.configs.matmul_split's constants (tp_max, group_align, split,
-// one_split_max_k, none), so these kernels pick the splits bik's Python launcher picks.
+// one_split_max_k, none), so these kernels pick the splits bik's Python launcher picks;
+// bf16_dot: bik.runtime.cpu_ext.bf16_dot(), so they take the bf16 path it takes.
 void set_cpu_kernels(int64_t matmul_address, int64_t abi_version,
-                     c10::ArrayRef<int64_t> split_rule) {
+                     c10::ArrayRef<int64_t> split_rule, bool bf16_dot) {
   TORCH_CHECK(abi_version == BIK_C_ABI_VERSION, "bik: bik._cpu_kernels has C ABI ", abi_version,
               ", its dispatcher kernels expect ", BIK_C_ABI_VERSION, " (rebuild bik)");
   TORCH_CHECK(split_rule.size() == 5 && split_rule[0] > 0 && split_rule[1] > 0 &&
                   split_rule[2] > 0,
               "bik: set_cpu_kernels needs the 5 matmul split constants, got ", split_rule);
   g_split_rule = {split_rule[0], split_rule[1], split_rule[2], split_rule[3], split_rule[4]};
+  g_bf16_dot = bf16_dot;
   g_matmul = reinterpret_cast<BikMatmulF32Fn>(matmul_address);
 }
 
@@ -259,7 +265,8 @@ void reset_served() {
 
 // Control ops, and the compiled mode's products. Nothing is overridden until install().
 TORCH_LIBRARY(bik_native, m) {
-  m.def("set_cpu_kernels(int matmul_address, int abi_version, int[] split_rule) -> ()",
+  m.def("set_cpu_kernels(int matmul_address, int abi_version, int[] split_rule, bool bf16_dot) "
+        "-> ()",
         &set_cpu_kernels);
   m.def("install() -> ()", &install);
   m.def("uninstall() -> ()", &uninstall);

@@ -57,8 +57,17 @@ def test_packed_from_a_strided_weight_and_strided_rows():
     packed = bik.PackedWeight(w)
     before = packed(x)
     assert torch.equal(before, bik.linear(x, w, backend="cpu"))
-    w.add_(1.0)  # packed once: a later change to the weight is not seen
-    assert torch.equal(packed(x), before)
+    w.add_(1.0)  # the panels are a copy: a stale pack refuses rather than answer
+    with pytest.raises(ValueError, match=r"bik.PackedWeight: the weight changed after packing "
+                                         r"\(version 0 -> 1\); pack it again"):
+        packed(x)
+    repacked = bik.PackedWeight(w)
+    after = repacked(x)
+    assert torch.equal(after, bik.linear(x, w, backend="cpu"))
+    # A write through .data moves no version: as documented, the writer repacks.
+    w.data.copy_(base[:, 1::2])
+    assert torch.equal(repacked(x), after)
+    assert not torch.equal(bik.PackedWeight(w)(x), after)
 
 
 def test_packed_rows_alone_equal_batched_and_the_check_can_fail():

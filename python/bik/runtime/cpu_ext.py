@@ -10,6 +10,9 @@ It never raises at import; callers check ``available()`` or call ``require()``.
 
 from __future__ import annotations
 
+import os
+from functools import cache
+
 try:
     from bik import _cpu_kernels as _ext
 
@@ -18,8 +21,12 @@ except Exception as exc:  # noqa: BLE001 - missing .so, ABI mismatch, anything
     _ext = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["available", "contract_version", "isa", "require", "source_hash",
-           "unavailable_reason"]
+__all__ = ["BF16_ENV", "available", "bf16_contract", "bf16_dot", "bf16_dot_refusal",
+           "contract_version", "isa", "require", "source_hash", "unavailable_reason"]
+
+# "widen" keeps bf16 products on the fp32 sequence where the bf16 dot path could run (to match
+# a machine without AVX512_BF16); "auto" (default) takes the dot path wherever it passes.
+BF16_ENV = "BIK_CPU_BF16"
 
 
 def available() -> bool:
@@ -59,3 +66,33 @@ def contract_version() -> int | None:
 def source_hash() -> str | None:
     """Hash of csrc/cpu as compiled into the extension (None when unavailable)."""
     return None if _ext is None else str(_ext.SOURCE_HASH)
+
+
+def bf16_dot_refusal() -> str:
+    """Why the bf16 dot path (contract.h: vdpbf16ps) cannot run here: no AVX512_BF16, or the
+    start-up self-test found the instruction disagreeing with the contract's transcription on
+    a fixed probe. "" when it can run; the extension's absence is its own reason."""
+    if _ext is None:
+        return unavailable_reason()
+    return str(_ext.bf16_dot_refusal())
+
+
+@cache
+def bf16_dot() -> bool:
+    """Whether this process's CPU bf16 products (a and b both bf16) take the bf16 dot path.
+    Decided once, at first use: the path must run here and ``BIK_CPU_BF16`` must not be
+    "widen". Every route (the public functions, PackedWeight, bik.enable()'s kernels, the
+    distributed layers) asks this one function, so they agree."""
+    want = os.environ.get(BF16_ENV, "auto").strip().lower() or "auto"
+    if want not in ("auto", "widen"):
+        raise ValueError(f"bik: {BF16_ENV}={want!r}; expected 'auto' or 'widen'")
+    return want == "auto" and bf16_dot_refusal() == ""
+
+
+def bf16_contract() -> str | None:
+    """The sequence this process's CPU bf16 products run: "dot" (vdpbf16ps, contract.h's bf16
+    dot sequence) or "widen" (upcast to fp32, the fp32 sequence). It decides bits, so
+    bik.fingerprint() hashes it. None when the extension is unavailable."""
+    if _ext is None:
+        return None
+    return "dot" if bf16_dot() else "widen"

@@ -64,22 +64,27 @@ def matmul_f32(
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                   out: torch.Tensor, *, layer: tuple[int, int] | None = None,
                   split: int | None = None) -> None:
-    """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]), validated by the op. Upcasting
-    bf16/fp16 to fp32 is exact, so the fixed fp32 order of :func:`matmul_f32` is the whole
-    contract; the result is rounded once to out's dtype. A bf16 b (a weight, usually) is read
-    as bf16 and widened inside the kernel's packing: the same bits as upcasting it first,
-    without writing an fp32 copy of the weight on every call. ``layer``: the (N, K) of the
-    whole layer the tables are looked up with (default this call's; a shard of a sharded
-    layer passes the layer's). ``split``: an explicit K-split length (tests)."""
+    """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]), validated by the op; the result is
+    rounded once to out's dtype. ``layer``: the (N, K) of the whole layer the tables are
+    looked up with (default this call's; a shard of a sharded layer passes the layer's).
+    ``split``: an explicit K-split length (tests).
+
+    bf16 a and b take the bf16 dot sequence of contract.h (vdpbf16ps) where this process's
+    :func:`bik.runtime.cpu_ext.bf16_dot` says so; the kernel reads both as bf16. Otherwise
+    upcasting to fp32 is exact, so the fp32 sequence of :func:`matmul_f32` is the whole
+    contract: a bf16 b (a weight, usually) is read as bf16 and widened inside the kernel's
+    packing, the same bits as upcasting it first without an fp32 copy on every call."""
     if split is None:
         n, k = layer or (b.shape[2], a.shape[2])
         split = matmul_split(a.dtype, n, k).split
     bias32 = None if bias is None else bias.float().contiguous()
+    dot = a.dtype == b.dtype == torch.bfloat16 and cpu_ext.bf16_dot()
     if b.dtype not in _PACKED_B or a.dtype != b.dtype:
         b = b.float()  # fp16 or mixed operands: B upcast first (exact)
     out32 = out if out.dtype == torch.float32 and out.is_contiguous() else \
         torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    _launch_f32(a.float(), b, bias32, out32, split)  # a: the rows, small next to a weight
+    # a: the rows, small next to a weight; widened first (exact) off the dot path
+    _launch(a if dot else a.float(), b, bias32, out32, split, dot)
     if out32 is not out:
         out.copy_(out32)
 
@@ -87,10 +92,10 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 _PACKED_B = {torch.float32: False, torch.bfloat16: True}  # b dtype -> the kernel's b_bf16
 
 
-def _launch_f32(a, b, bias32, out, split: int) -> None:
-    """fp32 a and out, fp32 or bf16 b, every batch entry in one kernel call: the kernel takes
-    pointers and element strides per entry (attention's bmm is dozens of tiny products; a
-    call, or a view, per entry cost more than the product)."""
+def _launch(a, b, bias32, out, split: int, dot: bool) -> None:
+    """fp32 (or, on the dot path, bf16) a, fp32 out, fp32 or bf16 b, every batch entry in one
+    kernel call: the kernel takes pointers and element strides per entry (attention's bmm is
+    dozens of tiny products; a call, or a view, per entry cost more than the product)."""
     n_batch, m, k = a.shape
     n = b.shape[2]
     if m == 0 or n == 0 or n_batch == 0:
@@ -99,4 +104,5 @@ def _launch_f32(a, b, bias32, out, split: int) -> None:
     pbias = 0 if bias32 is None else bias32.data_ptr()
     cpu_ext.require().matmul_f32(
         a.data_ptr(), sa1, sa2, b.data_ptr(), sb1, sb2, pbias, out.data_ptr(), n, m, n, k, split,
-        torch.get_num_threads(), "auto", 0, 0, _PACKED_B[b.dtype], n_batch, sa0, sb0, m * n)
+        torch.get_num_threads(), "auto", 0, 0, _PACKED_B[b.dtype], n_batch, sa0, sb0, m * n,
+        0, dot)

@@ -45,7 +45,7 @@ def _load() -> bool:
             entries = cpu_ext.require().c_entry_points()  # absent from an older build
             rule = configs.matmul_split_rule()
             torch.ops.bik_native.set_cpu_kernels(entries["matmul_f32"], entries["abi_version"],
-                                               list(rule))
+                                               list(rule), cpu_ext.bf16_dot())
             _register_fakes()
             global _loaded_rule
             _loaded_rule = rule

@@ -11,6 +11,7 @@ result is ``bik.linear(x, weight, bias)`` bit for bit (tests/matmul/test_packed_
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -26,9 +27,19 @@ class PackedWeight:
     """``weight`` [N, K] (CPU; bf16, fp16 or fp32) packed for the CPU matmul kernel.
 
     ``packed(x, bias=None)`` equals ``bik.linear(x, weight, bias)`` bit for bit, for any x
-    [..., K] of the weight's dtype, without reading ``weight`` again (it may be freed). The
-    panels are fp32: 4 bytes per weight element (twice a bf16 weight). They are laid out
-    for this process's CPU path (``bik.kernels`` ISA "auto"), so they are not to be saved.
+    [..., K] of the weight's dtype, without reading ``weight`` again (it may be freed). Any
+    strides are accepted: a transposed or sliced weight is read through its strides and
+    copied into the panels. fp32 and fp16 panels are fp32 (4 bytes per weight element); a
+    bf16 weight on the bf16 dot path (:func:`bik.runtime.cpu_ext.bf16_dot`) is packed into
+    the instruction's pair words, 2 bytes per element as the weight itself, and otherwise into
+    fp32 panels. The panels are laid out for this process's CPU path, so they are not to be
+    saved.
+
+    The panels are a copy: a weight changed after packing must be packed again (a new
+    ``PackedWeight``). A change made through torch's ops bumps the weight's version counter,
+    and a call then raises naming both versions; a write through ``weight.data`` (as vLLM's
+    weight loaders do) bumps none, so whoever writes that way repacks (the vLLM plugin does
+    after every weight load).
     """
 
     def __init__(self, weight: torch.Tensor):
@@ -44,6 +55,16 @@ class PackedWeight:
         n, k = self.shape
         self._isa = backend_variant("cpu")
         nrw = ext.matmul_panel_width(self._isa)
+        self._split = matmul_split(self.dtype, n, k).split
+        self._dot = weight.dtype == torch.bfloat16 and cpu_ext.bf16_dot()
+        self._source = weakref.ref(weight)
+        self._version = _version(weight)
+        if self._dot:  # pair words (int32 storage), each split's pairs from its start
+            rows = ext.matmul_dot_pair_rows(k, self._split)
+            self._panels = torch.zeros(math.ceil(n / nrw) * rows * nrw, dtype=torch.int32)
+            ext.matmul_pack_b_pairs(weight.data_ptr(), weight.stride(1), weight.stride(0), k,
+                                    n, self._split, self._panels.data_ptr())
+            return
         # fp16 has no in-kernel widening: widen first (exact), as the unpacked path does.
         w = weight if weight.dtype != torch.float16 else weight.float()
         self._panels = torch.zeros(math.ceil(n / nrw) * k * nrw, dtype=torch.float32)
@@ -51,7 +72,14 @@ class PackedWeight:
                           w.dtype == torch.bfloat16, self._isa, self._panels.data_ptr())
 
     def __repr__(self) -> str:
-        return f"PackedWeight(shape={list(self.shape)}, dtype={self.dtype}, isa={self._isa})"
+        path = ", bf16 dot" if self._dot else ""
+        return f"PackedWeight(shape={list(self.shape)}, dtype={self.dtype}, isa={self._isa}{path})"
+
+    def _check_unchanged(self) -> None:
+        weight = self._source()
+        if weight is not None and (now := _version(weight)) != self._version:
+            raise ValueError(f"{_OP}: the weight changed after packing (version {self._version} "
+                             f"-> {now}); pack it again")
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n, k = self.shape
@@ -69,17 +97,28 @@ class PackedWeight:
             if bias.shape[0] != n or bias.device.type != "cpu":
                 raise ValueError(f"{_OP}: bias {list(bias.shape)} on {bias.device} must be a "
                                  f"CPU [{n}]")
+        self._check_unchanged()
         rows = math.prod(x.shape[:-1])
         out = torch.zeros(rows, n, dtype=torch.float32)
         if k == 0:  # no panels to point at: the contract's 0.0f (+ bias[n]), as the kernel does
             if bias is not None:
                 out = out + bias.float()
         elif rows and n:
-            a = x.reshape(rows, k).float()  # exact; the rows are small next to the weight
+            # bf16 rows as they are on the dot path; else widened (exact), small next to W
+            a = x.reshape(rows, k) if self._dot else x.reshape(rows, k).float()
             b32 = None if bias is None else bias.float().contiguous()
             cpu_ext.require().matmul_f32(
                 a.data_ptr(), a.stride(0), a.stride(1), 0, 0, 0,
                 0 if b32 is None else b32.data_ptr(), out.data_ptr(), n, rows, n, k,
-                matmul_split(self.dtype, n, k).split, torch.get_num_threads(), self._isa,
-                packed=self._panels.data_ptr())
+                self._split, torch.get_num_threads(), self._isa,
+                b_bf16=self._dot, packed=self._panels.data_ptr(), a_bf16=self._dot)
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _version(weight: torch.Tensor) -> int | None:
+    """The weight's version counter; None for an inference tensor, which keeps none (and cannot
+    be changed in place outside inference mode)."""
+    try:
+        return weight._version
+    except RuntimeError:
+        return None

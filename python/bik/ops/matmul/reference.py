@@ -50,3 +50,50 @@ def matmul_contract_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
             group_total = p if group_total is None else group_total + p
         total = group_total if total is None else total + group_total
     return total if bias is None else total + bias.float()
+
+
+def _daz(x: torch.Tensor) -> torch.Tensor:
+    """bf16 ``x`` read as the bf16 dot instruction reads it: a zero exponent field is a zero of
+    its sign (denormals in)."""
+    bits = x.view(torch.int16).int() & 0x7F80
+    return torch.where(bits == 0, torch.copysign(torch.zeros_like(x), x), x)
+
+
+def bf16_dot_step(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One step of contract.h's bf16 dot sequence: ``p + a*b`` (p fp32; a, b bf16) with the
+    product exact, one round to nearest even at fp32's precision with an unbounded exponent,
+    then a result below 2^-126 in magnitude flushed to a zero of its sign. In fp64 the product
+    of two bf16 values is exact, and rounding p + a*b to fp64 then to 24 bits equals rounding it
+    once (53 >= 2 * 24 + 2)."""
+    s = p.double() + _daz(a).double() * _daz(b).double()
+    small = (s.abs() < 2.0**-100) & (s != 0)
+    # 24-bit rounding below fp32's exponent range: scaling by 2^200 is exact in fp64
+    r = (torch.where(small, s, torch.zeros_like(s)) * 2.0**200).float().double() * 2.0**-200
+    flushed = small & (r.abs() < 2.0**-126)
+    out = torch.where(small, r, s).float()
+    return torch.where(flushed, torch.copysign(torch.zeros_like(out), s.float()), out)
+
+
+def matmul_bf16_dot_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                              plan: MatmulSplit) -> torch.Tensor:
+    """bf16 a [M, K] @ bf16 b [K, N] (+ bias [N]) in fp32 by contract.h's bf16 dot sequence
+    (the CPU's bf16 path on vdpbf16ps): the K-split contract's splits and folds, each split
+    ``p = 0; p = step(p, a[m, k], b[k, n])`` for k ascending (:func:`bf16_dot_step`), and one
+    ``step(p, 0, 0)`` after a split of odd length (the zero half of its last pair: a -0 partial
+    becomes +0)."""
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise ValueError(f"bik: the bf16 dot contract takes bf16 a and b, got {a.dtype}, "
+                         f"{b.dtype}")
+    zero = torch.zeros((), dtype=torch.bfloat16)
+    total = None
+    for group in split_ranges(a.shape[1], plan):
+        group_total = None
+        for lo, hi in group:
+            p = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+            for kk in range(lo, hi):
+                p = bf16_dot_step(p, a[:, kk:kk + 1], b[kk:kk + 1, :])
+            if (hi - lo) % 2:
+                p = bf16_dot_step(p, zero, zero)
+            group_total = p if group_total is None else group_total + p
+        total = group_total if total is None else total + group_total
+    return total if bias is None else total + bias.float()

@@ -1,0 +1,238 @@
+// The bf16 matmul on the CPU's bf16 dot-product instruction (AVX512_BF16's vdpbf16ps): the
+// "bf16 dot" sequence of contract.h, for a and b both bf16.
+//
+// Included once by bindings.cpp, inside namespace bik_cpu::avx512 (it reuses that ISA's
+// transposes, loads and split fold) and a target region that adds avx512bf16. The scalar
+// transcription of the same sequence, which runs on any CPU, is dot_reference.h.
+// No include guard on purpose.
+
+namespace dot {
+
+using u16 = std::uint16_t;
+using u32 = std::uint32_t;
+typedef u32 vtw __attribute__((vector_size(TW * 4)));
+
+// One pair word holds (x[k], x[k+1]) with x[k] in the high half: vdpbf16ps multiplies and adds
+// a lane's high halves first, so the lane's sequence is k-ascending.
+static inline __attribute__((always_inline)) u32 pair_word(u16 first, u16 second) {
+  return (u32(first) << 16) | u32(second);
+}
+
+// Pair words for kc elements (an odd kc ends with the pair (x[kc-1], +0)).
+static inline idx_t pairs(idx_t kc) { return (kc + 1) / 2; }
+
+// The pair index where element k starts, with pairs counted from each split's start: every
+// split of length `split` takes pairs(split) words, so a split's pairs never straddle two.
+static inline idx_t pair_index(idx_t k, idx_t split) {
+  return (k / split) * pairs(split) + pairs(k % split);
+}
+
+// Packs b[pc:pc+kc, jc:jc+nc] (bf16 bits) into pair panels: panel p at dst + p * stride
+// (stride >= pairs(kc) * NRW), word [j][col] = pair_word(b[pc+2j, n], b[pc+2j+1, n]), the odd
+// tail's second half and the columns past nc zero. Copies only.
+static void pack_b(const u16* b, idx_t sbk, idx_t sbn, idx_t pc, idx_t kc, idx_t jc, idx_t nc,
+                   u32* dst, idx_t stride) {
+  const idx_t np = pairs(kc);
+  const idx_t whole = kc / 2;  // pairs with both halves inside the block
+  const idx_t panels = (nc + NRW - 1) / NRW;
+  for (idx_t p = 0; p < panels; ++p) {
+    u32* d = dst + p * stride;
+    const idx_t n0 = jc + p * NRW;
+    const idx_t w = nc - p * NRW < NRW ? nc - p * NRW : NRW;
+    idx_t j0 = 0;
+    if (sbk == 1) {
+      // A weight row (b = weight.t()) holds (b[k, n], b[k+1, n]) as one 32-bit word with b[k]
+      // in the low half: TW x TW word tiles are transposed, then each word's halves swapped.
+      for (int g = 0; g < NRW / TW; ++g) {
+        const idx_t gn = n0 + idx_t(g) * TW;
+        const idx_t gw = w - idx_t(g) * TW;
+        for (idx_t j = 0; j + TW <= whole; j += TW) {
+          for (int t = 0; t < TW; ++t)
+            if (t < gw) __builtin_prefetch(b + (gn + t) * sbn + pc + 2 * j + 256);
+          vt v[TW];
+#pragma GCC unroll 16
+          for (int t = 0; t < TW; ++t)
+            v[t] = t < gw ? loadu<vt>(reinterpret_cast<const float*>(b + (gn + t) * sbn + pc +
+                                                                     2 * j))
+                          : vt{};
+          transpose(v);
+#pragma GCC unroll 16
+          for (int t = 0; t < TW; ++t) {
+            vtw u;
+            std::memcpy(&u, &v[t], sizeof u);
+            u = (u << 16) | (u >> 16);
+            std::memcpy(d + (j + t) * NRW + g * TW, &u, sizeof u);
+          }
+        }
+      }
+      j0 = whole / TW * TW;
+    }
+    for (idx_t j = j0; j < np; ++j) {
+      const idx_t k = pc + 2 * j;
+      const bool second = 2 * j + 1 < kc;
+      for (idx_t t = 0; t < NRW; ++t) {
+        const idx_t n = n0 + t;
+        d[j * NRW + t] = t < w ? pair_word(b[k * sbk + n * sbn],
+                                           second ? b[(k + 1) * sbk + n * sbn] : u16(0))
+                               : 0u;
+      }
+    }
+  }
+}
+
+// Packs a[ic:ic+mc, pc:pc+kc] (bf16 bits) into blocks of MR rows of pair words:
+// dst[blk][j][MR] (rows past mc unused).
+static void pack_a(const u16* a, idx_t sam, idx_t sak, idx_t ic, idx_t mc, idx_t pc, idx_t kc,
+                   u32* dst) {
+  const idx_t np = pairs(kc);
+  for (idx_t r0 = 0; r0 < mc; r0 += MR) {
+    u32* d = dst + r0 * np;
+    const idx_t rows = mc - r0 < MR ? mc - r0 : MR;
+    for (idx_t r = 0; r < rows; ++r) {
+      const u16* s = a + (ic + r0 + r) * sam + pc * sak;
+      for (idx_t j = 0; j < np; ++j)
+        d[j * MR + r] = pair_word(s[2 * j * sak], 2 * j + 1 < kc ? s[(2 * j + 1) * sak] : u16(0));
+    }
+  }
+}
+
+// c[0:R, 0:cols] (row pitch ldc) for one packed A block (np pairs x MR) and one B panel
+// (np pairs x NRW): each lane runs vdpbf16ps over the pairs in order. first: acc starts at
+// 0.0f, else at the value stored in c by the previous K block. bias (offset to this panel, or
+// null) is added once, after the last K block, with an fp32 add.
+template <int R>
+static void micro(const u32* __restrict pa, const u32* __restrict pb, idx_t np,
+                  float* __restrict c, idx_t ldc, idx_t cols, bool first, const float* bias) {
+  static_assert(VW == 16, "vdpbf16ps on 512-bit vectors");
+  __m512 acc[R][NRV];
+  const bool full = cols == NRW;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < NRV; ++v) {
+      if (first) {
+        acc[r][v] = _mm512_setzero_ps();
+      } else if (full) {
+        acc[r][v] = _mm512_loadu_ps(c + r * ldc + v * VW);
+      } else {
+        alignas(64) float t[VW] = {};
+        for (idx_t j = v * VW; j < cols && j < (v + 1) * VW; ++j) t[j - v * VW] = c[r * ldc + j];
+        acc[r][v] = _mm512_load_ps(t);
+      }
+    }
+  }
+  for (idx_t j = 0; j < np; ++j) {
+    __m512bh bv[NRV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NRV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(pb + j * NRW + v * VW);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(int(pa[j * MR + r]));
+#pragma GCC unroll 8
+      for (int v = 0; v < NRV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
+    }
+  }
+  if (bias) {
+    alignas(64) float t[NRW] = {};
+    for (idx_t j = 0; j < cols; ++j) t[j] = bias[j];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < NRV; ++v) acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_load_ps(t + v * VW));
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    if (full) {
+#pragma GCC unroll 8
+      for (int v = 0; v < NRV; ++v) _mm512_storeu_ps(c + r * ldc + v * VW, acc[r][v]);
+    } else {
+      alignas(64) float t[NRW];
+#pragma GCC unroll 8
+      for (int v = 0; v < NRV; ++v) _mm512_store_ps(t + v * VW, acc[r][v]);
+      for (idx_t j = 0; j < cols; ++j) c[r * ldc + j] = t[j];
+    }
+  }
+}
+
+template <int... R>
+static inline void micro_rows(int rows, std::integer_sequence<int, R...>, const u32* pa,
+                              const u32* pb, idx_t np, float* c, idx_t ldc, idx_t cols,
+                              bool first, const float* bias) {
+  (void)((rows == R + 1 ? (micro<R + 1>(pa, pb, np, c, ldc, cols, first, bias), true) : false) ||
+         ...);
+}
+
+// One thread's share, as avx512::matmul_tile (same splits, same fold, same scratch layout and
+// size), with a and b bf16: rows [m0, m1), columns [n0, n1). K blocks are even, so a block's
+// pairs are its split's. `packed`, when not null, is all of B packed once by pack_b_all.
+static void matmul_tile(const u16* a, idx_t sam, idx_t sak, const u16* b, idx_t sbk, idx_t sbn,
+                        const float* bias, float* c, idx_t ldc, idx_t m0, idx_t m1, idx_t n0,
+                        idx_t n1, idx_t K, idx_t split, idx_t KC, idx_t NC, float* scratch,
+                        const u32* packed) {
+  // Pair words fit where avx512::matmul_tile keeps floats (pairs(kc) <= kc for even kc).
+  u32* bufb = reinterpret_cast<u32*>(scratch);
+  u32* bufa = reinterpret_cast<u32*>(scratch + ((size_t(KC) * size_t(NC) + 15) & ~size_t(15)));
+  float* part = scratch + ((size_t(KC) * size_t(NC) + 15) & ~size_t(15)) + size_t(MC) * size_t(KC) + 16;
+  if (split <= 0 || split >= K) split = K > 0 ? K : 1;
+  KC = KC < 2 ? 2 : KC & ~idx_t(1);
+  const bool one_split = split >= K;
+  const idx_t panel_pairs = pair_index(K, split);
+  for (idx_t jc = n0; jc < n1; jc += NC) {
+    const idx_t nc = n1 - jc < NC ? n1 - jc : NC;
+    idx_t lo = 0;
+    do {  // each split at least once, so K == 0 still writes 0.0f (+ bias)
+      const idx_t hi = K - lo < split ? K : lo + split;
+      const bool in_c = lo == 0;
+      const idx_t ldd = in_c ? ldc : NC;
+      idx_t pc = lo;
+      do {
+        const idx_t kc = hi - pc < KC ? hi - pc : KC;
+        const idx_t np = pairs(kc);
+        const bool first = pc == lo;
+        const bool last = pc + kc >= hi;
+        const u32* pb = bufb;
+        idx_t panel_stride = np * NRW;
+        if (packed) {
+          pb = packed + (jc / NRW) * panel_pairs * NRW + pair_index(pc, split) * NRW;
+          panel_stride = panel_pairs * NRW;
+        } else if (kc > 0) {
+          pack_b(b, sbk, sbn, pc, kc, jc, nc, bufb, panel_stride);
+        }
+        for (idx_t ic = m0; ic < m1; ic += MC) {
+          const idx_t mc = m1 - ic < MC ? m1 - ic : MC;
+          pack_a(a, sam, sak, ic, mc, pc, kc, bufa);
+          for (idx_t ir = 0; ir < mc; ir += MR) {
+            const int rows = int(mc - ir < MR ? mc - ir : MR);
+            for (idx_t jr = 0; jr < nc; jr += NRW) {
+              const idx_t cols = nc - jr < NRW ? nc - jr : NRW;
+              const float* bb = (one_split && last && bias) ? bias + jc + jr : nullptr;
+              float* cc = in_c ? c + (ic + ir) * ldc + jc + jr
+                               : part + (ic + ir - m0) * NC + jr;
+              micro_rows(rows, std::make_integer_sequence<int, MR>{}, bufa + ir * np,
+                         pb + (jr / NRW) * panel_stride, np, cc, ldd, cols, first, bb);
+            }
+          }
+        }
+        pc += kc;
+      } while (pc < hi);
+      const float* tail_bias = (!one_split && hi >= K && bias) ? bias + jc : nullptr;
+      if (!in_c || tail_bias)
+        fold_part(c + m0 * ldc + jc, ldc, in_c ? nullptr : part, NC, m1 - m0, nc, tail_bias);
+      lo = hi;
+    } while (lo < K);
+  }
+}
+
+// All of b[K, N] in pair panels for PackedWeight: panel p holds pair_index(K, split) pair rows,
+// each split's pairs from its own start (what matmul_tile reads in place).
+static void pack_b_all(const u16* b, idx_t sbk, idx_t sbn, idx_t K, idx_t N, idx_t split,
+                       u32* dst) {
+  if (split <= 0 || split >= K) split = K > 0 ? K : 1;
+  const idx_t stride = pair_index(K, split) * NRW;
+  for (idx_t lo = 0; lo < K; lo += split) {
+    const idx_t kc = K - lo < split ? K - lo : split;
+    pack_b(b, sbk, sbn, lo, kc, 0, N, dst + pair_index(lo, split) * NRW, stride);
+  }
+}
+
+}  // namespace dot
