@@ -144,7 +144,24 @@ def test_breakdown_needs_a_gpu():
     assert breakdown_ms(lambda: None, torch.device("cpu")) == {}
 
 
-@pytest.mark.parametrize("name", ["boundary", "sample", "dvr", "generate", "layer", "rl"])
+def test_bench_linear_quick_interleaves_the_three_calls(tmp_path):
+    out = tmp_path / "linear.json"
+    assert main(["bench", "linear", "--quick", "--device", "cpu", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    recs = data["records"]
+    assert {(r["N"], r["K"], r["M"], r["dtype"]) for r in recs} == {(96, 33, 1, "bfloat16"),
+                                                                  (96, 33, 3, "bfloat16")}
+    for r in recs:
+        assert r["bik_rows_identical"] and isinstance(r["noisy"], bool)
+        assert all(set(r[f"{c}_ms"]) == {"p20", "p50", "p80"} for c in ("stock", "bik.linear",
+                                                                         "packed"))
+        assert r["packed_vs_stock"] == r["packed_ms"]["p50"] / r["stock_ms"]["p50"]
+    assert data["meta"]["versions"]["cpu_bf16"] in ("dot", "widen")
+    assert "cpu_flags" in data["meta"] and "cpu_model" in data["meta"]
+
+
+@pytest.mark.parametrize("name", ["boundary", "sample", "dvr", "generate", "layer", "rl",
+                                  "linear"])
 def test_plot_is_refused_where_a_bench_has_none(name, tmp_path):
     with pytest.raises(SystemExit, match=f"bik bench {name}: --plot is not available"):
         main(["bench", name, "--quick", "--plot", str(tmp_path / "x.png")])

@@ -228,11 +228,17 @@ def test_linear_methods_get_bik_gemm_on_cuda(monkeypatch):
 
 @pytest.mark.parametrize("pack, dtype, packed", [("1", torch.float32, True),
                                                   ("1", torch.float16, True),
-                                                  ("1", torch.bfloat16, False),
-                                                  ("0", torch.float32, False)])
+                                                  ("1", torch.bfloat16, "dot"),
+                                                  ("0", torch.float32, False),
+                                                  ("0", torch.bfloat16, False)])
 def test_cpu_linear_is_bik_linear_packed_or_not(monkeypatch, pack, dtype, packed):
     """layer.cpu_linear after the plugin's weight-load hook gives bik.linear's bits, from a
-    weight packed once (fp32, fp16) or read on every call (bf16, or BIK_VLLM_PACK_WEIGHTS=0)."""
+    weight packed once (fp32, fp16, and bf16 on the bf16 dot path) or read on every call (bf16
+    off that path, or BIK_VLLM_PACK_WEIGHTS=0)."""
+    from bik.runtime import cpu_ext
+
+    if packed == "dot":
+        packed = cpu_ext.bf16_dot()
     monkeypatch.setenv("BIK_VLLM_PACK_WEIGHTS", pack)
     _one_rank(monkeypatch)
     layer = torch.nn.Linear(96, 200, dtype=dtype)

@@ -152,7 +152,8 @@ def test_processed_logprobs_are_bik_samples_at_the_drawn_token(mode, filters):
     assert not torch.equal(stock, want.logprobs)
 
 
-def test_repack_after_a_weight_update_reads_the_new_weights():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the dot path's pair panels
+def test_repack_after_a_weight_update_reads_the_new_weights(dtype):
     """vLLM writes a weight update into the old tensors (weight.data.copy_), which a pack cannot
     see; repack (run after every reload_weights) packs the new values. The control: the panels
     packed before the update still give the old product."""
@@ -160,10 +161,11 @@ def test_repack_after_a_weight_update_reads_the_new_weights():
     from bik.integrations.vllm import linear
 
     torch.manual_seed(0)
-    layer = torch.nn.Linear(64, 48, bias=False)
+    dt = getattr(torch, dtype)
+    layer = torch.nn.Linear(64, 48, bias=False, dtype=dt)
     layer.cpu_linear = linear._packed_linear(layer.weight)
     stale = layer.cpu_linear
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 64).to(dt)
     layer.weight.data.copy_(torch.randn(48, 64))
     fresh = bik.linear(x, layer.weight)
     assert not torch.equal(stale(x, layer.weight, None), fresh)

@@ -62,6 +62,23 @@ def pick_device(name: str | None) -> torch.device:
     return device
 
 
+_CPU_FLAGS = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
+              "amx_bf16", "amx_tile", "amx_int8"}
+
+
+def _cpu_info() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
 def run_metadata(device: torch.device) -> dict:
     """Who, where and when: attached to every JSON record the CLI writes."""
     fp = bik.fingerprint(device)
@@ -71,6 +88,9 @@ def run_metadata(device: torch.device) -> dict:
         "device": str(device),
         "gpu": gpu,
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_info().get("model name"),
+        # the features that pick a kernel here or in the stock library it is compared with
+        "cpu_flags": sorted(set(_cpu_info().get("flags", "").split()) & _CPU_FLAGS),
         "threads": torch.get_num_threads(),
         "interop_threads": torch.get_num_interop_threads(),
         "thread_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")

@@ -30,6 +30,7 @@ BENCHES = {
     "rl": "bik.cli.bench.rl",
     "tp": "bik.cli.bench.tp",
     "layer": "bik.cli.bench.layer",
+    "linear": "bik.cli.bench.linear",
 }
 
 

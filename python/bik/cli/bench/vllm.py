@@ -25,7 +25,8 @@ from rich.table import Table
 
 from bik.cli.common import print_table, progress
 
-REPEATS = 3
+REPEATS = 3  # timed rounds per engine process
+ROUNDS = 2  # engine processes per config, stock and plugin alternating: 6 runs each
 NEW_TOKENS = 32
 NOISY = 1.15  # max / min of the repeats above this: flag the row
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
@@ -89,22 +90,28 @@ def run(device, dtype, args) -> list[dict]:
         with progress("bik bench vllm --profile", 2 * len(dtypes)) as advance:
             return vllm_profile.run(dtypes, vllm.__version__, advance)
     records = []
-    with progress("bik bench vllm", 2 * len(dtypes)) as advance:
+    with progress("bik bench vllm", 2 * ROUNDS * len(dtypes)) as advance:
         for dt in dtypes:
             records += _engines(dt, vllm.__version__, advance)
     return records
 
 
 def _engines(dt: str, version: str, advance) -> list[dict]:
-    """Stock, then the plugin, for one dtype (an engine process each)."""
+    """Stock and the plugin for one dtype, ROUNDS engine processes each, alternating (so a
+    slow spell of the machine lands on both)."""
     tokens = NEW_TOKENS * len(PROMPTS)
     records: list[dict] = []
     stock: dict = {}
+    runs = {False: {"alone": [], "batched": []}, True: {"alone": [], "batched": []}}
+    for _ in range(ROUNDS):
+        for plugin in (False, True):
+            got = _spawn(dt, plugin)
+            advance()
+            for mode in runs[plugin]:
+                runs[plugin][mode] += got[mode]
     for plugin in (False, True):
-        got = _spawn(dt, plugin)
-        advance()
         for mode in ("alone", "batched"):
-            times = got[mode]
+            times = runs[plugin][mode]
             rec = {"op": "vllm generate", "vllm": version, "dtype": dt,
                    "config": "bik plugin" if plugin else "stock", "mode": mode,
                    "prompts": len(PROMPTS),

@@ -179,18 +179,23 @@ def _after_load_model(load_model):
 
 
 def _pack_weights(weight: torch.Tensor) -> bool:
-    """fp32 / fp16 weights are packed once. A bf16 weight is not: the kernel reads it as bf16
-    and widens it while packing each call, half the bytes of fp32 panels, which measured faster
-    in vLLM's batched decode (4.38 s packed vs 3.83 s per-call, 8 prompts x 32 tokens, 2 cores)
-    and about even alone. BIK_VLLM_PACK_WEIGHTS=0 packs none."""
+    """fp32 / fp16 weights are packed once, and bf16 ones where bf16 products take the bf16 dot
+    path (bik.runtime.cpu_ext.bf16_dot): its pair panels hold 2 bytes per element, as the
+    weight does. Off that path a bf16 weight is not packed: the kernel widens it while packing
+    each call, half the bytes of fp32 panels, which measured faster in vLLM's batched decode
+    (4.38 s packed vs 3.83 s per-call, 8 prompts x 32 tokens, 2 cores) and about even alone.
+    BIK_VLLM_PACK_WEIGHTS=0 packs none."""
+    from bik.runtime import cpu_ext
+
     wanted = os.environ.get("BIK_VLLM_PACK_WEIGHTS", "1") not in ("", "0")
-    return wanted and weight.dtype != torch.bfloat16
+    return wanted and (weight.dtype != torch.bfloat16 or cpu_ext.bf16_dot())
 
 
 def _dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
     """Replaces dispatch_cpu_unquantized_gemm: every 2-D weight on bik, the weight kept as
-    loaded (vLLM's layers pass it to cpu_linear) and, for fp32 / fp16 weights, packed once
-    for bik's CPU kernel (fp32 panels: 4 bytes per weight element more memory)."""
+    loaded (vLLM's layers pass it to cpu_linear) and packed once for bik's CPU kernel where
+    :func:`_pack_weights` says (fp32 panels: 4 bytes per weight element more memory; bf16
+    pair panels: 2)."""
     from bik.integrations.vllm import spec_draft
 
     if spec_draft.loading_stock_draft():  # the fast-path draft model keeps vLLM's GEMMs

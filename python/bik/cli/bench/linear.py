@@ -1,0 +1,92 @@
+"""`bik bench linear`: one linear layer on the CPU, F.linear vs bik.linear vs bik.PackedWeight.
+
+The shapes a decode and a short prefill see: SmolLM2-135M's MLP (1536 x 576, 576 x 1536) and
+Llama-3-8B's (4096 x 4096, 14336 x 4096), at M = 1, 8, 64 (``--ms``), in ``--dtype`` (bf16 by
+default: the bf16 dot path when this CPU takes it, ``versions["cpu_bf16"]`` in the record's
+meta). The three calls are timed in ROUNDS interleaved rounds (the order rotates each round),
+so a slow spell of a shared machine lands on all three; each round's sample is the median of a
+few calls. A record keeps every call's median, p20 and p80 across rounds, its time relative to
+F.linear's, a noise flag, and whether bik's rows alone equal its batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+import bik
+from bik._dtypes import dtype_name
+from bik.cli.timing import noisy, quantiles_ms
+
+SMOLLM2 = ((1536, 576), (576, 1536))
+LLAMA = ((4096, 4096), (14336, 4096))
+ROUNDS = 7
+CALLS = ("stock", "bik.linear", "packed")
+
+
+def _median_call_ms(fn, budget_s: float = 0.05, max_calls: int = 25) -> float:
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_calls and (len(times) < 3 or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _one(n: int, k: int, m: int, dtype, rounds: int) -> dict:
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    packed = bik.PackedWeight(weight)
+    fns = {"stock": lambda: F.linear(x, weight), "bik.linear": lambda: bik.linear(x, weight),
+           "packed": lambda: packed(x)}
+    for fn in fns.values():
+        fn()  # warm-up
+    samples: dict[str, list[float]] = {name: [] for name in CALLS}
+    for r in range(rounds):
+        for i in range(len(CALLS)):
+            name = CALLS[(i + r) % len(CALLS)]
+            samples[name].append(_median_call_ms(fns[name]))
+    times = {name: quantiles_ms(s) for name, s in samples.items()}
+    out = bik.linear(x, weight)
+    rows_same = bool(torch.equal(torch.cat([bik.linear(x[i:i + 1], weight) for i in range(m)]),
+                                 out)) and torch.equal(packed(x), out)
+    rec = {"op": "linear", "N": n, "K": k, "M": m, "dtype": dtype_name(dtype), "rounds": rounds,
+           "noisy": noisy(*times.values()), "bik_rows_identical": rows_same}
+    for name in CALLS:
+        rec[f"{name}_ms"] = times[name]
+        if name != "stock":
+            rec[f"{name}_vs_stock"] = times[name]["p50"] / times["stock"]["p50"]
+    return rec
+
+
+def run(device, dtype, args) -> list[dict]:
+    if device.type != "cpu":
+        raise SystemExit("bik bench linear: the CPU (--device cpu); `bik bench matmul` times GPUs")
+    dtype = torch.bfloat16 if args.dtype is None else dtype  # the CLI's CPU default is fp32
+    shapes = ((96, 33),) if args.quick else SMOLLM2 + LLAMA
+    ms = [int(v) for v in args.ms.split(",")] if args.ms else ([1, 3] if args.quick else [1, 8, 64])
+    rounds = 2 if args.quick else ROUNDS
+    return [_one(n, k, m, dtype, rounds) for n, k in shapes for m in ms]
+
+
+def render(records: list[dict], console: Console) -> None:
+    table = Table(title=f"linear on the CPU ({records[0]['dtype']}), median of "
+                        f"{records[0]['rounds']} interleaved rounds, time vs F.linear")
+    for col in ("N x K", "M", "F.linear ms", "bik.linear", "packed", "rows same", ""):
+        table.add_column(col, justify="right")
+    for r in records:
+        table.add_row(f"{r['N']} x {r['K']}", str(r["M"]), f"{r['stock_ms']['p50']:.3f}",
+                      f"{r['bik.linear_vs_stock']:.2f}x", f"{r['packed_vs_stock']:.2f}x",
+                      "yes" if r["bik_rows_identical"] else "NO",
+                      "noisy" if r["noisy"] else "")
+    console.print(table)
+
+
+plot = None
