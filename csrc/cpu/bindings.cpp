@@ -54,19 +54,23 @@
 #undef BIK_MR
 #undef BIK_NRV
 #undef BIK_MC
-// The bf16 dot path: AVX-512 plus the bf16 dot-product instruction, inside the avx512 namespace.
+// The bf16 dot path on AVX-512 (FMA, and vdpbf16ps for CPUs with AVX512_BF16).
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))), \
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,fma"))), \
                              apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,fma")
 #endif
+#define BIK_DOT_VW 16
+#define BIK_DOT_VDPBF16 1
 namespace bik_cpu {
 namespace avx512 {
 #include "matmul_bf16_dot.h"
 }  // namespace avx512
 }  // namespace bik_cpu
+#undef BIK_DOT_VW
+#undef BIK_DOT_VDPBF16
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -91,6 +95,23 @@ namespace avx512 {
 #undef BIK_MR
 #undef BIK_NRV
 #undef BIK_MC
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+#define BIK_DOT_VW 8
+#define BIK_DOT_VDPBF16 0
+namespace bik_cpu {
+namespace avx2 {
+#include "matmul_bf16_dot.h"
+}  // namespace avx2
+}  // namespace bik_cpu
+#undef BIK_DOT_VW
+#undef BIK_DOT_VDPBF16
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -129,11 +150,13 @@ struct Isa {
   void (*pack_bf16)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
   void (*rms)(const float*, idx_t, const float*, float*, idx_t, idx_t, idx_t, idx_t, float);
   void (*log_softmax)(const float*, idx_t, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t);
-  // The bf16 dot path (a and b bf16; matmul_bf16_dot.h), null where the ISA has none. Same
-  // arguments as tile, a packed B in pair words; its pack_b_all takes the split.
-  void (*tile_dot)(const std::uint16_t*, idx_t, idx_t, const std::uint16_t*, idx_t, idx_t,
-                   const float*, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
-                   idx_t, float*, const std::uint32_t*) = nullptr;
+  // The bf16 dot path (a and b bf16; matmul_bf16_dot.h): its FMA kernel and, on CPUs with
+  // AVX512_BF16, its vdpbf16ps one; null where the ISA or the CPU has none. Same arguments as
+  // tile, a packed B in pair words; pack_dot (pack_b_all) takes the split.
+  using TileDot = void (*)(const std::uint16_t*, idx_t, idx_t, const std::uint16_t*, idx_t,
+                           idx_t, const float*, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
+                           idx_t, idx_t, idx_t, float*, const std::uint32_t*);
+  TileDot tile_dot = nullptr, tile_vdp = nullptr;
   void (*pack_dot)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t,
                    std::uint32_t*) = nullptr;
 };
@@ -155,8 +178,8 @@ bool isa_supported(const std::string& name) {
   return false;
 }
 
-// The CPU has the bf16 dot-product instruction (AVX512_BF16) and this build compiled it.
-bool bf16_dot_cpu() {
+// The CPU has the bf16 dot-product instruction (AVX512_BF16) with the AVX-512 it needs.
+bool vdpbf16_cpu() {
 #if BIK_X86
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -178,13 +201,19 @@ Isa select_isa(const std::string& want) {
 #if BIK_X86
   if (name == "avx512") {
     Isa isa = BIK_ISA_ENTRY(avx512);
-    if (bf16_dot_cpu()) {
-      isa.tile_dot = &avx512::dot::matmul_tile;
-      isa.pack_dot = &avx512::dot::pack_b_all;
+    isa.tile_dot = &avx512::dot::matmul_tile<avx512::dot::Fma>;  // AVX-512F CPUs have FMA
+    isa.pack_dot = &avx512::dot::pack_b_all;
+    if (vdpbf16_cpu()) isa.tile_vdp = &avx512::dot::matmul_tile<avx512::dot::Vdp>;
+    return isa;
+  }
+  if (name == "avx2") {
+    Isa isa = BIK_ISA_ENTRY(avx2);
+    if (__builtin_cpu_supports("fma")) {
+      isa.tile_dot = &avx2::dot::matmul_tile<avx2::dot::Fma>;
+      isa.pack_dot = &avx2::dot::pack_b_all;
     }
     return isa;
   }
-  if (name == "avx2") return BIK_ISA_ENTRY(avx2);
 #endif
   return BIK_ISA_ENTRY(generic);
 }
@@ -197,7 +226,7 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
                 idx_t sbk, idx_t sbn, std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M,
                 idx_t N, idx_t K, idx_t split, int num_threads, idx_t block_k, idx_t block_n,
                 bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb,
-                std::uintptr_t packed = 0, bool a_bf16 = false) {
+                std::uintptr_t packed = 0, bool a_bf16 = false, bool vdp = false) {
   if (M == 0 || N == 0 || batch == 0) return;
   if (split <= 0 || split >= K) split = K;  // one split
   // Blocking (speed only; K blocks store/reload the fp32 acc in order, so bits never change).
@@ -241,7 +270,7 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
     for (idx_t r0 = m0; r0 < m1; r0 += step) {
       const idx_t r1 = std::min(m1, r0 + step);
       if (a_bf16)
-        isa.tile_dot(reinterpret_cast<const std::uint16_t*>(a) + e * sab, sam, sak,
+        (vdp ? isa.tile_vdp : isa.tile_dot)(reinterpret_cast<const std::uint16_t*>(a) + e * sab, sam, sak,
                      reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p, C, ldc, r0,
                      r1, n0, n1, K, split, kcb, ncb, mine,
                      reinterpret_cast<const std::uint32_t*>(packed));
@@ -272,43 +301,50 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
   }
 }
 
-// Why the bf16 dot path cannot run here ("" when it can): the CPU lacks the instruction, or
-// the start-up self-test found the kernel's bits differing from the contract's transcription
-// (dot_reference.h) on a fixed probe. Decided once per process.
-const std::string& bf16_dot_refusal();
+// Why a bf16 dot kernel cannot run here ("" when it can): the CPU lacks it, or the start-up
+// self-test found its bits differing from the contract's transcription (dot_reference.h) on a
+// fixed probe. Decided once per process. vdp: the vdpbf16ps kernel, else the FMA one of the
+// widest ISA.
+const std::string& bf16_dot_refusal(bool vdp = false);
 
 void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t sbk, idx_t sbn,
                 std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M, idx_t N, idx_t K,
                 idx_t split, int num_threads, const std::string& isa_name, idx_t block_k,
                 idx_t block_n, bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb,
-                std::uintptr_t packed, bool a_bf16) {
+                std::uintptr_t packed, bool a_bf16, const std::string& dot_kernel) {
   if (M < 0 || N < 0 || K < 0 || batch < 0)
     throw std::invalid_argument("bik: negative matmul size");
   if (split < 0) throw std::invalid_argument("bik: negative matmul split");
   if (packed && batch != 1) throw std::invalid_argument("bik: a packed B serves one entry");
   const Isa isa = select_isa(isa_name);
+  if (dot_kernel != "fma" && dot_kernel != "vdpbf16ps")
+    throw std::invalid_argument("bik: dot_kernel '" + dot_kernel + "' (fma, vdpbf16ps)");
+  const bool vdp = dot_kernel == "vdpbf16ps";
   if (a_bf16) {
     if (!b_bf16) throw std::invalid_argument("bik: the bf16 dot path takes a and b both bf16");
-    if (!bf16_dot_refusal().empty())
-      throw std::invalid_argument("bik: the bf16 dot path is unavailable: " + bf16_dot_refusal());
-    if (isa.tile_dot == nullptr)
-      throw std::invalid_argument("bik: isa '" + std::string(isa.name) +
-                                  "' has no bf16 dot path (avx512 has)");
+    if (!bf16_dot_refusal(vdp).empty())
+      throw std::invalid_argument("bik: the bf16 dot kernel " + dot_kernel +
+                                  " is unavailable: " + bf16_dot_refusal(vdp));
+    if ((vdp ? isa.tile_vdp : isa.tile_dot) == nullptr)
+      throw std::invalid_argument("bik: isa '" + std::string(isa.name) + "' has no " +
+                                  dot_kernel + " bf16 dot kernel on this CPU");
   }
   pybind11::gil_scoped_release nogil;
   matmul_run(isa, a, sam, sak, b, sbk, sbn, bias, c, ldc, M, N, K, split, num_threads, block_k,
-             block_n, b_bf16, batch, sab, sbb, scb, packed, a_bf16);
+             block_n, b_bf16, batch, sab, sbb, scb, packed, a_bf16, vdp);
 }
 
-// The self-test's probe: bf16 words whose exponents reach the denormals, products near the
-// flush threshold 2^-126 and cancellations, from a fixed generator; odd K, row and column tails;
-// one split and splits of 16 (an odd last one). Row 0 x column 0 is the add where tininess is
-// judged after rounding: 2^-126 - 2^-152 rounds up to 2^-126 at fp32's precision and is kept.
+// The self-test's probes: bf16 words whose exponents reach the denormals, products near the
+// flush threshold 2^-126 and cancellations, from a fixed generator; K odd (45) and even (44),
+// row and column tails, one split and splits of 16. Row 0 x column 0 is the add where tininess
+// is judged after rounding: 2^-126 - 2^-152 rounds up to 2^-126 at fp32's precision and is
+// kept. Row 1 x column 1 is a -0 that survives an even K (a flushed negative product, then a
+// negative denormal read as -0, then -0 * +0 terms).
 struct DotProbe {
-  static constexpr idx_t M = 7, N = 35, K = 45, kSplits[2] = {45, 16};
-  std::vector<std::uint16_t> a = std::vector<std::uint16_t>(M * K),
-                             b = std::vector<std::uint16_t>(K * N);  // row-major [K, N]
-  DotProbe() {
+  static constexpr idx_t M = 7, N = 35, kKs[2] = {45, 44};
+  idx_t K;
+  std::vector<std::uint16_t> a, b;  // a [M, K], b [K, N] row-major
+  explicit DotProbe(idx_t k) : K(k), a(size_t(M * k)), b(size_t(k * N)) {
     std::uint32_t state = 12345u;
     auto word = [&state]() {
       state = state * 1664525u + 1013904223u;
@@ -319,21 +355,28 @@ struct DotProbe {
     };
     for (auto& x : a) x = word();
     for (auto& x : b) x = word();
-    for (idx_t k = 0; k < K; ++k) a[k] = b[k * N] = 0;
-    a[0] = 0x3f80;      // 1.0
-    b[0] = 0x0080;      // 2^-126
-    a[1] = 0x1980;      // 2^-76
-    b[1 * N] = 0x9980;  // -2^-76: the product is -2^-152
+    for (idx_t k = 0; k < K; ++k) {
+      a[k] = b[k * N] = 0;
+      a[K + k] = 0x8000;     // -0
+      b[k * N + 1] = 0;      // +0
+    }
+    a[0] = 0x3f80;          // 1.0
+    b[0] = 0x0080;          // 2^-126
+    a[1] = 0x1980;          // 2^-76
+    b[1 * N] = 0x9980;      // -2^-76: the product is -2^-152
+    a[K] = 0x1c80;          // 2^-70
+    b[1] = 0x9c80;          // -2^-70: the product -2^-140 flushes to -0
+    a[K + 1] = 0x8001;      // a negative denormal: -0
+    b[1 * N + 1] = 0x3f80;  // 1.0
   }
+  std::vector<idx_t> splits() const { return {K, 16}; }
 };
 
-// Runs the probe through the kernel (B row-major, B as a weight's transpose, B packed once)
-// and returns "" when its bits equal the transcription's everywhere (NaN where it is NaN).
-std::string bf16_dot_self_test() {
-  if (!bf16_dot_cpu()) return "this CPU has no AVX512_BF16 (vdpbf16ps)";
-  const DotProbe probe;
-  constexpr idx_t M = DotProbe::M, N = DotProbe::N, K = DotProbe::K;
-  const Isa isa = select_isa("avx512");
+// Runs probe K through `tile` (B row-major, B as a weight's transpose, B packed once) and
+// returns "" when its bits equal the transcription's everywhere (NaN where it is NaN).
+std::string bf16_dot_probe_check(const Isa& isa, Isa::TileDot tile, const char* name, idx_t K) {
+  const DotProbe probe(K);
+  constexpr idx_t M = DotProbe::M, N = DotProbe::N;
   std::vector<float> got(M * N), want(M * N);
   float* scratch = scratch_floats(isa.scratch_per_thread(16, 64, M));
   std::vector<std::uint32_t> panels(size_t((N + isa.nrw - 1) / isa.nrw) * K * isa.nrw);
@@ -341,30 +384,45 @@ std::string bf16_dot_self_test() {
   for (idx_t k = 0; k < K; ++k)
     for (idx_t n = 0; n < N; ++n) bt[n * K + k] = probe.b[k * N + n];
   FenvGuard g;
-  for (const idx_t split : DotProbe::kSplits) {
+  for (const idx_t split : probe.splits()) {
     dot_ref::matmul(probe.a.data(), K, 1, probe.b.data(), N, 1, nullptr, want.data(), N, M, N, K,
                     split);
     for (int layout = 0; layout < 3; ++layout) {
       const std::uint16_t* bp = layout == 1 ? bt.data() : probe.b.data();
       const idx_t sbk = layout == 1 ? 1 : N, sbn = layout == 1 ? K : 1;
       if (layout == 2) isa.pack_dot(probe.b.data(), N, 1, K, N, split, panels.data());
-      isa.tile_dot(probe.a.data(), K, 1, bp, sbk, sbn, nullptr, got.data(), N, 0, M, 0, N, K,
-                   split, 16, 64, scratch, layout == 2 ? panels.data() : nullptr);
+      tile(probe.a.data(), K, 1, bp, sbk, sbn, nullptr, got.data(), N, 0, M, 0, N, K, split, 16,
+           64, scratch, layout == 2 ? panels.data() : nullptr);
       for (idx_t i = 0; i < M * N; ++i) {
         const bool both_nan = std::isnan(got[i]) && std::isnan(want[i]);
         if (!both_nan && std::memcmp(&got[i], &want[i], sizeof(float)) != 0)
-          return "self-test: c[" + std::to_string(i / N) + ", " + std::to_string(i % N) +
-                 "] differs from the transcription (split " + std::to_string(split) +
-                 ", B layout " + std::to_string(layout) + ")";
+          return std::string("self-test (") + name + "): c[" + std::to_string(i / N) + ", " +
+                 std::to_string(i % N) + "] differs from the transcription (K " +
+                 std::to_string(K) + ", split " + std::to_string(split) + ", B layout " +
+                 std::to_string(layout) + ")";
       }
     }
   }
   return "";
 }
 
-const std::string& bf16_dot_refusal() {
-  static const std::string why = bf16_dot_self_test();
-  return why;
+// The self-test of a bf16 dot kernel of the widest ISA: vdp, the vdpbf16ps one, else FMA.
+std::string bf16_dot_self_test(bool vdp) {
+  const Isa isa = select_isa("auto");
+  const Isa::TileDot tile = vdp ? isa.tile_vdp : isa.tile_dot;
+  if (tile == nullptr)
+    return vdp ? "this CPU has no AVX512_BF16 (vdpbf16ps)" : "this CPU has no FMA";
+  for (const idx_t K : DotProbe::kKs) {
+    std::string why = bf16_dot_probe_check(isa, tile, vdp ? "vdpbf16ps" : isa.name, K);
+    if (!why.empty()) return why;
+  }
+  return "";
+}
+
+const std::string& bf16_dot_refusal(bool vdp) {
+  static const std::string fma_why = bf16_dot_self_test(false);
+  static const std::string vdp_why = bf16_dot_self_test(true);
+  return vdp ? vdp_why : fma_why;
 }
 
 // contract.h's bf16 dot sequence in scalar code (dot_reference.h), for the tests.
@@ -380,14 +438,14 @@ void matmul_bf16_dot_reference(std::uintptr_t a, idx_t sam, idx_t sak, std::uint
                   bias ? fptr(bias) : nullptr, reinterpret_cast<float*>(c), ldc, M, N, K, split);
 }
 
-// All of b[K, N] (bf16) in the dot path's pair panels: panels * pair_rows * nrw words (sizes
-// from matmul_dot_pair_rows and matmul_panel_width("avx512")); copies only.
+// All of b[K, N] (bf16) in the dot path's pair panels for `isa_name`: panels * pair_rows * nrw
+// words (sizes from matmul_dot_pair_rows and matmul_panel_width); copies only.
 void matmul_pack_b_pairs(std::uintptr_t b, idx_t sbk, idx_t sbn, idx_t K, idx_t N, idx_t split,
-                         std::uintptr_t dst) {
+                         const std::string& isa_name, std::uintptr_t dst) {
   if (K < 0 || N < 0 || split < 0) throw std::invalid_argument("bik: negative matmul size");
-  if (!bf16_dot_refusal().empty())
-    throw std::invalid_argument("bik: the bf16 dot path is unavailable: " + bf16_dot_refusal());
-  const Isa isa = select_isa("avx512");
+  const Isa isa = select_isa(isa_name);
+  if (isa.pack_dot == nullptr)
+    throw std::invalid_argument("bik: isa '" + std::string(isa.name) + "' has no bf16 dot path");
   if (K == 0 || N == 0) return;
   pybind11::gil_scoped_release nogil;
   isa.pack_dot(reinterpret_cast<const std::uint16_t*>(b), sbk, sbn, K, N, split,
@@ -626,16 +684,14 @@ void sampling_elementwise(const std::string& fn, std::uintptr_t in, std::uintptr
 extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
   if (p->M < 0 || p->N < 0 || p->K < 0 || p->batch < 0 || p->split < 0) return 1;
   static const bik_cpu::Isa isa = bik_cpu::select_isa("auto");
-  if (p->a_bf16 && (!p->b_bf16 || isa.tile_dot == nullptr ||
-                    !bik_cpu::bf16_dot_refusal().empty()))
-    return 3;
+  if (p->a_bf16 && (!p->b_bf16 || !bik_cpu::bf16_dot_refusal().empty())) return 3;
   try {  // a thread that cannot start (std::system_error) must not cross the C boundary
     bik_cpu::matmul_run(isa, reinterpret_cast<std::uintptr_t>(p->a), p->sam, p->sak,
                         reinterpret_cast<std::uintptr_t>(p->b), p->sbk, p->sbn,
                         reinterpret_cast<std::uintptr_t>(p->bias),
                         reinterpret_cast<std::uintptr_t>(p->c), p->ldc, p->M, p->N, p->K,
                         p->split, p->num_threads, 0, 0, p->b_bf16 != 0, p->batch, p->sab,
-                        p->sbb, p->scb, 0, p->a_bf16 != 0);
+                        p->sbb, p->scb, 0, p->a_bf16 != 0, false);
   } catch (...) {
     return 2;
   }
@@ -659,37 +715,44 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("num_threads"), py::arg("isa") = "auto", py::arg("block_k") = 0,
         py::arg("block_n") = 0, py::arg("b_bf16") = false, py::arg("batch") = 1, py::arg("sab") = 0, py::arg("sbb") = 0,
         py::arg("scb") = 0, py::arg("packed") = 0, py::arg("a_bf16") = false,
+        py::arg("dot_kernel") = "fma",
         "c[M,N] (row pitch ldc) = a[M,K] @ b[K,N] (+ bias[N]); raw pointers, element strides.\n"
         "split: the K-split length S of contract.h (0 or >= K: one split).\n"
         "isa/block_k/block_n (0 = auto) change speed only, never bits (tests check this).\n"
         "b_bf16: b holds bf16 bit patterns, widened exactly to fp32 while packing.\n"
         "batch entries e < batch: a + e*sab, b + e*sbb, c + e*scb (elements; b's in its dtype).\n"
         "packed: b as matmul_pack_b wrote it for the same isa (b unread; batch 1), same bits.\n"
-        "a_bf16: a and b hold bf16 bit patterns: the bf16 dot sequence of contract.h on\n"
-        "vdpbf16ps (isa avx512; packed: as matmul_pack_b_pairs wrote it).");
+        "a_bf16: a and b hold bf16 bit patterns: the bf16 dot sequence of contract.h (packed:\n"
+        "as matmul_pack_b_pairs wrote it), on dot_kernel 'fma' or 'vdpbf16ps' (same bits).");
   m.def(
       "bf16_dot_probe",
       [] {
-        const bik_cpu::DotProbe p;
-        py::dict d;
-        d["M"] = p.M;
-        d["N"] = p.N;
-        d["K"] = p.K;
-        d["splits"] = std::vector<bik_cpu::idx_t>(std::begin(p.kSplits), std::end(p.kSplits));
-        d["a"] = p.a;
-        d["b"] = p.b;
-        return d;
+        py::list probes;
+        for (const auto K : bik_cpu::DotProbe::kKs) {
+          const bik_cpu::DotProbe p(K);
+          py::dict d;
+          d["M"] = p.M;
+          d["N"] = p.N;
+          d["K"] = p.K;
+          d["splits"] = p.splits();
+          d["a"] = p.a;
+          d["b"] = p.b;
+          probes.append(d);
+        }
+        return probes;
       },
-      "The self-test's probe: M, N, K, splits and the bf16 words of a [M, K] and b [K, N].");
-  m.def("bf16_dot_refusal", &bik_cpu::bf16_dot_refusal,
-        "Why the bf16 dot path cannot run in this process ('' when it can): no AVX512_BF16, or\n"
-        "the start-up self-test disagreed with the transcription.");
+      "The self-test's probes: M, N, K, splits and the bf16 words of a [M, K] and b [K, N].");
+  m.def("bf16_dot_refusal", &bik_cpu::bf16_dot_refusal, py::arg("vdp") = false,
+        "Why the bf16 dot path (its FMA kernel; vdp: its vdpbf16ps one) cannot run in this\n"
+        "process ('' when it can): the CPU lacks it, or the start-up self-test disagreed with\n"
+        "the transcription.");
   m.def("matmul_bf16_dot_reference", &bik_cpu::matmul_bf16_dot_reference, py::arg("a"),
         py::arg("sam"), py::arg("sak"), py::arg("b"), py::arg("sbk"), py::arg("sbn"),
         py::arg("bias"), py::arg("c"), py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"),
         py::arg("split"), "contract.h's bf16 dot sequence in scalar C++ (any CPU; tests).");
   m.def("matmul_pack_b_pairs", &bik_cpu::matmul_pack_b_pairs, py::arg("b"), py::arg("sbk"),
-        py::arg("sbn"), py::arg("K"), py::arg("N"), py::arg("split"), py::arg("dst"),
+        py::arg("sbn"), py::arg("K"), py::arg("N"), py::arg("split"), py::arg("isa"),
+        py::arg("dst"),
         "All of b[K, N] (bf16) in the bf16 dot path's pair panels, each split's pairs apart.");
   m.def(
       "matmul_dot_pair_rows",

@@ -17,7 +17,7 @@
 //   (bik's K-split contract cuts K into G groups, then splits; its table keeps each group one
 //   split when G > 1, so the two-level fold is this flat one.)
 //
-// matmul, bf16 dot sequence (a and b bf16, fp32 out), on CPUs with AVX512_BF16 whose start-up
+// matmul, bf16 dot sequence (a and b bf16, fp32 out), on x86 CPUs with FMA whose start-up
 // self-test passed (bindings.cpp; bik.runtime.cpu_ext.bf16_dot, BIK_CPU_BF16=widen turns it
 // off). The splits, folds and bias are the ones above; inside a split:
 //         p = 0.0f;  for k in the split, ascending:  p = step(p, a[m,k], b[k,n])
@@ -25,16 +25,18 @@
 //     step(p, x, y): x and y with a zero exponent field read as zeros of their sign; the exact
 //         p + x*y rounded once to nearest even at 24 bits with an unbounded exponent; a result
 //         below 2^-126 in magnitude (judged after that rounding) becomes a zero of its sign.
-//   That is one lane of vdpbf16ps per pair (x[k] in a pair word's high half, which the
-//   instruction takes first; MXCSR is neither read nor written). The odd split's extra step is
+//   That is an fp32 FMA of the widened halves under MXCSR's DAZ and FTZ (the kernel bik runs),
+//   and one lane of vdpbf16ps per pair (x[k] in a pair word's high half, which the instruction
+//   takes first; it ignores MXCSR). The odd split's extra step is
 //   its last pair's zero half: it turns a -0 partial into +0. A bf16 x bf16 product is exact in
 //   fp32, so wherever no product or partial falls below 2^-126 each step rounds exactly where
 //   the fp32 sequence's add does: the two sequences differ only near the flush threshold (and
 //   in that -0), which is why they are two contracts (versions["cpu_bf16"] in the
 //   fingerprint). Transcriptions: dot_reference.h (scalar C++), bik/ops/matmul/reference.py.
-//   How (matmul_bf16_dot.h): A and B packed into pair words (B panels [pairs][32 columns],
-//   each split's pairs from its own start, so a packed weight keeps 2 bytes per element);
-//   6 x 32 register blocks; K blocks even, inside a split; threads as above.
+//   How (matmul_bf16_dot.h): B packed into pair words (panels [pairs][NRW columns], each
+//   split's pairs from its own start, so a packed weight keeps 2 bytes per element), A widened;
+//   the ISA's register blocks; K blocks even, inside a split; DAZ / FTZ set around a split's
+//   steps and the caller's MXCSR back for the folds and the bias; threads as above.
 //   How: SIMD lanes run across N (each lane is one column n, so each lane's ops are exactly the
 //   sequence above); a register block of R <= MR rows x NRV vectors of N; B is packed into
 //   zero-padded [kc x NRW] panels so N tails run the same vector code; M tails instantiate the

@@ -1,10 +1,15 @@
-// The bf16 matmul on the CPU's bf16 dot-product instruction (AVX512_BF16's vdpbf16ps): the
-// "bf16 dot" sequence of contract.h, for a and b both bf16.
+// The bf16 matmul on the bf16 dot sequence of contract.h (a and b both bf16), two ways:
+//   Fma: each term one fp32 fused multiply-add of the widened pair halves, with MXCSR's DAZ and
+//        FTZ set around the K loop (a bf16 x bf16 product is exact, so the FMA's one rounding
+//        is the step's); on any x86 CPU with FMA (AVX2 or AVX-512).
+//   Vdp: one vdpbf16ps lane per pair (AVX512_BF16), which does the same two steps by itself.
+// Measured on the CI machine: the FMA kernel runs about twice the vdpbf16ps one (a core
+// retires two 16-lane FMAs a cycle but a vdpbf16ps every other cycle), so it is the default.
 //
-// Included once by bindings.cpp, inside namespace bik_cpu::avx512 (it reuses that ISA's
-// transposes, loads and split fold) and a target region that adds avx512bf16. The scalar
-// transcription of the same sequence, which runs on any CPU, is dot_reference.h.
-// No include guard on purpose.
+// Included by bindings.cpp inside an ISA's namespace (it reuses that ISA's VW, MR, NRV, NRW,
+// MC, transposes, loads and split fold) and a target region with FMA; BIK_DOT_VDPBF16 = 1 adds
+// the Vdp kernel (compiled for avx512bf16 on its own). The scalar transcription of the same
+// sequence, which runs on any CPU, is dot_reference.h. No include guard on purpose.
 
 namespace dot {
 
@@ -80,102 +85,212 @@ static void pack_b(const u16* b, idx_t sbk, idx_t sbn, idx_t pc, idx_t kc, idx_t
   }
 }
 
-// Packs a[ic:ic+mc, pc:pc+kc] (bf16 bits) into blocks of MR rows of pair words:
-// dst[blk][j][MR] (rows past mc unused).
-static void pack_a(const u16* a, idx_t sam, idx_t sak, idx_t ic, idx_t mc, idx_t pc, idx_t kc,
-                   u32* dst) {
-  const idx_t np = pairs(kc);
-  for (idx_t r0 = 0; r0 < mc; r0 += MR) {
-    u32* d = dst + r0 * np;
-    const idx_t rows = mc - r0 < MR ? mc - r0 : MR;
-    for (idx_t r = 0; r < rows; ++r) {
-      const u16* s = a + (ic + r0 + r) * sam + pc * sak;
-      for (idx_t j = 0; j < np; ++j)
-        d[j * MR + r] = pair_word(s[2 * j * sak], 2 * j + 1 < kc ? s[(2 * j + 1) * sak] : u16(0));
-    }
-  }
-}
-
-// c[0:R, 0:cols] (row pitch ldc) for one packed A block (np pairs x MR) and one B panel
-// (np pairs x NRW): each lane runs vdpbf16ps over the pairs in order. first: acc starts at
-// 0.0f, else at the value stored in c by the previous K block. bias (offset to this panel, or
-// null) is added once, after the last K block, with an fp32 add.
+// The accumulators of an R x NRW block: 0.0f for a split's first K block, else what the
+// previous K block stored in c (fp32, exact).
 template <int R>
-static void micro(const u32* __restrict pa, const u32* __restrict pb, idx_t np,
-                  float* __restrict c, idx_t ldc, idx_t cols, bool first, const float* bias) {
-  static_assert(VW == 16, "vdpbf16ps on 512-bit vectors");
-  __m512 acc[R][NRV];
-  const bool full = cols == NRW;
+static inline __attribute__((always_inline)) void load_acc(vf (&acc)[R][NRV], const float* c,
+                                                           idx_t ldc, idx_t cols, bool first) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 8
     for (int v = 0; v < NRV; ++v) {
       if (first) {
-        acc[r][v] = _mm512_setzero_ps();
-      } else if (full) {
-        acc[r][v] = _mm512_loadu_ps(c + r * ldc + v * VW);
+        acc[r][v] = vf{};
+      } else if (cols == NRW) {
+        acc[r][v] = loadu<vf>(c + r * ldc + v * VW);
       } else {
         alignas(64) float t[VW] = {};
         for (idx_t j = v * VW; j < cols && j < (v + 1) * VW; ++j) t[j - v * VW] = c[r * ldc + j];
-        acc[r][v] = _mm512_load_ps(t);
+        acc[r][v] = loadu<vf>(t);
       }
     }
   }
-  for (idx_t j = 0; j < np; ++j) {
-    __m512bh bv[NRV];
-#pragma GCC unroll 8
-    for (int v = 0; v < NRV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(pb + j * NRW + v * VW);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(int(pa[j * MR + r]));
-#pragma GCC unroll 8
-      for (int v = 0; v < NRV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
-    }
-  }
-  if (bias) {
-    alignas(64) float t[NRW] = {};
-    for (idx_t j = 0; j < cols; ++j) t[j] = bias[j];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int v = 0; v < NRV; ++v) acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_load_ps(t + v * VW));
-  }
+}
+
+template <int R>
+static inline __attribute__((always_inline)) void store_acc(const vf (&acc)[R][NRV], float* c,
+                                                            idx_t ldc, idx_t cols) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    if (full) {
+    if (cols == NRW) {
 #pragma GCC unroll 8
-      for (int v = 0; v < NRV; ++v) _mm512_storeu_ps(c + r * ldc + v * VW, acc[r][v]);
+      for (int v = 0; v < NRV; ++v) storeu(c + r * ldc + v * VW, acc[r][v]);
     } else {
       alignas(64) float t[NRW];
 #pragma GCC unroll 8
-      for (int v = 0; v < NRV; ++v) _mm512_store_ps(t + v * VW, acc[r][v]);
+      for (int v = 0; v < NRV; ++v) storeu(t + v * VW, acc[r][v]);
       for (idx_t j = 0; j < cols; ++j) c[r * ldc + j] = t[j];
     }
   }
 }
 
-template <int... R>
-static inline void micro_rows(int rows, std::integer_sequence<int, R...>, const u32* pa,
-                              const u32* pb, idx_t np, float* c, idx_t ldc, idx_t cols,
-                              bool first, const float* bias) {
-  (void)((rows == R + 1 ? (micro<R + 1>(pa, pb, np, c, ldc, cols, first, bias), true) : false) ||
+static inline __attribute__((always_inline)) vf fma_v(vf a, vf b, vf c) {
+#if BIK_DOT_VW == 16
+  return _mm512_fmadd_ps(a, b, c);
+#else
+  return _mm256_fmadd_ps(a, b, c);
+#endif
+}
+
+// x in every lane, bits unchanged (vf{} + x would turn -0 into +0, and under DAZ a negative
+// denormal too).
+static inline __attribute__((always_inline)) vf bcast(const float* x) {
+#if BIK_DOT_VW == 16
+  return _mm512_set1_ps(*x);
+#else
+  return _mm256_set1_ps(*x);
+#endif
+}
+
+typedef u32 vu __attribute__((vector_size(VW * 4)));
+
+// The Fma kernel. A is packed as widened floats [blk][pair][MR][2] (a[k], a[k+1]); a B pair
+// word's high half masked is b[k] as fp32, shifted left 16 it is b[k+1]. Each lane: fma with
+// b[k], then with b[k+1]: the contract's two steps under DAZ / FTZ, which the tile sets.
+struct Fma {
+  using PackedA = float;
+  static constexpr idx_t a_words(idx_t np) { return 2 * np; }
+
+  static void pack_a(const u16* a, idx_t sam, idx_t sak, idx_t ic, idx_t mc, idx_t pc,
+                     idx_t kc, float* dst) {
+    const idx_t np = pairs(kc);
+    for (idx_t r0 = 0; r0 < mc; r0 += MR) {
+      float* d = dst + r0 * 2 * np;
+      const idx_t rows = mc - r0 < MR ? mc - r0 : MR;
+      for (idx_t r = 0; r < rows; ++r) {
+        const u16* s = a + (ic + r0 + r) * sam + pc * sak;
+        for (idx_t j = 0; j < np; ++j) {
+          d[(j * MR + r) * 2] = bf16_f32(s[2 * j * sak]);
+          d[(j * MR + r) * 2 + 1] = 2 * j + 1 < kc ? bf16_f32(s[(2 * j + 1) * sak]) : 0.0f;
+        }
+      }
+    }
+  }
+
+  template <int R>
+  static void micro(const float* __restrict pa, const u32* __restrict pb, idx_t np,
+                    float* __restrict c, idx_t ldc, idx_t cols, bool first) {
+    vf acc[R][NRV];
+    load_acc<R>(acc, c, ldc, cols, first);
+    const vu high = vu{} + 0xffff0000u;
+    for (idx_t j = 0; j < np; ++j) {
+      vf b0[NRV], b1[NRV];
+#pragma GCC unroll 8
+      for (int v = 0; v < NRV; ++v) {
+        vu w;
+        std::memcpy(&w, pb + j * NRW + v * VW, sizeof w);
+        const vu w0 = w & high, w1 = w << 16;
+        std::memcpy(&b0[v], &w0, sizeof w0);
+        std::memcpy(&b1[v], &w1, sizeof w1);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const vf a0 = bcast(pa + (j * MR + r) * 2), a1 = bcast(pa + (j * MR + r) * 2 + 1);
+#pragma GCC unroll 8
+        for (int v = 0; v < NRV; ++v) acc[r][v] = fma_v(a1, b1[v], fma_v(a0, b0[v], acc[r][v]));
+      }
+    }
+    store_acc<R>(acc, c, ldc, cols);
+  }
+
+ private:
+  static inline float bf16_f32(u16 h) {
+    const u32 u = u32(h) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+};
+
+#if BIK_DOT_VDPBF16
+// The Vdp kernel: A packed as pair words [blk][pair][MR]; one vdpbf16ps per pair and vector.
+struct Vdp {
+  using PackedA = u32;
+  static constexpr idx_t a_words(idx_t np) { return np; }
+
+  static void pack_a(const u16* a, idx_t sam, idx_t sak, idx_t ic, idx_t mc, idx_t pc,
+                     idx_t kc, u32* dst) {
+    const idx_t np = pairs(kc);
+    for (idx_t r0 = 0; r0 < mc; r0 += MR) {
+      u32* d = dst + r0 * np;
+      const idx_t rows = mc - r0 < MR ? mc - r0 : MR;
+      for (idx_t r = 0; r < rows; ++r) {
+        const u16* s = a + (ic + r0 + r) * sam + pc * sak;
+        for (idx_t j = 0; j < np; ++j)
+          d[j * MR + r] =
+              pair_word(s[2 * j * sak], 2 * j + 1 < kc ? s[(2 * j + 1) * sak] : u16(0));
+      }
+    }
+  }
+
+  template <int R>
+  __attribute__((target("avx512bf16"))) static void micro(const u32* __restrict pa,
+                                                         const u32* __restrict pb, idx_t np,
+                                                         float* __restrict c, idx_t ldc,
+                                                         idx_t cols, bool first) {
+    static_assert(VW == 16, "vdpbf16ps on 512-bit vectors");
+    vf acc[R][NRV];
+    load_acc<R>(acc, c, ldc, cols, first);
+    for (idx_t j = 0; j < np; ++j) {
+      __m512bh bv[NRV];
+#pragma GCC unroll 8
+      for (int v = 0; v < NRV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(pb + j * NRW + v * VW);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(int(pa[j * MR + r]));
+#pragma GCC unroll 8
+        for (int v = 0; v < NRV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
+      }
+    }
+    store_acc<R>(acc, c, ldc, cols);
+  }
+};
+#endif
+
+template <class Kern, int... R>
+static inline void micro_rows(int rows, std::integer_sequence<int, R...>,
+                              const typename Kern::PackedA* pa, const u32* pb, idx_t np, float* c,
+                              idx_t ldc, idx_t cols, bool first) {
+  (void)((rows == R + 1 ? (Kern::template micro<R + 1>(pa, pb, np, c, ldc, cols, first), true)
+                        : false) ||
          ...);
 }
 
-// One thread's share, as avx512::matmul_tile (same splits, same fold, same scratch layout and
-// size), with a and b bf16: rows [m0, m1), columns [n0, n1). K blocks are even, so a block's
-// pairs are its split's. `packed`, when not null, is all of B packed once by pack_b_all.
+// MXCSR with DAZ and FTZ for the steps of one split's K blocks, the caller's value back for the
+// folds and the bias (contract.h: plain fp32 adds). The "memory" clobbers keep the steps, which
+// read A and B and write c from memory, between the two.
+class FlushGuard {
+ public:
+  FlushGuard() {
+    __asm__ volatile("stmxcsr %0" : "=m"(saved_) : : "memory");
+    const unsigned flush = saved_ | 0x8040u;  // FTZ (bit 15) | DAZ (bit 6)
+    __asm__ volatile("ldmxcsr %0" : : "m"(flush) : "memory");
+  }
+  ~FlushGuard() { __asm__ volatile("ldmxcsr %0" : : "m"(saved_) : "memory"); }
+  FlushGuard(const FlushGuard&) = delete;
+  FlushGuard& operator=(const FlushGuard&) = delete;
+
+ private:
+  unsigned saved_ = 0;
+};
+
+// One thread's share, as the ISA's fp32 matmul_tile (same splits, same fold, same scratch
+// layout and size), with a and b bf16: rows [m0, m1), columns [n0, n1). K blocks are even, so
+// a block's pairs are its split's. The bias is added by the fold after the last split, under
+// the caller's MXCSR. `packed`, when not null, is all of B packed once by pack_b_all.
+template <class Kern>
 static void matmul_tile(const u16* a, idx_t sam, idx_t sak, const u16* b, idx_t sbk, idx_t sbn,
                         const float* bias, float* c, idx_t ldc, idx_t m0, idx_t m1, idx_t n0,
                         idx_t n1, idx_t K, idx_t split, idx_t KC, idx_t NC, float* scratch,
                         const u32* packed) {
-  // Pair words fit where avx512::matmul_tile keeps floats (pairs(kc) <= kc for even kc).
+  using PA = typename Kern::PackedA;
+  // Pair words and widened A fit where the fp32 tile keeps floats (even KC).
+  const size_t b_floats = (size_t(KC) * size_t(NC) + 15) & ~size_t(15);
   u32* bufb = reinterpret_cast<u32*>(scratch);
-  u32* bufa = reinterpret_cast<u32*>(scratch + ((size_t(KC) * size_t(NC) + 15) & ~size_t(15)));
-  float* part = scratch + ((size_t(KC) * size_t(NC) + 15) & ~size_t(15)) + size_t(MC) * size_t(KC) + 16;
+  PA* bufa = reinterpret_cast<PA*>(scratch + b_floats);
+  float* part = scratch + b_floats + size_t(MC) * size_t(KC) + 16;
   if (split <= 0 || split >= K) split = K > 0 ? K : 1;
   KC = KC < 2 ? 2 : KC & ~idx_t(1);
-  const bool one_split = split >= K;
   const idx_t panel_pairs = pair_index(K, split);
   for (idx_t jc = n0; jc < n1; jc += NC) {
     const idx_t nc = n1 - jc < NC ? n1 - jc : NC;
@@ -184,38 +299,40 @@ static void matmul_tile(const u16* a, idx_t sam, idx_t sak, const u16* b, idx_t 
       const idx_t hi = K - lo < split ? K : lo + split;
       const bool in_c = lo == 0;
       const idx_t ldd = in_c ? ldc : NC;
-      idx_t pc = lo;
-      do {
-        const idx_t kc = hi - pc < KC ? hi - pc : KC;
-        const idx_t np = pairs(kc);
-        const bool first = pc == lo;
-        const bool last = pc + kc >= hi;
-        const u32* pb = bufb;
-        idx_t panel_stride = np * NRW;
-        if (packed) {
-          pb = packed + (jc / NRW) * panel_pairs * NRW + pair_index(pc, split) * NRW;
-          panel_stride = panel_pairs * NRW;
-        } else if (kc > 0) {
-          pack_b(b, sbk, sbn, pc, kc, jc, nc, bufb, panel_stride);
-        }
-        for (idx_t ic = m0; ic < m1; ic += MC) {
-          const idx_t mc = m1 - ic < MC ? m1 - ic : MC;
-          pack_a(a, sam, sak, ic, mc, pc, kc, bufa);
-          for (idx_t ir = 0; ir < mc; ir += MR) {
-            const int rows = int(mc - ir < MR ? mc - ir : MR);
-            for (idx_t jr = 0; jr < nc; jr += NRW) {
-              const idx_t cols = nc - jr < NRW ? nc - jr : NRW;
-              const float* bb = (one_split && last && bias) ? bias + jc + jr : nullptr;
-              float* cc = in_c ? c + (ic + ir) * ldc + jc + jr
-                               : part + (ic + ir - m0) * NC + jr;
-              micro_rows(rows, std::make_integer_sequence<int, MR>{}, bufa + ir * np,
-                         pb + (jr / NRW) * panel_stride, np, cc, ldd, cols, first, bb);
+      {
+        FlushGuard flush;
+        idx_t pc = lo;
+        do {
+          const idx_t kc = hi - pc < KC ? hi - pc : KC;
+          const idx_t np = pairs(kc);
+          const bool first = pc == lo;
+          const u32* pb = bufb;
+          idx_t panel_stride = np * NRW;
+          if (packed) {
+            pb = packed + (jc / NRW) * panel_pairs * NRW + pair_index(pc, split) * NRW;
+            panel_stride = panel_pairs * NRW;
+          } else if (kc > 0) {
+            pack_b(b, sbk, sbn, pc, kc, jc, nc, bufb, panel_stride);
+          }
+          for (idx_t ic = m0; ic < m1; ic += MC) {
+            const idx_t mc = m1 - ic < MC ? m1 - ic : MC;
+            Kern::pack_a(a, sam, sak, ic, mc, pc, kc, bufa);
+            for (idx_t ir = 0; ir < mc; ir += MR) {
+              const int rows = int(mc - ir < MR ? mc - ir : MR);
+              for (idx_t jr = 0; jr < nc; jr += NRW) {
+                const idx_t cols = nc - jr < NRW ? nc - jr : NRW;
+                float* cc = in_c ? c + (ic + ir) * ldc + jc + jr
+                                 : part + (ic + ir - m0) * NC + jr;
+                micro_rows<Kern>(rows, std::make_integer_sequence<int, MR>{},
+                                 bufa + ir * Kern::a_words(np), pb + (jr / NRW) * panel_stride,
+                                 np, cc, ldd, cols, first);
+              }
             }
           }
-        }
-        pc += kc;
-      } while (pc < hi);
-      const float* tail_bias = (!one_split && hi >= K && bias) ? bias + jc : nullptr;
+          pc += kc;
+        } while (pc < hi);
+      }
+      const float* tail_bias = (hi >= K && bias) ? bias + jc : nullptr;
       if (!in_c || tail_bias)
         fold_part(c + m0 * ldc + jc, ldc, in_c ? nullptr : part, NC, m1 - m0, nc, tail_bias);
       lo = hi;

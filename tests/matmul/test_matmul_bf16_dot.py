@@ -1,9 +1,10 @@
-"""The CPU's bf16 dot path: contract.h's bf16 dot sequence on vdpbf16ps (csrc/cpu/
-matmul_bf16_dot.h), its two transcriptions (reference.py in torch, dot_reference.h in g++ scalar
-code), the start-up self-test, and every route taking the path.
+"""The CPU's bf16 dot path: contract.h's bf16 dot sequence (csrc/cpu/matmul_bf16_dot.h: an FMA
+kernel per ISA under DAZ/FTZ, and a vdpbf16ps one), its two transcriptions (reference.py in
+torch, dot_reference.h in g++ scalar code), the start-up self-test, and every route taking it.
 
-On a CPU with AVX512_BF16 these tests fail rather than skip when the path is refused; on one
-without, the kernel's tests skip and the transcriptions' still run.
+Where the CPU has the instructions (FMA; AVX512_BF16 for vdpbf16ps) these tests fail rather
+than skip when a kernel is refused; elsewhere the kernels' tests skip and the transcriptions'
+still run.
 """
 
 from __future__ import annotations
@@ -26,20 +27,39 @@ from checks import alone_rows, first_bad_m
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason=cpu_ext.unavailable_reason())
 
 
-def _cpu_has_bf16_dot() -> bool:
+def _cpu_flags() -> set[str]:
     cpuinfo = Path("/proc/cpuinfo")
-    return cpuinfo.exists() and " avx512_bf16" in cpuinfo.read_text()
+    if not cpuinfo.exists():
+        return set()
+    flags = [line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")]
+    return set(flags[0].split(":", 1)[1].split()) if flags else set()
+
+
+FLAGS = _cpu_flags()
+# (isa, dot kernel, the CPU flags it needs): every kernel of the contract this build has
+KERNELS = [("avx512", "fma", {"avx512f", "fma"}), ("avx2", "fma", {"avx2", "fma"}),
+           ("avx512", "vdpbf16ps", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})]
 
 
 @pytest.fixture
 def dot():
-    """The path must run wherever the CPU has the instruction: a refusal there fails."""
-    if not _cpu_has_bf16_dot():
-        pytest.skip("this CPU has no AVX512_BF16")
+    """The path must run wherever the CPU has FMA: a refusal there fails."""
+    if "fma" not in FLAGS:
+        pytest.skip("this CPU has no FMA")
     assert cpu_ext.bf16_dot_refusal() == "", cpu_ext.bf16_dot_refusal()
     assert cpu_ext.bf16_dot() and cpu_ext.bf16_contract() == "dot", \
         f"{cpu_ext.BF16_ENV}={os.environ.get(cpu_ext.BF16_ENV)} turned the path off"
     return cpu_ext.require()
+
+
+@pytest.fixture(params=KERNELS, ids=[f"{i}-{k}" for i, k, _ in KERNELS])
+def kernel(request, dot):
+    """(isa, dot_kernel) of each kernel; one the CPU can run must pass its self-test."""
+    isa, name, needs = request.param
+    if not needs <= FLAGS:
+        pytest.skip(f"this CPU lacks {sorted(needs - FLAGS)}")
+    assert cpu_ext.bf16_dot_refusal(name) == "", cpu_ext.bf16_dot_refusal(name)
+    return isa, name
 
 
 EXPONENTS = (0, 1, 3, 60, 62, 63, 64, 65, 66, 120, 125, 127, 128, 131)
@@ -77,16 +97,17 @@ def _scalar_reference(a, b, bias, split: int) -> torch.Tensor:
     return out
 
 
-def _kernel(ext, a, b, bias, split: int, *, threads: int = 2, block_k: int = 0,
-            block_n: int = 0, packed=None) -> torch.Tensor:
+def _kernel(a, b, bias, split: int, *, threads: int = 2, block_k: int = 0,
+            block_n: int = 0, kernel=("auto", "fma")) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[1]
     out = torch.full((m, n), float("nan"))
     bias32 = None if bias is None else bias.float().contiguous()
-    ext.matmul_f32(a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0),
-                   b.stride(1), 0 if bias32 is None else bias32.data_ptr(), out.data_ptr(), n, m,
-                   n, k, split, threads, "auto", block_k, block_n, True, 1, 0, 0, 0,
-                   packed if packed is not None else 0, True)
+    isa, name = kernel
+    cpu_ext.require().matmul_f32(
+        a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1),
+        0 if bias32 is None else bias32.data_ptr(), out.data_ptr(), n, m, n, k, split, threads,
+        isa, block_k, block_n, True, 1, 0, 0, 0, 0, True, name)
     return out
 
 
@@ -131,55 +152,74 @@ def _layouts(b: torch.Tensor):
 
 @pytest.mark.parametrize("m", (1, 3, 6, 7, 13, 100))
 @pytest.mark.parametrize("n,k", [(1, 1), (17, 2), (33, 45), (64, 64), (100, 131), (40, 1100)])
-def test_kernel_equals_the_transcription(dot, m, n, k):
+def test_kernel_equals_the_transcription(kernel, m, n, k):
     g = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
     a, b, bias = _words(g, m, k), _words(g, k, n), _normal(g, n)
     for split in {k, 16, 7, 512}:
         want = _scalar_reference(a, b, bias, split)
         for name, bl in _layouts(b):
-            assert _bits_equal(_kernel(dot, a, bl, bias, split), want), (name, split)
+            assert _bits_equal(_kernel(a, bl, bias, split, kernel=kernel), want), (name, split)
         a_strided = a.t().contiguous().t()  # K with stride M
-        assert _bits_equal(_kernel(dot, a_strided, b, None, split, threads=1, block_k=6,
-                                   block_n=32), _scalar_reference(a, b, None, split)), split
+        assert _bits_equal(_kernel(a_strided, b, None, split, threads=1, block_k=6, block_n=48,
+                                   kernel=kernel), _scalar_reference(a, b, None, split)), split
 
 
-def test_kernel_with_k_blocks_threads_and_batch_entries(dot):
+def test_a_packed_weight_in_each_isas_panels(kernel):
+    isa, name = kernel
+    g = torch.Generator().manual_seed(9)
+    n, k, split = 70, 1100, 512
+    w, x = _words(g, n, k), _words(g, 5, k)
+    ext = cpu_ext.require()
+    nrw = ext.matmul_panel_width(isa)
+    panels = torch.zeros(-(-n // nrw) * ext.matmul_dot_pair_rows(k, split) * nrw,
+                         dtype=torch.int32)
+    ext.matmul_pack_b_pairs(w.data_ptr(), 1, k, k, n, split, isa, panels.data_ptr())
+    out = torch.full((5, n), float("nan"))
+    ext.matmul_f32(x.data_ptr(), k, 1, 0, 0, 0, 0, out.data_ptr(), n, 5, n, k, split, 2, isa,
+                   b_bf16=True, packed=panels.data_ptr(), a_bf16=True, dot_kernel=name)
+    assert _bits_equal(out, _scalar_reference(x, w.t(), None, split))
+
+
+def test_kernel_with_k_blocks_threads_and_batch_entries(kernel, dot):
     g = torch.Generator().manual_seed(5)
     m, n, k = 70, 130, 1100
-    a, b = _normal(g, m, k), _normal(g, k, n)
+    a, b = _words(g, m, k), _words(g, k, n)
     want = _scalar_reference(a, b, None, 512)
     for threads, block_k, block_n in [(1, 0, 0), (2, 0, 0), (2, 10, 64), (1, 2, 32), (2, 3, 96)]:
-        got = _kernel(dot, a, b, None, 512, threads=threads, block_k=block_k, block_n=block_n)
+        got = _kernel(a, b, None, 512, threads=threads, block_k=block_k, block_n=block_n,
+                      kernel=kernel)
         assert _bits_equal(got, want), (threads, block_k, block_n)
     # three batch entries in one call (bmm's route), each its own product
     a3, b3 = _normal(g, 3, 9, 45), _normal(g, 3, 45, 20)
     out = torch.full((3, 9, 20), float("nan"))
     dot.matmul_f32(a3.data_ptr(), 45, 1, b3.data_ptr(), 20, 1, 0, out.data_ptr(), 20, 9, 20, 45,
-                   45, 2, "auto", 0, 0, True, 3, 9 * 45, 45 * 20, 9 * 20, 0, True)
+                   45, 2, kernel[0], 0, 0, True, 3, 9 * 45, 45 * 20, 9 * 20, 0, True, kernel[1])
     for e in range(3):
         assert _bits_equal(out[e], _scalar_reference(a3[e], b3[e], None, 45)), e
 
 
-def test_a_split_of_odd_length_turns_a_negative_zero_partial_into_plus_zero(dot):
+def test_a_split_of_odd_length_turns_a_negative_zero_partial_into_plus_zero(kernel):
     # -2^-70 * 2^-70 = -2^-140 flushes to -0; the zero half of the odd pair then adds +0.
     a = torch.tensor([[-(2.0**-70)]], dtype=torch.bfloat16)
     b = torch.tensor([[2.0**-70]], dtype=torch.bfloat16)
-    got = _kernel(dot, a, b, None, 1)
+    got = _kernel(a, b, None, 1, kernel=kernel)
     assert got.view(torch.int32).item() == 0  # +0.0
     assert not torch.signbit(_scalar_reference(a, b, None, 1)).item()
     # two terms (an even split) keep the -0
     a2, b2 = a.repeat(1, 2), b.repeat(2, 1)
-    assert torch.signbit(_kernel(dot, a2, b2, None, 2)).item()
+    assert torch.signbit(_kernel(a2, b2, None, 2, kernel=kernel)).item()
 
 
 # ---- the self-test's probe pins the instruction's semantics -------------------------------------
 
 
 def _variant(a, b, split: int, *, pairs_reversed=False, tiny_before_rounding=False,
-             gradual=False) -> torch.Tensor:
+             gradual=False, sign_lost=False) -> torch.Tensor:
     """The bf16 dot sequence with one thing changed (what a different instruction would do)."""
 
     def step(p, x, y):
+        if sign_lost:  # a broadcast that adds +0: -0 and, under DAZ, negative denormals lose
+            x = torch.where(x == 0, torch.zeros_like(x), x)  # their sign
         if gradual:  # no denormal flush in or out: fp64 then one fp32 rounding
             return (p.double() + x.double() * y.double()).float()
         s = p.double() + x.double() * y.double()
@@ -205,29 +245,38 @@ def _variant(a, b, split: int, *, pairs_reversed=False, tiny_before_rounding=Fal
 
 
 @pytest.mark.parametrize("change", ["contract", "pairs_reversed", "tiny_before_rounding",
-                                    "gradual", "widen"])
+                                    "gradual", "sign_lost", "widen"])
 def test_the_probe_tells_the_contract_from_what_other_hardware_would_do(change):
-    """The self-test refuses the path when the kernel differs from the transcription on its
-    probe. Each sequence a different instruction could run (the pair's other order, tininess
-    judged before rounding, no flushing, today's fp32 sequence) differs from the contract on the
-    probe, so such hardware would be refused; and where the instruction exists, the kernel is
-    the contract on it (so this also pins what vdpbf16ps does)."""
-    ext = cpu_ext.require()
-    probe = ext.bf16_dot_probe()
+    """The self-test refuses a kernel that differs from the transcription on its probe. Each
+    sequence other hardware could run (the pair's other order, tininess judged before rounding,
+    no flushing, the fp32 sequence) differs from the contract on the probe, so such hardware
+    would be refused; and every kernel this CPU runs is the contract on it (which also pins
+    what vdpbf16ps and FMA under DAZ / FTZ do here)."""
+    differs = []  # the self-test refuses a kernel on any (probe, split) that differs
+    for probe in cpu_ext.require().bf16_dot_probe():
+        differs += _probe_case(probe, change)
+    assert change == "contract" or any(differs), change
+
+
+def _probe_case(probe: dict, change: str) -> list[bool]:
     m, n, k = probe["M"], probe["N"], probe["K"]
     a = torch.tensor(probe["a"], dtype=torch.int32).short().view(torch.bfloat16).reshape(m, k)
     b = torch.tensor(probe["b"], dtype=torch.int32).short().view(torch.bfloat16).reshape(k, n)
+    differs = []
     for split in probe["splits"]:
         contract = _scalar_reference(a, b, None, split)
         if change == "contract":
-            if _cpu_has_bf16_dot():
-                assert _bits_equal(_kernel(ext, a, b, None, split), contract)
+            for isa, name, needs in KERNELS:
+                if needs <= FLAGS:
+                    got = _kernel(a, b, None, split, kernel=(isa, name))
+                    assert _bits_equal(got, contract), (isa, name)
             continue
         if change == "widen":
             other = matmul_contract_reference(a, b, None, MatmulSplit(1, split))
         else:
             other = _variant(a, b, split, **{change: True})
-        assert not _bits_equal(other, contract), (change, split)
+        differs.append(not _bits_equal(other, contract))
+    return differs
 
 
 # ---- routes ---------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ __all__ = ["BF16_ENV", "available", "bf16_contract", "bf16_dot", "bf16_dot_refus
            "contract_version", "isa", "require", "source_hash", "unavailable_reason"]
 
 # "widen" keeps bf16 products on the fp32 sequence where the bf16 dot path could run (to match
-# a machine without AVX512_BF16); "auto" (default) takes the dot path wherever it passes.
+# a machine without FMA); "auto" (default) takes the dot path wherever it passes.
 BF16_ENV = "BIK_CPU_BF16"
 
 
@@ -68,13 +68,14 @@ def source_hash() -> str | None:
     return None if _ext is None else str(_ext.SOURCE_HASH)
 
 
-def bf16_dot_refusal() -> str:
-    """Why the bf16 dot path (contract.h: vdpbf16ps) cannot run here: no AVX512_BF16, or the
-    start-up self-test found the instruction disagreeing with the contract's transcription on
-    a fixed probe. "" when it can run; the extension's absence is its own reason."""
+def bf16_dot_refusal(kernel: str = "fma") -> str:
+    """Why the bf16 dot path (contract.h's bf16 dot sequence) cannot run here on ``kernel``
+    ("fma", the one bik runs, or "vdpbf16ps"): the CPU lacks the instructions, or the start-up
+    self-test found the kernel disagreeing with the contract's transcription on a fixed probe.
+    "" when it can run; the extension's absence is its own reason."""
     if _ext is None:
         return unavailable_reason()
-    return str(_ext.bf16_dot_refusal())
+    return str(_ext.bf16_dot_refusal(vdp=kernel == "vdpbf16ps"))
 
 
 @cache
@@ -90,8 +91,8 @@ def bf16_dot() -> bool:
 
 
 def bf16_contract() -> str | None:
-    """The sequence this process's CPU bf16 products run: "dot" (vdpbf16ps, contract.h's bf16
-    dot sequence) or "widen" (upcast to fp32, the fp32 sequence). It decides bits, so
+    """The sequence this process's CPU bf16 products run: "dot" (contract.h's bf16 dot
+    sequence) or "widen" (upcast to fp32, the fp32 sequence). It decides bits, so
     bik.fingerprint() hashes it. None when the extension is unavailable."""
     if _ext is None:
         return None

@@ -69,7 +69,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     looked up with (default this call's; a shard of a sharded layer passes the layer's).
     ``split``: an explicit K-split length (tests).
 
-    bf16 a and b take the bf16 dot sequence of contract.h (vdpbf16ps) where this process's
+    bf16 a and b take the bf16 dot sequence of contract.h where this process's
     :func:`bik.runtime.cpu_ext.bf16_dot` says so; the kernel reads both as bf16. Otherwise
     upcasting to fp32 is exact, so the fp32 sequence of :func:`matmul_f32` is the whole
     contract: a bf16 b (a weight, usually) is read as bf16 and widened inside the kernel's

@@ -63,7 +63,7 @@ class PackedWeight:
             rows = ext.matmul_dot_pair_rows(k, self._split)
             self._panels = torch.zeros(math.ceil(n / nrw) * rows * nrw, dtype=torch.int32)
             ext.matmul_pack_b_pairs(weight.data_ptr(), weight.stride(1), weight.stride(0), k,
-                                    n, self._split, self._panels.data_ptr())
+                                    n, self._split, self._isa, self._panels.data_ptr())
             return
         # fp16 has no in-kernel widening: widen first (exact), as the unpacked path does.
         w = weight if weight.dtype != torch.float16 else weight.float()

@@ -77,7 +77,7 @@ def bf16_dot_step(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
 def matmul_bf16_dot_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                               plan: MatmulSplit) -> torch.Tensor:
     """bf16 a [M, K] @ bf16 b [K, N] (+ bias [N]) in fp32 by contract.h's bf16 dot sequence
-    (the CPU's bf16 path on vdpbf16ps): the K-split contract's splits and folds, each split
+    (the CPU's bf16 path): the K-split contract's splits and folds, each split
     ``p = 0; p = step(p, a[m, k], b[k, n])`` for k ascending (:func:`bf16_dot_step`), and one
     ``step(p, 0, 0)`` after a split of odd length (the zero half of its last pair: a -0 partial
     becomes +0)."""
