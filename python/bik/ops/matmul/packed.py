@@ -56,6 +56,7 @@ class PackedWeight:
         self._isa = backend_variant("cpu")
         nrw = ext.matmul_panel_width(self._isa)
         self._split = matmul_split(self.dtype, n, k).split
+        self._ext = ext
         self._dot = weight.dtype == torch.bfloat16 and cpu_ext.bf16_dot()
         self._source = weakref.ref(weight)
         self._version = _version(weight)
@@ -64,12 +65,14 @@ class PackedWeight:
             self._panels = torch.zeros(math.ceil(n / nrw) * rows * nrw, dtype=torch.int32)
             ext.matmul_pack_b_pairs(weight.data_ptr(), weight.stride(1), weight.stride(0), k,
                                     n, self._split, self._isa, self._panels.data_ptr())
+            self._panels_ptr = self._panels.data_ptr()
             return
         # fp16 has no in-kernel widening: widen first (exact), as the unpacked path does.
         w = weight if weight.dtype != torch.float16 else weight.float()
         self._panels = torch.zeros(math.ceil(n / nrw) * k * nrw, dtype=torch.float32)
         ext.matmul_pack_b(w.data_ptr(), w.stride(1), w.stride(0), k, n,
                           w.dtype == torch.bfloat16, self._isa, self._panels.data_ptr())
+        self._panels_ptr = self._panels.data_ptr()
 
     def __repr__(self) -> str:
         path = ", bf16 dot" if self._dot else ""
@@ -99,20 +102,24 @@ class PackedWeight:
                                  f"CPU [{n}]")
         self._check_unchanged()
         rows = math.prod(x.shape[:-1])
-        out = torch.zeros(rows, n, dtype=torch.float32)
-        if k == 0:  # no panels to point at: the contract's 0.0f (+ bias[n]), as the kernel does
+        if k == 0 or not rows or not n:  # no panels to point at: the contract's 0.0f (+ bias)
+            out = torch.zeros(rows, n, dtype=torch.float32)
             if bias is not None:
                 out = out + bias.float()
-        elif rows and n:
+        else:
             # bf16 rows as they are on the dot path; else widened (exact), small next to W
-            a = x.reshape(rows, k) if self._dot else x.reshape(rows, k).float()
+            a = x if x.dim() == 2 else x.reshape(rows, k)  # an engine's rows: already 2-D
+            a = a if self._dot else a.float()
             b32 = None if bias is None else bias.float().contiguous()
-            cpu_ext.require().matmul_f32(
+            out = torch.empty(rows, n, dtype=torch.float32)  # the kernel writes every element
+            # positional: pybind11's keyword matching costs several µs on a decode-sized call
+            self._ext.matmul_f32(
                 a.data_ptr(), a.stride(0), a.stride(1), 0, 0, 0,
                 0 if b32 is None else b32.data_ptr(), out.data_ptr(), n, rows, n, k,
-                self._split, torch.get_num_threads(), self._isa,
-                b_bf16=self._dot, packed=self._panels.data_ptr(), a_bf16=self._dot)
-        return out.to(x.dtype).reshape(*x.shape[:-1], n)
+                self._split, torch.get_num_threads(), self._isa, 0, 0, self._dot, 1, 0, 0, 0,
+                self._panels_ptr, self._dot, "fma")
+        out = out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
 def _version(weight: torch.Tensor) -> int | None:
