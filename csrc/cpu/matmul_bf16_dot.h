@@ -144,7 +144,12 @@ static inline __attribute__((always_inline)) vf bcast(const float* x) {
 
 typedef u32 vu __attribute__((vector_size(VW * 4)));
 
-// The Fma kernel. A is packed as widened floats [blk][pair][MR][2] (a[k], a[k+1]); a B pair
+// Rows per register block: 8 on AVX-512 (16 accumulators, 4 widened B vectors and 2 broadcasts
+// of its 32 registers; a decode batch of 8 is then one block), the ISA's own elsewhere.
+constexpr int DMR = VW == 16 ? 8 : MR;
+static_assert(MC % DMR == 0, "blocking must tile");
+
+// The Fma kernel. A is packed as widened floats [blk][pair][DMR][2] (a[k], a[k+1]); a B pair
 // word's high half masked is b[k] as fp32, shifted left 16 it is b[k+1]. Each lane: fma with
 // b[k], then with b[k+1]: the contract's two steps under DAZ / FTZ, which the tile sets.
 struct Fma {
@@ -154,14 +159,14 @@ struct Fma {
   static void pack_a(const u16* a, idx_t sam, idx_t sak, idx_t ic, idx_t mc, idx_t pc,
                      idx_t kc, float* dst) {
     const idx_t np = pairs(kc);
-    for (idx_t r0 = 0; r0 < mc; r0 += MR) {
+    for (idx_t r0 = 0; r0 < mc; r0 += DMR) {
       float* d = dst + r0 * 2 * np;
-      const idx_t rows = mc - r0 < MR ? mc - r0 : MR;
+      const idx_t rows = mc - r0 < DMR ? mc - r0 : DMR;
       for (idx_t r = 0; r < rows; ++r) {
         const u16* s = a + (ic + r0 + r) * sam + pc * sak;
         for (idx_t j = 0; j < np; ++j) {
-          d[(j * MR + r) * 2] = bf16_f32(s[2 * j * sak]);
-          d[(j * MR + r) * 2 + 1] = 2 * j + 1 < kc ? bf16_f32(s[(2 * j + 1) * sak]) : 0.0f;
+          d[(j * DMR + r) * 2] = bf16_f32(s[2 * j * sak]);
+          d[(j * DMR + r) * 2 + 1] = 2 * j + 1 < kc ? bf16_f32(s[(2 * j + 1) * sak]) : 0.0f;
         }
       }
     }
@@ -174,20 +179,21 @@ struct Fma {
     load_acc<R>(acc, c, ldc, cols, first);
     const vu high = vu{} + 0xffff0000u;
     for (idx_t j = 0; j < np; ++j) {
-      vf b0[NRV], b1[NRV];
+      // One vector of B at a time: its two widened halves and the R accumulators it feeds
+      // (AVX2's 16 registers hold 12 accumulators, 2 halves and a broadcast).
 #pragma GCC unroll 8
       for (int v = 0; v < NRV; ++v) {
         vu w;
         std::memcpy(&w, pb + j * NRW + v * VW, sizeof w);
         const vu w0 = w & high, w1 = w << 16;
-        std::memcpy(&b0[v], &w0, sizeof w0);
-        std::memcpy(&b1[v], &w1, sizeof w1);
-      }
+        vf b0, b1;
+        std::memcpy(&b0, &w0, sizeof w0);
+        std::memcpy(&b1, &w1, sizeof w1);
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const vf a0 = bcast(pa + (j * MR + r) * 2), a1 = bcast(pa + (j * MR + r) * 2 + 1);
-#pragma GCC unroll 8
-        for (int v = 0; v < NRV; ++v) acc[r][v] = fma_v(a1, b1[v], fma_v(a0, b0[v], acc[r][v]));
+        for (int r = 0; r < R; ++r) {
+          const float* ar = pa + (j * DMR + r) * 2;
+          acc[r][v] = fma_v(bcast(ar + 1), b1, fma_v(bcast(ar), b0, acc[r][v]));
+        }
       }
     }
     store_acc<R>(acc, c, ldc, cols);
@@ -203,7 +209,7 @@ struct Fma {
 };
 
 #if BIK_DOT_VDPBF16
-// The Vdp kernel: A packed as pair words [blk][pair][MR]; one vdpbf16ps per pair and vector.
+// The Vdp kernel: A packed as pair words [blk][pair][DMR]; one vdpbf16ps per pair and vector.
 struct Vdp {
   using PackedA = u32;
   static constexpr idx_t a_words(idx_t np) { return np; }
@@ -211,13 +217,13 @@ struct Vdp {
   static void pack_a(const u16* a, idx_t sam, idx_t sak, idx_t ic, idx_t mc, idx_t pc,
                      idx_t kc, u32* dst) {
     const idx_t np = pairs(kc);
-    for (idx_t r0 = 0; r0 < mc; r0 += MR) {
+    for (idx_t r0 = 0; r0 < mc; r0 += DMR) {
       u32* d = dst + r0 * np;
-      const idx_t rows = mc - r0 < MR ? mc - r0 : MR;
+      const idx_t rows = mc - r0 < DMR ? mc - r0 : DMR;
       for (idx_t r = 0; r < rows; ++r) {
         const u16* s = a + (ic + r0 + r) * sam + pc * sak;
         for (idx_t j = 0; j < np; ++j)
-          d[j * MR + r] =
+          d[j * DMR + r] =
               pair_word(s[2 * j * sak], 2 * j + 1 < kc ? s[(2 * j + 1) * sak] : u16(0));
       }
     }
@@ -237,7 +243,7 @@ struct Vdp {
       for (int v = 0; v < NRV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(pb + j * NRW + v * VW);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const __m512bh av = (__m512bh)_mm512_set1_epi32(int(pa[j * MR + r]));
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(int(pa[j * DMR + r]));
 #pragma GCC unroll 8
         for (int v = 0; v < NRV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
       }
@@ -317,13 +323,13 @@ static void matmul_tile(const u16* a, idx_t sam, idx_t sak, const u16* b, idx_t 
           for (idx_t ic = m0; ic < m1; ic += MC) {
             const idx_t mc = m1 - ic < MC ? m1 - ic : MC;
             Kern::pack_a(a, sam, sak, ic, mc, pc, kc, bufa);
-            for (idx_t ir = 0; ir < mc; ir += MR) {
-              const int rows = int(mc - ir < MR ? mc - ir : MR);
+            for (idx_t ir = 0; ir < mc; ir += DMR) {
+              const int rows = int(mc - ir < DMR ? mc - ir : DMR);
               for (idx_t jr = 0; jr < nc; jr += NRW) {
                 const idx_t cols = nc - jr < NRW ? nc - jr : NRW;
                 float* cc = in_c ? c + (ic + ir) * ldc + jc + jr
                                  : part + (ic + ir - m0) * NC + jr;
-                micro_rows<Kern>(rows, std::make_integer_sequence<int, MR>{},
+                micro_rows<Kern>(rows, std::make_integer_sequence<int, DMR>{},
                                  bufa + ir * Kern::a_words(np), pb + (jr / NRW) * panel_stride,
                                  np, cc, ldd, cols, first);
               }
