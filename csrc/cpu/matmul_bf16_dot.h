@@ -3,8 +3,8 @@
 //        FTZ set around the K loop (a bf16 x bf16 product is exact, so the FMA's one rounding
 //        is the step's); on any x86 CPU with FMA (AVX2 or AVX-512).
 //   Vdp: one vdpbf16ps lane per pair (AVX512_BF16), which does the same two steps by itself.
-// Measured on the CI machine: the FMA kernel runs about twice the vdpbf16ps one (a core
-// retires two 16-lane FMAs a cycle but a vdpbf16ps every other cycle), so it is the default.
+// Measured on the CI machine (`bik bench linear`, its kernel columns): the FMA kernel runs
+// about twice as fast as the vdpbf16ps one, so it is the default (docs/design.md).
 //
 // Included by bindings.cpp inside an ISA's namespace (it reuses that ISA's VW, MR, NRV, NRW,
 // MC, transposes, loads and split fold) and a target region with FMA; BIK_DOT_VDPBF16 = 1 adds
@@ -144,6 +144,9 @@ static inline __attribute__((always_inline)) vf bcast(const float* x) {
 
 typedef u32 vu __attribute__((vector_size(VW * 4)));
 
+// Pairs ahead that the FMA kernel prefetches B (speed only).
+constexpr idx_t kPrefetchPairs = 48;
+
 // Rows per register block: 8 on AVX-512 (16 accumulators, 4 widened B vectors and 2 broadcasts
 // of its 32 registers; a decode batch of 8 is then one block), the ISA's own elsewhere.
 constexpr int DMR = VW == 16 ? 8 : MR;
@@ -179,6 +182,10 @@ struct Fma {
     load_acc<R>(acc, c, ldc, cols, first);
     const vu high = vu{} + 0xffff0000u;
     for (idx_t j = 0; j < np; ++j) {
+      // A panel is read once, front to back, straight from memory when the weight is packed
+      // (decode): ask for its lines well ahead of the loads.
+      __builtin_prefetch(pb + (j + kPrefetchPairs) * NRW);
+      __builtin_prefetch(pb + (j + kPrefetchPairs) * NRW + 16);
       // One vector of B at a time: its two widened halves and the R accumulators it feeds
       // (AVX2's 16 registers hold 12 accumulators, 2 halves and a broadcast).
 #pragma GCC unroll 8

@@ -3,9 +3,10 @@
 The shapes a decode and a short prefill see: SmolLM2-135M's MLP (1536 x 576, 576 x 1536) and
 Llama-3-8B's (4096 x 4096, 14336 x 4096), at M = 1, 8, 64 (``--ms``), in ``--dtype`` (bf16 by
 default: the bf16 dot path when this CPU takes it, ``versions["cpu_bf16"]`` in the record's
-meta). The three calls are timed in ROUNDS interleaved rounds (the order rotates each round),
-so a slow spell of a shared machine lands on all three; each round's sample is the median of a
-few calls. A record keeps every call's median, p20 and p80 across rounds, its time relative to
+meta). On the bf16 dot path it also times the product alone on each kernel of the sequence
+(``kernel fma``, bik's, and ``kernel vdpbf16ps`` where the CPU has it; unpacked weight). The
+calls are timed in ROUNDS interleaved rounds (the order rotates each round), so a slow spell
+of a shared machine lands on all of them; each round's sample is the median of a few calls. A record keeps every call's median, p20 and p80 across rounds, its time relative to
 F.linear's, a noise flag, and whether bik's rows alone equal its batch.
 """
 
@@ -20,13 +21,13 @@ from rich.console import Console
 from rich.table import Table
 
 import bik
+import bik.configs
 from bik._dtypes import dtype_name
 from bik.cli.timing import noisy, quantiles_ms
 
 SMOLLM2 = ((1536, 576), (576, 1536))
 LLAMA = ((4096, 4096), (14336, 4096))
 ROUNDS = 7
-CALLS = ("stock", "bik.linear", "packed")
 
 
 def _median_call_ms(fn, budget_s: float = 0.05, max_calls: int = 25) -> float:
@@ -46,12 +47,14 @@ def _one(n: int, k: int, m: int, dtype, rounds: int) -> dict:
     packed = bik.PackedWeight(weight)
     fns = {"stock": lambda: F.linear(x, weight), "bik.linear": lambda: bik.linear(x, weight),
            "packed": lambda: packed(x)}
+    fns |= _dot_kernels(x, weight)
     for fn in fns.values():
         fn()  # warm-up
-    samples: dict[str, list[float]] = {name: [] for name in CALLS}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
     for r in range(rounds):
-        for i in range(len(CALLS)):
-            name = CALLS[(i + r) % len(CALLS)]
+        for i in range(len(names)):
+            name = names[(i + r) % len(names)]
             samples[name].append(_median_call_ms(fns[name]))
     times = {name: quantiles_ms(s) for name, s in samples.items()}
     out = bik.linear(x, weight)
@@ -59,11 +62,33 @@ def _one(n: int, k: int, m: int, dtype, rounds: int) -> dict:
                                  out)) and torch.equal(packed(x), out)
     rec = {"op": "linear", "N": n, "K": k, "M": m, "dtype": dtype_name(dtype), "rounds": rounds,
            "noisy": noisy(*times.values()), "bik_rows_identical": rows_same}
-    for name in CALLS:
+    for name in fns:
         rec[f"{name}_ms"] = times[name]
         if name != "stock":
             rec[f"{name}_vs_stock"] = times[name]["p50"] / times["stock"]["p50"]
     return rec
+
+
+def _dot_kernels(x, weight) -> dict:
+    """bf16 on the dot path: the product alone (the extension's call, packed panels of the
+    FMA kernel's ISA) on each kernel of the bf16 dot sequence this CPU runs, FMA (bik's) and
+    vdpbf16ps: the same bits, so only their speed tells them apart."""
+    from bik.runtime import cpu_ext
+
+    if x.dtype != torch.bfloat16 or not cpu_ext.bf16_dot():
+        return {}
+    ext = cpu_ext.require()
+    (m, k), n = x.shape, weight.shape[0]
+    split = bik.configs.matmul_split(torch.bfloat16, n, k).split
+    out = torch.empty(m, n)
+
+    def call(kernel):
+        return lambda: ext.matmul_f32(
+            x.data_ptr(), k, 1, weight.data_ptr(), 1, k, 0, out.data_ptr(), n, m, n, k, split,
+            torch.get_num_threads(), "auto", 0, 0, True, 1, 0, 0, 0, 0, True, kernel)
+
+    kernels = ["fma"] + (["vdpbf16ps"] if cpu_ext.bf16_dot_refusal("vdpbf16ps") == "" else [])
+    return {f"kernel {name}": call(name) for name in kernels}
 
 
 def run(device, dtype, args) -> list[dict]:
@@ -79,11 +104,14 @@ def run(device, dtype, args) -> list[dict]:
 def render(records: list[dict], console: Console) -> None:
     table = Table(title=f"linear on the CPU ({records[0]['dtype']}), median of "
                         f"{records[0]['rounds']} interleaved rounds, time vs F.linear")
-    for col in ("N x K", "M", "F.linear ms", "bik.linear", "packed", "rows same", ""):
+    kernels = [c.removesuffix("_ms") for c in records[0] if c.startswith("kernel ")
+               and c.endswith("_ms")]
+    for col in ("N x K", "M", "F.linear ms", "bik.linear", "packed", *kernels, "rows same", ""):
         table.add_column(col, justify="right")
     for r in records:
         table.add_row(f"{r['N']} x {r['K']}", str(r["M"]), f"{r['stock_ms']['p50']:.3f}",
                       f"{r['bik.linear_vs_stock']:.2f}x", f"{r['packed_vs_stock']:.2f}x",
+                      *(f"{r[f'{c}_vs_stock']:.2f}x" for c in kernels),
                       "yes" if r["bik_rows_identical"] else "NO",
                       "noisy" if r["noisy"] else "")
     console.print(table)
