@@ -149,13 +149,15 @@ def test_bench_linear_quick_interleaves_the_three_calls(tmp_path):
     assert main(["bench", "linear", "--quick", "--device", "cpu", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     recs = data["records"]
-    assert {(r["N"], r["K"], r["M"], r["dtype"]) for r in recs} == {(96, 33, 1, "bfloat16"),
-                                                                  (96, 33, 3, "bfloat16")}
+    assert {(r["weights"], r["N"], r["K"], r["M"], r["dtype"]) for r in recs} == {
+        (w, 96, 33, m, "bfloat16") for w in ("cached", "streamed") for m in (1, 3)}
     for r in recs:
         assert r["bik_rows_identical"] and isinstance(r["noisy"], bool)
-        assert all(set(r[f"{c}_ms"]) == {"p20", "p50", "p80"} for c in ("stock", "bik.linear",
-                                                                         "packed"))
+        calls = ("stock", "packed") + (("bik.linear",) if r["weights"] == "cached" else ())
+        assert all(set(r[f"{c}_ms"]) == {"p20", "p50", "p80"} for c in calls)
         assert r["packed_vs_stock"] == r["packed_ms"]["p50"] / r["stock_ms"]["p50"]
+    streamed = [r for r in recs if r["weights"] == "streamed"]
+    assert all(r["copies"] * 96 * 33 * 2 >= 1 << 20 for r in streamed)
     assert data["meta"]["versions"]["cpu_bf16"] in ("dot", "widen")
     assert "cpu_flags" in data["meta"] and "cpu_model" in data["meta"]
 

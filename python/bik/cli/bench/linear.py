@@ -7,7 +7,10 @@ meta). On the bf16 dot path it also times the product alone on each kernel of th
 (``kernel fma``, bik's, and ``kernel vdpbf16ps`` where the CPU has it; unpacked weight). The
 calls are timed in ROUNDS interleaved rounds (the order rotates each round), so a slow spell
 of a shared machine lands on all of them; each round's sample is the median of a few calls. A record keeps every call's median, p20 and p80 across rounds, its time relative to
-F.linear's, a noise flag, and whether bik's rows alone equal its batch.
+F.linear's, a noise flag, and whether bik's rows alone equal its batch. At M <= 8 (decode) the
+"streamed" rows time F.linear and a packed layer cycling through distinct weights of
+STREAM_BYTES in all, so each call reads its weight from memory as a decode step does; the
+other rows reuse one weight, which stays in cache.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ from rich.table import Table
 import bik
 import bik.configs
 from bik._dtypes import dtype_name
+from bik.cli.common import print_table
 from bik.cli.timing import noisy, quantiles_ms
 
 SMOLLM2 = ((1536, 576), (576, 1536))
 LLAMA = ((4096, 4096), (14336, 4096))
 ROUNDS = 7
+# Decode reads every layer's weight once per step, from memory: the streamed rows cycle through
+# distinct weights of this many bytes in all (more than the machine's caches).
+STREAM_BYTES = 256 << 20
 
 
 def _median_call_ms(fn, budget_s: float = 0.05, max_calls: int = 25) -> float:
@@ -60,13 +67,42 @@ def _one(n: int, k: int, m: int, dtype, rounds: int) -> dict:
     out = bik.linear(x, weight)
     rows_same = bool(torch.equal(torch.cat([bik.linear(x[i:i + 1], weight) for i in range(m)]),
                                  out)) and torch.equal(packed(x), out)
-    rec = {"op": "linear", "N": n, "K": k, "M": m, "dtype": dtype_name(dtype), "rounds": rounds,
-           "noisy": noisy(*times.values()), "bik_rows_identical": rows_same}
-    for name in fns:
-        rec[f"{name}_ms"] = times[name]
+    rec = {"op": "linear", "weights": "cached", "N": n, "K": k, "M": m,
+           "dtype": dtype_name(dtype), "rounds": rounds, "bik_rows_identical": rows_same}
+    return rec | _timings(times)
+
+
+def _timings(times: dict) -> dict:
+    rec = {"noisy": noisy(*times.values())}
+    for name, t in times.items():
+        rec[f"{name}_ms"] = t
         if name != "stock":
-            rec[f"{name}_vs_stock"] = times[name]["p50"] / times["stock"]["p50"]
+            rec[f"{name}_vs_stock"] = t["p50"] / times["stock"]["p50"]
     return rec
+
+
+def _streamed(n: int, k: int, m: int, dtype, rounds: int, total_bytes: int) -> dict:
+    """F.linear and a packed layer with the weight read from memory, as in a decode step: one
+    call on each of ``copies`` distinct weights per sample, the time per call reported."""
+    gen = torch.Generator().manual_seed(n * 37 + k)
+    copies = max(2, -(-total_bytes // (n * k * torch.finfo(dtype).bits // 8)))
+    weights = [(torch.randn(n, k, generator=gen) / k**0.5).to(dtype) for _ in range(copies)]
+    packs = [bik.PackedWeight(w) for w in weights]
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    fns = {"stock": lambda: [F.linear(x, w) for w in weights],
+           "packed": lambda: [p(x) for p in packs]}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(rounds):
+        for i, name in enumerate(fns):
+            name = list(fns)[(i + r) % len(fns)]
+            t0 = time.perf_counter()
+            fns[name]()
+            samples[name].append((time.perf_counter() - t0) * 1e3 / copies)
+    times = {name: quantiles_ms(s) for name, s in samples.items()}
+    return {"op": "linear", "weights": "streamed", "N": n, "K": k, "M": m,
+            "dtype": dtype_name(dtype), "rounds": rounds, "copies": copies,
+            "bik_rows_identical": torch.equal(packs[0](x), bik.linear(x, weights[0]))
+            } | _timings(times)
 
 
 def _dot_kernels(x, weight) -> dict:
@@ -98,7 +134,10 @@ def run(device, dtype, args) -> list[dict]:
     shapes = ((96, 33),) if args.quick else SMOLLM2 + LLAMA
     ms = [int(v) for v in args.ms.split(",")] if args.ms else ([1, 3] if args.quick else [1, 8, 64])
     rounds = 2 if args.quick else ROUNDS
-    return [_one(n, k, m, dtype, rounds) for n, k in shapes for m in ms]
+    records = [_one(n, k, m, dtype, rounds) for n, k in shapes for m in ms]
+    stream = (1 << 20) if args.quick else STREAM_BYTES
+    return records + [_streamed(n, k, m, dtype, rounds, stream) for n, k in shapes for m in ms
+                      if m <= 8]
 
 
 def render(records: list[dict], console: Console) -> None:
@@ -106,15 +145,20 @@ def render(records: list[dict], console: Console) -> None:
                         f"{records[0]['rounds']} interleaved rounds, time vs F.linear")
     kernels = [c.removesuffix("_ms") for c in records[0] if c.startswith("kernel ")
                and c.endswith("_ms")]
-    for col in ("N x K", "M", "F.linear ms", "bik.linear", "packed", *kernels, "rows same", ""):
+    for col in ("weights", "N x K", "M", "F.linear ms", "bik.linear", "packed", *kernels,
+                "rows same", ""):
         table.add_column(col, justify="right")
+
+    def ratio(r: dict, name: str) -> str:
+        return f"{r[f'{name}_vs_stock']:.2f}x" if f"{name}_vs_stock" in r else "-"
+
     for r in records:
-        table.add_row(f"{r['N']} x {r['K']}", str(r["M"]), f"{r['stock_ms']['p50']:.3f}",
-                      f"{r['bik.linear_vs_stock']:.2f}x", f"{r['packed_vs_stock']:.2f}x",
-                      *(f"{r[f'{c}_vs_stock']:.2f}x" for c in kernels),
+        table.add_row(r["weights"], f"{r['N']} x {r['K']}", str(r["M"]),
+                      f"{r['stock_ms']['p50']:.3f}", ratio(r, "bik.linear"), ratio(r, "packed"),
+                      *(ratio(r, c) for c in kernels),
                       "yes" if r["bik_rows_identical"] else "NO",
                       "noisy" if r["noisy"] else "")
-    console.print(table)
+    print_table(console, table, keys=3)
 
 
 plot = None
