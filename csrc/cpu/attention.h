@@ -47,12 +47,31 @@ namespace attn {
 using TileFn = void (*)(const float*, idx_t, idx_t, const float*, idx_t, idx_t, const float*,
                         float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
                         float*, const float*);
+// The same tile with a bf16 B (its bit patterns), widened while packing: the bits of the fp32
+// tile on B widened first, which is how a bf16 cache is read in place.
+using TileBf16Fn = void (*)(const float*, idx_t, idx_t, const std::uint16_t*, idx_t, idx_t,
+                            const float*, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
+                            idx_t, idx_t, float*, const float*);
+struct Tiles {
+  TileFn f32;
+  TileBf16Fn bf16;
+  void operator()(const float* a, idx_t sam, idx_t sak, const float* b, idx_t sbk, idx_t sbn,
+                  float* c, idx_t ldc, idx_t M, idx_t N, idx_t K, idx_t kc, idx_t nc,
+                  float* ws) const {
+    f32(a, sam, sak, b, sbk, sbn, nullptr, c, ldc, 0, M, 0, N, K, 0, kc, nc, ws, nullptr);
+  }
+  void operator()(const float* a, idx_t sam, idx_t sak, const std::uint16_t* b, idx_t sbk,
+                  idx_t sbn, float* c, idx_t ldc, idx_t M, idx_t N, idx_t K, idx_t kc, idx_t nc,
+                  float* ws) const {
+    bf16(a, sam, sak, b, sbk, sbn, nullptr, c, ldc, 0, M, 0, N, K, 0, kc, nc, ws, nullptr);
+  }
+};
 
 struct Problem {
   const float* q;  // q[tok, h, d] at q + tok*sq_tok + h*sq_head + d
   idx_t sq_tok, sq_head;
-  const float* k;  // key t of sequence b, KV head h: k + koff[b*koff_row + t] + h*s_head (+ d)
-  const float* v;  // same offsets as k
+  const void* k;  // key t of sequence b, KV head h: k + koff[b*koff_row + t] + h*s_head (+ d)
+  const void* v;  // same offsets as k; both fp32, or bf16 bit patterns when kv_bf16
   const idx_t* koff;  // [B, koff_row] element offset of each key (pages need not be contiguous)
   idx_t koff_row, s_head;
   const idx_t* cu_q;    // [B + 1]
@@ -62,6 +81,7 @@ struct Problem {
   bool causal;
   float* out;  // [total_q, hq, d] contiguous
   float* lse;  // [total_q, hq] contiguous
+  bool kv_bf16;
 };
 
 struct Item {
@@ -80,15 +100,20 @@ static inline size_t own_floats(const Problem& p) {
           2 * d + 15) / 16 * 16;
 }
 
-// True if any of x[0..n-1] is inf or NaN (exponent bits all ones); integer ops, vectorizable.
-static inline bool any_nonfinite(const float* x, idx_t n) {
-  std::uint32_t any = 0;
-  for (idx_t i = 0; i < n; ++i) {
-    std::uint32_t u;
-    std::memcpy(&u, x + i, 4);
-    any |= (~u & 0x7f800000u) == 0u ? 1u : 0u;
-  }
-  return any != 0;
+// inf or NaN: exponent bits all ones (an fp32, or a bf16's bit pattern).
+static inline bool nonfinite(float x) {
+  std::uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (~u & 0x7f800000u) == 0u;
+}
+static inline bool nonfinite(std::uint16_t h) { return (~h & 0x7f80u) == 0u; }
+
+// True if any of x[0..n-1] is inf or NaN; integer ops, vectorizable.
+template <class T>
+static inline bool any_nonfinite(const T* x, idx_t n) {
+  bool any = false;
+  for (idx_t i = 0; i < n; ++i) any |= nonfinite(x[i]);
+  return any;
 }
 
 // sums[r] = ((0 + s[r,0]) + s[r,1]) + ... + s[r,n-1] for rows r < C of s [C, n]: each row's
@@ -108,8 +133,10 @@ static void row_sums(const float* s, idx_t C, idx_t n, float* sums) {
   }
 }
 
-// One work item. ws: own_floats() + the tile's scratch, 64-byte aligned.
-static void run_item(const Problem& p, TileFn tile, idx_t kc, idx_t nc, const Item& it,
+// One work item on K/V elements of type T (float, or a bf16's bits: read in place, widened
+// where the tile packs them). ws: own_floats() + the tile's scratch, 64-byte aligned.
+template <class T>
+static void run_item(const Problem& p, const Tiles& tile, idx_t kc, idx_t nc, const Item& it,
                      float* ws) {
   const idx_t g = p.hq / p.hkv, d = p.d, split = p.split;
   const idx_t q0 = p.cu_q[it.b], t = p.cu_q[it.b + 1] - q0;
@@ -125,9 +152,9 @@ static void run_item(const Problem& p, TileFn tile, idx_t kc, idx_t nc, const It
   float* mj = S + kChunk * split;      // [chunk]
   float* lj = mj + kChunk;             // [chunk]
   float* pm = lj + kChunk;             // [chunk] a masked key's p per row
-  float* kbuf = pm + kChunk;           // [split, d] a split's keys when they are not evenly
-  float* vbuf = kbuf + split * d;      // [split, d] spaced (pages), else unused
-  idx_t* last_bad = reinterpret_cast<idx_t*>(vbuf + split * d);  // [d]
+  T* kbuf = reinterpret_cast<T*>(pm + kChunk);  // [split, d] a split's keys when they are not
+  T* vbuf = reinterpret_cast<T*>(pm + kChunk + split * d);  // evenly spaced (pages), else unused
+  idx_t* last_bad = reinterpret_cast<idx_t*>(pm + kChunk + 2 * split * d);  // [d]
   float* tile_ws = ws + own_floats(p);
 
   for (idx_t r = 0; r < R; ++r) {
@@ -139,8 +166,8 @@ static void run_item(const Problem& p, TileFn tile, idx_t kc, idx_t nc, const It
     std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
   }
   const idx_t pos0 = L - t;  // position of token 0 of this call; row r is at pos0 + r / g
-  const float* kh = p.k + it.hk * p.s_head;
-  const float* vh = p.v + it.hk * p.s_head;
+  const T* kh = static_cast<const T*>(p.k) + it.hk * p.s_head;
+  const T* vh = static_cast<const T*>(p.v) + it.hk * p.s_head;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   // Keys [lo, kv_hi) are visible to some row of rows [.., r1); [kv_hi, hi) to none of them.
   auto visible_end = [&](idx_t lo, idx_t hi, idx_t r1) {
@@ -154,8 +181,8 @@ static void run_item(const Problem& p, TileFn tile, idx_t kc, idx_t nc, const It
     const idx_t ks0 = kv_item - lo > 1 ? koff[lo + 1] - koff[lo] : d;
     bool even = true;
     for (idx_t c = lo + 1; c < kv_item && even; ++c) even = koff[c] - koff[c - 1] == ks0;
-    const float* ksp = kbuf;
-    const float* vsp = vbuf;
+    const T* ksp = kbuf;
+    const T* vsp = vbuf;
     idx_t ks = d;
     if (kv_item > lo && even) {
       ksp = kh + koff[lo];
@@ -176,15 +203,14 @@ static void run_item(const Problem& p, TileFn tile, idx_t kc, idx_t nc, const It
       std::fill(last_bad, last_bad + d, idx_t(-1));
       for (idx_t c = kv_first; c < hi; ++c)
         for (idx_t dd = 0; dd < d; ++dd)
-          if (!std::isfinite(vh[koff[c] + dd])) last_bad[dd] = c;
+          if (nonfinite(vh[koff[c] + dd])) last_bad[dd] = c;
     }
     for (idx_t c0 = 0; c0 < R; c0 += kChunk) {
       const idx_t C = std::min(kChunk, R - c0);
       const idx_t kv_hi = visible_end(lo, hi, c0 + C);
       const idx_t nk = kv_hi - lo;
       if (nk > 0)  // S[C, nk] = q[C, d] @ k[lo:kv_hi]^T
-        tile(qb + c0 * d, d, 1, ksp, 1, ks, nullptr, S, nk, 0, C, 0, nk, d, 0, kc, nc, tile_ws,
-             nullptr);
+        tile(qb + c0 * d, d, 1, ksp, 1, ks, S, nk, C, nk, d, kc, nc, tile_ws);
       for (idx_t r = 0; r < C; ++r) {
         float* s = S + r * nk;
         const idx_t pos = pos0 + (it.r0 + c0 + r) / g;
@@ -208,7 +234,7 @@ static void run_item(const Problem& p, TileFn tile, idx_t kc, idx_t nc, const It
       if (kv_hi < hi)  // the tail adds pm (+0 or NaN) hi - kv_hi times: once is the same
         for (idx_t r = 0; r < C; ++r) lj[r] = lj[r] + pm[r];
       if (nk > 0)  // acc_j[C, d] = p[C, nk] @ v[lo:kv_hi]
-        tile(S, nk, 1, vsp, ks, 1, nullptr, accj, d, 0, C, 0, d, nk, 0, kc, nc, tile_ws, nullptr);
+        tile(S, nk, 1, vsp, ks, 1, accj, d, C, d, nk, kc, nc, tile_ws);
       else
         std::fill(accj, accj + C * d, 0.0f);
       if (tail_bad && kv_hi < hi)  // 0 * v[c, dd] is NaN where v is inf or NaN
@@ -284,12 +310,17 @@ static std::vector<Item> make_items(const Problem& p, double* macs) {
 
 // Runs the items on nt threads, each taking the next item in turn; ws holds nt slices of
 // per_worker floats (a multiple of 16). Which thread runs an item never changes its bits.
-static void run_items(const Problem& p, TileFn tile, idx_t kc, idx_t nc,
+static void run_items(const Problem& p, const Tiles& tile, idx_t kc, idx_t nc,
                       const std::vector<Item>& items, int nt, float* ws, size_t per_worker) {
   std::atomic<size_t> next{0};
   parallel_run(nt, [&](int id) {
-    for (size_t i = next++; i < items.size(); i = next++)
-      run_item(p, tile, kc, nc, items[i], ws + per_worker * size_t(id));
+    for (size_t i = next++; i < items.size(); i = next++) {
+      float* mine = ws + per_worker * size_t(id);
+      if (p.kv_bf16)
+        run_item<std::uint16_t>(p, tile, kc, nc, items[i], mine);
+      else
+        run_item<float>(p, tile, kc, nc, items[i], mine);
+    }
   });
 }
 

@@ -270,7 +270,8 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
     for (idx_t r0 = m0; r0 < m1; r0 += step) {
       const idx_t r1 = std::min(m1, r0 + step);
       if (a_bf16)
-        (vdp ? isa.tile_vdp : isa.tile_dot)(reinterpret_cast<const std::uint16_t*>(a) + e * sab, sam, sak,
+        (vdp ? isa.tile_vdp : isa.tile_dot)(reinterpret_cast<const std::uint16_t*>(a) + e * sab,
+                                            sam, sak,
                      reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p, C, ldc, r0,
                      r1, n0, n1, K, split, kcb, ncb, mine,
                      reinterpret_cast<const std::uint32_t*>(packed));
@@ -574,22 +575,24 @@ void unary_f32(std::uintptr_t x, std::uintptr_t y, idx_t n, const std::string& f
   }
 }
 
-// Fixed-split attention (attention.h) over fp32 q/k/v: q by strides, keys by per-key offsets.
+// Fixed-split attention (attention.h) over fp32 q and fp32 or bf16 k/v: q by strides, keys by
+// per-key offsets.
 void attention_f32(std::uintptr_t q, idx_t sq_tok, idx_t sq_head, std::uintptr_t k,
                    std::uintptr_t v, idx_t k_extent, std::uintptr_t koff, idx_t koff_row,
                    idx_t s_head, std::uintptr_t cu_q, std::uintptr_t lens_k, idx_t B,
                    idx_t total_q, idx_t hq, idx_t hkv, idx_t d, idx_t split, double scale_log2e,
                    bool causal, std::uintptr_t out, std::uintptr_t lse, int num_threads,
-                   const std::string& isa_name) {
+                   const std::string& isa_name, bool kv_bf16) {
   if (B < 0 || d < 0 || hkv <= 0 || hq % hkv != 0 || split <= 0 || koff_row < 0)
     throw std::invalid_argument("bik: attention needs B >= 0, D >= 0, Hq % Hkv == 0, split > 0");
   const Isa isa = select_isa(isa_name);
   using I64 = const std::int64_t*;
-  const attn::Problem p{fptr(q), sq_tok, sq_head, fptr(k), fptr(v), reinterpret_cast<I64>(koff),
+  const attn::Problem p{fptr(q), sq_tok, sq_head, reinterpret_cast<const void*>(k),
+                        reinterpret_cast<const void*>(v), reinterpret_cast<I64>(koff),
                         koff_row, s_head, reinterpret_cast<I64>(cu_q),
                         reinterpret_cast<I64>(lens_k), B, hq, hkv, d, split,
                         static_cast<float>(scale_log2e), causal,
-                        reinterpret_cast<float*>(out), reinterpret_cast<float*>(lse)};
+                        reinterpret_cast<float*>(out), reinterpret_cast<float*>(lse), kv_bf16};
   const std::string bad = attn::check_metadata(p, total_q, k_extent);
   if (!bad.empty()) throw std::invalid_argument(bad);
   double macs = 0;
@@ -604,7 +607,8 @@ void attention_f32(std::uintptr_t q, idx_t sq_tok, idx_t sq_head, std::uintptr_t
       {idx_t(num_threads), idx_t(items.size()), idx_t(macs / double(kMatmulMinMacsPerThread))}));
   float* ws = scratch_floats(per_worker * size_t(nt));
   pybind11::gil_scoped_release nogil;
-  attn::run_items(p, isa.tile, kc, nc, items, int(nt), ws, per_worker);
+  attn::run_items(p, attn::Tiles{isa.tile, isa.tile_bf16}, kc, nc, items, int(nt), ws,
+                  per_worker);
 }
 
 
@@ -802,10 +806,11 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("koff_row"), py::arg("s_head"), py::arg("cu_q"), py::arg("lens_k"), py::arg("B"),
         py::arg("total_q"), py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("split"),
         py::arg("scale_log2e"), py::arg("causal"), py::arg("out"), py::arg("lse"),
-        py::arg("num_threads"), py::arg("isa") = "auto",
-        "Fixed-split attention (attention.h): fp32 q/k/v, int64 koff [B, koff_row], cu_q and\n"
-        "lens_k, checked first (ValueError); writes fp32 out [total_q, hq, d] and lse\n"
-        "[total_q, hq] (natural log).");
+        py::arg("num_threads"), py::arg("isa") = "auto", py::arg("kv_bf16") = false,
+        "Fixed-split attention (attention.h): fp32 q, fp32 k/v (bf16 bit patterns when\n"
+        "kv_bf16, read in place), int64 koff [B, koff_row] in k's elements, cu_q and lens_k,\n"
+        "checked first (ValueError); writes fp32 out [total_q, hq, d] and lse [total_q, hq]\n"
+        "(natural log).");
   m.def("sample_f32", &bik_cpu::sample_f32, py::arg("x"), py::arg("sx"), py::arg("B"),
         py::arg("V"), py::arg("groups"), py::arg("chunk"), py::arg("seed"), py::arg("position"), py::arg("temperature"),
         py::arg("top_k"), py::arg("top_p"), py::arg("log_min_p"), py::arg("stream"),

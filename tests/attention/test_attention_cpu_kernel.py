@@ -176,8 +176,10 @@ def _read_keys(k32, offsets):
     return flat[idx]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_keys_point_at_what_reference_keys_reads(dtype):
+    """fp32 and bf16 caches are read in place (offsets into the cache itself); fp16 ones are
+    gathered into fp32 first."""
     lens = [37, 0, 300]
     _, k, v, _, cu_k = make(lens, [1, 0, 1], 2, 2, 16, dtype, seed=4)
     k_cache, v_cache, table = paged(k, v, lens, 16, seed=4)
@@ -188,19 +190,21 @@ def test_cpu_keys_point_at_what_reference_keys_reads(dtype):
         k32, v32, offsets = cpu_keys(kk, vv, torch.tensor(lens), max(lens), table=tab,
                                      base=base)
         keys_of = reference_keys(kk, vv, table=tab, base=base)
-        assert k32.dtype == torch.float32 and offsets.shape == (len(lens), max(lens))
+        in_place = dtype in (torch.float32, torch.bfloat16)
+        assert k32.dtype == (dtype if in_place else torch.float32)
+        assert (k32 is kk) == in_place and offsets.shape == (len(lens), max(lens))
         for b, n in enumerate(lens):
             rk, rv = keys_of(b, n)
             own = offsets[b, :n]
-            assert torch.equal(_read_keys(k32, own), rk)
-            assert torch.equal(_read_keys(v32, own), rv)
+            assert torch.equal(_read_keys(k32, own).float(), rk.float())
+            assert torch.equal(_read_keys(v32, own).float(), rv.float())
 
 
 # ---- non-finite inputs: the kernel keeps whatever the reference does ----------------------------
 
-def _poisoned(kind, causal):
+def _poisoned(kind, causal, dtype=torch.float32):
     lens, q_lens = [600, 290], [600, 2]
-    q, k, v, cu_q, cu_k = make(lens, q_lens, 4, 2, 16, torch.float32, seed=5)
+    q, k, v, cu_q, cu_k = make(lens, q_lens, 4, 2, 16, dtype, seed=5)
     if kind == "q_nan":
         q[5, 1, 3] = float("nan")
     elif kind == "k_inf":
@@ -218,10 +222,11 @@ def _poisoned(kind, causal):
     return q, k, v, cu_q, cu_k
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: read in place
 @pytest.mark.parametrize("kind", ["q_nan", "k_inf", "v_future", "k_huge", "q_inf_row"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_non_finite_like_reference(kind, causal):
-    out = check_varlen(*_poisoned(kind, causal), causal=causal)
+def test_non_finite_like_reference(kind, causal, dtype):
+    out = check_varlen(*_poisoned(kind, causal, dtype), causal=causal)
     if kind == "q_nan":  # only the poisoned (token, head) is NaN
         nan = out.isnan().any(-1)
         assert nan[5, 1] and int(nan.sum()) == 1

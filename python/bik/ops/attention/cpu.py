@@ -37,8 +37,9 @@ def attention_f32(
 ) -> None:
     """Fixed-split attention (csrc/cpu/attention.h), the bits of ``attention_cpu_reference``.
 
-    q: fp32 [total_q, Hq, D], unit stride along D. k, v: fp32, unit stride along D, the same
-    strides; key t of sequence b, KV head h starts at element
+    q: fp32 [total_q, Hq, D], unit stride along D. k, v: fp32 or bf16 (read in place and
+    widened where the kernel packs them: the bits of widening first), one dtype, unit stride
+    along D, the same strides; key t of sequence b, KV head h starts at element
     ``key_offsets[b, t] + h * k.stride(-2)`` of each (so pages may lie anywhere).
     key_offsets [B, max_seqlen_k], cu_q [B + 1], seqlens_k [B]: int64 contiguous. The kernel
     checks them before reading through them (ValueError: cu_q must start at 0, never decrease
@@ -55,8 +56,9 @@ def attention_f32(
             "q must be [total_q, Hq, D] and k, v of one shape [..., Hkv, D]")
     total_q, hq, d = q.shape
     hkv = k.shape[-2]
-    require(q.dtype == k.dtype == v.dtype == out.dtype == lse.dtype == torch.float32, fn,
-            "q, k, v, out and lse must be fp32")
+    require(q.dtype == out.dtype == lse.dtype == torch.float32 and k.dtype == v.dtype
+            and k.dtype in (torch.float32, torch.bfloat16), fn,
+            "q, out and lse must be fp32, k and v both fp32 or both bf16")
     require(k.stride() == v.stride() and (d <= 1 or (q.stride(2) == 1 and k.stride(-1) == 1))
             and k.shape[-1] == d, fn, "k and v need q's D, equal strides, unit stride along D")
     require(out.shape == q.shape and out.is_contiguous() and lse.shape == (total_q, hq)
@@ -77,6 +79,7 @@ def attention_f32(
         seqlens_k.data_ptr(), seqlens_k.shape[0], total_q, hq, hkv, d, split,
         float(scale_log2e), bool(causal), out.data_ptr(), lse.data_ptr(),
         torch.get_num_threads() if num_threads is None else num_threads, isa,
+        k.dtype == torch.bfloat16,
     )  # fmt: skip
 
 
@@ -84,11 +87,12 @@ def cpu_keys(k: torch.Tensor, v: torch.Tensor, seqlens_k: torch.Tensor, max_seql
              table: torch.Tensor | None, base: torch.Tensor | None):
     """(k32, v32, key_offsets [B, max_seqlen_k]) for :func:`attention_cpu`, from the inputs of
     :func:`reference_keys`: key t of sequence b at element ``key_offsets[b, t]`` of k32/v32.
-    Shape arithmetic only: nothing is read back from the lengths. fp32 inputs are read in place
-    (the kernel follows the offsets page by page); 16-bit ones are gathered in one index op
-    into fp32 [B * max_seqlen_k, Hkv, D] (exact copies; a slot past a sequence's length copies
-    row 0 and is never read), reading only those rows of a strided cache."""
-    wide = k.dtype == torch.float32
+    Shape arithmetic only: nothing is read back from the lengths. fp32 and bf16 inputs are read
+    in place (the kernel follows the offsets page by page, and widens bf16 where it packs);
+    fp16 ones are gathered in one index op into fp32 [B * max_seqlen_k, Hkv, D] (exact copies;
+    a slot past a sequence's length copies row 0 and is never read), reading only those rows
+    of a strided cache."""
+    wide = k.dtype in (torch.float32, torch.bfloat16)  # the kernel reads these in place
     n_seq, max_len = seqlens_k.shape[0], max_seqlen_k
     pos = torch.arange(max_len)
     if table is not None:  # [B, max_len]: each sequence's keys, as offsets (fp32) or rows
