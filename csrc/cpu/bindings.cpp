@@ -507,6 +507,65 @@ void rms_norm_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t w, std::uintptr_t 
   });
 }
 
+// A bf16's bits from an fp32 value, rounded to nearest even (torch's conversion; a NaN stays a
+// NaN, its payload unspecified).
+inline std::uint16_t bf16_round(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return std::uint16_t((u >> 16) | 0x40u);  // quiet NaN
+  return std::uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float bf16_value(std::uint16_t h) {
+  const std::uint32_t u = std::uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// rms_norm_f32 for bf16 rows, without fp32 copies of them: x [M, H] (and residual, when not 0)
+// and the outputs y (and h) are bf16 bit patterns, w fp32. Per row, what the launcher's fp32
+// path does: h = x + residual in fp32 rounded to bf16 (the new residual), the row widened, the
+// ISA's rms_norm_rows on it (the same function: the same bits), y rounded to bf16.
+void rms_norm_bf16(std::uintptr_t x, idx_t sxm, std::uintptr_t residual, idx_t srm,
+                   std::uintptr_t w, std::uintptr_t y, idx_t sym, std::uintptr_t h, idx_t shm,
+                   idx_t M, idx_t H, double eps, int num_threads, const std::string& isa_name) {
+  if (M < 0 || H < 0) throw std::invalid_argument("bik: negative rms_norm size");
+  if (residual != 0 && h == 0) throw std::invalid_argument("bik: a residual needs h");
+  const Isa isa = select_isa(isa_name);
+  if (M == 0 || H == 0) return;
+  const float eps_f = static_cast<float>(eps);
+  const idx_t t = std::max<idx_t>(
+      1, std::min<idx_t>({idx_t(num_threads), M, (M * H) / kRmsMinElemsPerThread}));
+  using u16 = std::uint16_t;
+  const u16* xs = reinterpret_cast<const u16*>(x);
+  const u16* rs = reinterpret_cast<const u16*>(residual);
+  u16* ys = reinterpret_cast<u16*>(y);
+  u16* hs = reinterpret_cast<u16*>(h);
+  float* rows = scratch_floats(size_t(2 * H) * size_t(t));  // a widened row and its result
+  pybind11::gil_scoped_release nogil;
+  parallel_run(int(t), [&](int id) {
+    float* in = rows + size_t(2 * H) * size_t(id);
+    float* out = in + H;
+    for (idx_t m = M * id / t; m < M * (id + 1) / t; ++m) {
+      const u16* xr = xs + m * sxm;
+      if (rs != nullptr) {
+        const u16* rr = rs + m * srm;
+        u16* hr = hs + m * shm;
+        for (idx_t j = 0; j < H; ++j) {
+          hr[j] = bf16_round(bf16_value(xr[j]) + bf16_value(rr[j]));
+          in[j] = bf16_value(hr[j]);
+        }
+      } else {
+        for (idx_t j = 0; j < H; ++j) in[j] = bf16_value(xr[j]);
+      }
+      isa.rms(in, H, fptr(w), out, H, 0, 1, H, eps_f);
+      u16* yr = ys + m * sym;
+      for (idx_t j = 0; j < H; ++j) yr[j] = bf16_round(out[j]);
+    }
+  });
+}
+
 void softmax_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t y, idx_t sym, idx_t M, idx_t N,
                  int num_threads) {
   if (M < 0 || N < 0) throw std::invalid_argument("bik: negative softmax size");
@@ -785,6 +844,12 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("src"), py::arg("s_tok"), py::arg("s_head"), py::arg("tokens"), py::arg("hkv"),
         py::arg("d"), py::arg("elem"), py::arg("slots"),
         "cache[slots[t] / block, slots[t] % block] = src[t] for 0 <= slots[t] < n_slots.");
+  m.def("rms_norm_bf16", &bik_cpu::rms_norm_bf16, py::arg("x"), py::arg("sxm"),
+        py::arg("residual"), py::arg("srm"), py::arg("w"), py::arg("y"), py::arg("sym"),
+        py::arg("h"), py::arg("shm"), py::arg("M"), py::arg("H"), py::arg("eps"),
+        py::arg("num_threads"), py::arg("isa") = "auto",
+        "rms_norm_f32 on bf16 rows (and residual; 0: none), bf16 y (and h = x + residual),\n"
+        "fp32 w: the fp32 path's bits without fp32 copies of the rows.");
   m.def("rms_norm_f32", &bik_cpu::rms_norm_f32, py::arg("x"), py::arg("sxm"), py::arg("w"),
         py::arg("y"), py::arg("sym"), py::arg("M"), py::arg("H"), py::arg("eps"),
         py::arg("num_threads"), py::arg("isa") = "auto",

@@ -85,3 +85,48 @@ def test_rms_norm_accuracy_vs_fp64():
     wn = torch.rand(4096, generator=g) + 0.5
     exact = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * wn
     assert (rms(x, wn).double() - exact).abs().max().item() < 1e-4
+
+
+# ---- bf16 rows straight into the kernel ----------------------------------------------------------
+
+
+def _fp32_path(x, w, eps, residual=None):
+    """What the launcher did for bf16 before rms_norm_bf16: h = x + residual in fp32 rounded to
+    bf16, the fp32 kernel on the widened row, one rounding of the result."""
+    h = x if residual is None else (x.float() + residual.float()).bfloat16()
+    out = torch.empty(x.shape)
+    launch_rms_norm(Args(h.float(), w.float(), eps), out)
+    return out.bfloat16(), h
+
+
+def _same_bits(a, b) -> bool:
+    """bf16 bit patterns equal, any NaN matching any NaN (payloads are not the contract's)."""
+    same = a.view(torch.int16) == b.view(torch.int16)
+    return bool((same | (a.isnan() & b.isnan())).all())
+
+
+@pytest.mark.parametrize("H", (1, 17, 576, 1000))
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_rows_give_the_fp32_paths_bits(H, isa):
+    g = _gen(H + 7)
+    m = 70
+    x = (torch.randn(m, H, generator=g) * 3).bfloat16()
+    res = torch.randn(m, H, generator=g).bfloat16()
+    w = torch.randn(H, generator=g).bfloat16()
+    x[3, 0], x[5, -1], res[7, 0] = float("nan"), float("inf"), float("-inf")
+    x[9] = 0  # an all-zero row: rstd = 1/sqrt(eps)
+    fused = DECLARED["fused_add_rms_norm"].Args
+    for threads in (1, 2):
+        out = torch.empty(m, H, dtype=torch.bfloat16)
+        launch_rms_norm(Args(x, w, 1e-5), out, num_threads=threads, isa=isa)
+        assert _same_bits(out, _fp32_path(x, w, 1e-5)[0])
+        out, h = torch.empty_like(x), torch.empty_like(x)
+        launch_rms_norm(fused(x=x, residual=res, weight=w, eps=1e-5), out, h,
+                        num_threads=threads, isa=isa)
+        want, want_h = _fp32_path(x, w, 1e-5, res)
+        assert _same_bits(out, want) and _same_bits(h, want_h)
+    # the control: one rounding fewer (h kept in fp32) is other bits, which this check sees
+    h32 = x.float() + res.float()
+    out32 = torch.empty(m, H)
+    launch_rms_norm(Args(h32, w.float(), 1e-5), out32)
+    assert H == 1 or not _same_bits(out, out32.bfloat16())

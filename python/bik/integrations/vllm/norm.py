@@ -28,8 +28,19 @@ CALLS = [0]  # bik.rms_norm calls from vLLM's IR ops in this process
 _OPS = ("rms_norm", "fused_add_rms_norm")
 
 
+_ONES: dict = {}  # (hidden, dtype, device) -> ones: bik.rms_norm's weight, made once
+
+
 def _ones(x: Tensor) -> Tensor:
-    return torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    """A weight of ones (the model's weight is applied after, as Hugging Face does). On the
+    CPU in fp32 whatever x's dtype: 1.0 is exact in every dtype, so the bits are the same, and
+    the CPU kernel reads an fp32 weight without converting it; on CUDA in x's dtype."""
+    dtype = torch.float32 if x.device.type == "cpu" else x.dtype
+    key = (x.shape[-1], dtype, x.device)
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = _ONES[key] = torch.ones(x.shape[-1], dtype=dtype, device=x.device)
+    return ones
 
 
 def _times_weight(out: Tensor, weight: Tensor | None) -> Tensor:

@@ -25,6 +25,9 @@ def launch_rms_norm(args, out: torch.Tensor, h_out: torch.Tensor | None = None, 
             and weight.is_contiguous(), fn,
             f"x {list(x.shape)} needs a contiguous out of its shape and a contiguous weight "
             f"[{hidden}]")
+    if x.dtype == out.dtype == torch.bfloat16 and (h_out is None or h_out.dtype == x.dtype):
+        _launch_bf16(ext, args, out, h_out, num_threads, isa)
+        return
     if h_out is not None:
         # Elementwise, so batch-invariant; rounded to x.dtype exactly as the GPU kernels do.
         h_out.copy_(x.float() + args.residual.float())
@@ -43,3 +46,23 @@ def launch_rms_norm(args, out: torch.Tensor, h_out: torch.Tensor | None = None, 
         )  # fmt: skip
     if not direct:
         out.copy_(out32)
+
+
+def _launch_bf16(ext, args, out, h_out, num_threads, isa) -> None:
+    """bf16 rows straight into the kernel (csrc's rms_norm_bf16): the same steps as the fp32
+    path above, h = x + residual rounded to bf16, the row widened, normalised, rounded once,
+    without the fp32 copies of every row, which at decode sizes cost more than the norm."""
+    x, weight = args.x, args.weight
+    m, hidden = x.shape
+    if not (m and hidden):
+        return
+    w32 = weight if weight.dtype == torch.float32 else weight.float()
+    residual = None if h_out is None else args.residual
+    if residual is not None and hidden > 1 and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    ext.rms_norm_bf16(
+        x.data_ptr(), x.stride(0), 0 if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0), w32.data_ptr(), out.data_ptr(), hidden,
+        0 if h_out is None else h_out.data_ptr(), hidden, m, hidden, float(args.eps),
+        torch.get_num_threads() if num_threads is None else num_threads, isa or "auto",
+    )  # fmt: skip
