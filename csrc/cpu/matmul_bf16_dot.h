@@ -4,7 +4,8 @@
 //        is the step's); on any x86 CPU with FMA (AVX2 or AVX-512).
 //   Vdp: one vdpbf16ps lane per pair (AVX512_BF16), which does the same two steps by itself.
 // Measured on the CI machine (`bik bench linear`, its kernel columns): the FMA kernel runs
-// about twice as fast as the vdpbf16ps one, so it is the default (docs/design.md).
+// 1.1-1.2x as fast as the vdpbf16ps one at M = 8 and 1.5-1.6x at M = 64, so it is the
+// default (docs/design.md).
 //
 // Included by bindings.cpp inside an ISA's namespace (it reuses that ISA's VW, MR, NRV, NRW,
 // MC, transposes, loads and split fold) and a target region with FMA; BIK_DOT_VDPBF16 = 1 adds
