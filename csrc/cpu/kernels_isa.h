@@ -155,21 +155,18 @@ static void pack_a(const float* a, idx_t sam, idx_t sak, idx_t ic, idx_t mc, idx
 
 // ---- matmul micro-kernel ----------------------------------------------------------------------
 
-// c[0:R, 0:cols] (row pitch ldc) for one packed A block (kc x MR) and one B panel (kc x NRW).
-// first: acc starts at 0.0f, else at the fp32 value stored in c by the previous K block.
-// bias (already offset to this panel, or null) is added once, after the last K block.
+// The accumulators of an R x NRW block: 0.0f for a split's first K block, else what the
+// previous K block stored in c (fp32, exact). Shared by the fp32 and the bf16 dot kernels.
 template <int R>
-static void micro(const float* __restrict pa, const float* __restrict pb, idx_t kc,
-                  float* __restrict c, idx_t ldc, idx_t cols, bool first, const float* bias) {
-  vf acc[R][NRV];
-  const bool full = cols == NRW;
+static inline __attribute__((always_inline)) void load_acc(vf (&acc)[R][NRV], const float* c,
+                                                           idx_t ldc, idx_t cols, bool first) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 8
     for (int v = 0; v < NRV; ++v) {
       if (first) {
         acc[r][v] = vf{};
-      } else if (full) {
+      } else if (cols == NRW) {
         acc[r][v] = loadu<vf>(c + r * ldc + v * VW);
       } else {
         alignas(64) float t[VW] = {};
@@ -178,6 +175,33 @@ static void micro(const float* __restrict pa, const float* __restrict pb, idx_t 
       }
     }
   }
+}
+
+template <int R>
+static inline __attribute__((always_inline)) void store_acc(const vf (&acc)[R][NRV], float* c,
+                                                            idx_t ldc, idx_t cols) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    if (cols == NRW) {
+#pragma GCC unroll 8
+      for (int v = 0; v < NRV; ++v) storeu(c + r * ldc + v * VW, acc[r][v]);
+    } else {
+      alignas(64) float t[NRW];
+#pragma GCC unroll 8
+      for (int v = 0; v < NRV; ++v) storeu(t + v * VW, acc[r][v]);
+      for (idx_t j = 0; j < cols; ++j) c[r * ldc + j] = t[j];
+    }
+  }
+}
+
+// c[0:R, 0:cols] (row pitch ldc) for one packed A block (kc x MR) and one B panel (kc x NRW).
+// first: acc starts at 0.0f, else at the fp32 value stored in c by the previous K block.
+// bias (already offset to this panel, or null) is added once, after the last K block.
+template <int R>
+static void micro(const float* __restrict pa, const float* __restrict pb, idx_t kc,
+                  float* __restrict c, idx_t ldc, idx_t cols, bool first, const float* bias) {
+  vf acc[R][NRV];
+  load_acc<R>(acc, c, ldc, cols, first);
   for (idx_t k = 0; k < kc; ++k) {
     vf bv[NRV];
 #pragma GCC unroll 8
@@ -197,18 +221,7 @@ static void micro(const float* __restrict pa, const float* __restrict pb, idx_t 
 #pragma GCC unroll 8
       for (int v = 0; v < NRV; ++v) acc[r][v] = acc[r][v] + loadu<vf>(t + v * VW);
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    if (full) {
-#pragma GCC unroll 8
-      for (int v = 0; v < NRV; ++v) storeu(c + r * ldc + v * VW, acc[r][v]);
-    } else {
-      alignas(64) float t[NRW];
-#pragma GCC unroll 8
-      for (int v = 0; v < NRV; ++v) storeu(t + v * VW, acc[r][v]);
-      for (idx_t j = 0; j < cols; ++j) c[r * ldc + j] = t[j];
-    }
-  }
+  store_acc<R>(acc, c, ldc, cols);
 }
 
 template <int... R>

@@ -8,9 +8,10 @@
 // default (docs/design.md).
 //
 // Included by bindings.cpp inside an ISA's namespace (it reuses that ISA's VW, MR, NRV, NRW,
-// MC, transposes, loads and split fold) and a target region with FMA; BIK_DOT_VDPBF16 = 1 adds
-// the Vdp kernel (compiled for avx512bf16 on its own). The scalar transcription of the same
-// sequence, which runs on any CPU, is dot_reference.h. No include guard on purpose.
+// MC, transposes, loads, accumulator load/store and split fold) and a target region with FMA;
+// BIK_DOT_VDPBF16 = 1 adds the Vdp kernel (compiled for avx512bf16 on its own). The scalar
+// transcription of the same sequence, which runs on any CPU, is dot_reference.h. No include
+// guard on purpose.
 
 namespace dot {
 
@@ -82,45 +83,6 @@ static void pack_b(const u16* b, idx_t sbk, idx_t sbn, idx_t pc, idx_t kc, idx_t
                                            second ? b[(k + 1) * sbk + n * sbn] : u16(0))
                                : 0u;
       }
-    }
-  }
-}
-
-// The accumulators of an R x NRW block: 0.0f for a split's first K block, else what the
-// previous K block stored in c (fp32, exact).
-template <int R>
-static inline __attribute__((always_inline)) void load_acc(vf (&acc)[R][NRV], const float* c,
-                                                           idx_t ldc, idx_t cols, bool first) {
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int v = 0; v < NRV; ++v) {
-      if (first) {
-        acc[r][v] = vf{};
-      } else if (cols == NRW) {
-        acc[r][v] = loadu<vf>(c + r * ldc + v * VW);
-      } else {
-        alignas(64) float t[VW] = {};
-        for (idx_t j = v * VW; j < cols && j < (v + 1) * VW; ++j) t[j - v * VW] = c[r * ldc + j];
-        acc[r][v] = loadu<vf>(t);
-      }
-    }
-  }
-}
-
-template <int R>
-static inline __attribute__((always_inline)) void store_acc(const vf (&acc)[R][NRV], float* c,
-                                                            idx_t ldc, idx_t cols) {
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    if (cols == NRW) {
-#pragma GCC unroll 8
-      for (int v = 0; v < NRV; ++v) storeu(c + r * ldc + v * VW, acc[r][v]);
-    } else {
-      alignas(64) float t[NRW];
-#pragma GCC unroll 8
-      for (int v = 0; v < NRV; ++v) storeu(t + v * VW, acc[r][v]);
-      for (idx_t j = 0; j < cols; ++j) c[r * ldc + j] = t[j];
     }
   }
 }

@@ -40,13 +40,24 @@ def matmul_contract_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
                               plan: MatmulSplit) -> torch.Tensor:
     """a [M, K] @ b [K, N] (+ bias [N]) in fp32 by the K-split contract with ``plan``."""
     a, b = a.float(), b.float()
+
+    def split_sum(lo: int, hi: int) -> torch.Tensor:
+        p = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+        for kk in range(lo, hi):
+            p = p + a[:, kk:kk + 1] * b[kk:kk + 1, :]
+        return p
+
+    return _fold_splits(a.shape[1], plan, split_sum, bias)
+
+
+def _fold_splits(k: int, plan: MatmulSplit, split_sum, bias: torch.Tensor | None) -> torch.Tensor:
+    """The K-split contract's folds around a split's partial ``split_sum(lo, hi)``: inside a
+    group ``t = p_0; t = t + p_j``, across groups ``T = t_0; T = T + t_g``, then + bias."""
     total = None
-    for group in split_ranges(a.shape[1], plan):
+    for group in split_ranges(k, plan):
         group_total = None
         for lo, hi in group:
-            p = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
-            for kk in range(lo, hi):
-                p = p + a[:, kk:kk + 1] * b[kk:kk + 1, :]
+            p = split_sum(lo, hi)
             group_total = p if group_total is None else group_total + p
         total = group_total if total is None else total + group_total
     return total if bias is None else total + bias.float()
@@ -85,15 +96,11 @@ def matmul_bf16_dot_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
         raise ValueError(f"bik: the bf16 dot contract takes bf16 a and b, got {a.dtype}, "
                          f"{b.dtype}")
     zero = torch.zeros((), dtype=torch.bfloat16)
-    total = None
-    for group in split_ranges(a.shape[1], plan):
-        group_total = None
-        for lo, hi in group:
-            p = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
-            for kk in range(lo, hi):
-                p = bf16_dot_step(p, a[:, kk:kk + 1], b[kk:kk + 1, :])
-            if (hi - lo) % 2:
-                p = bf16_dot_step(p, zero, zero)
-            group_total = p if group_total is None else group_total + p
-        total = group_total if total is None else total + group_total
-    return total if bias is None else total + bias.float()
+
+    def split_sum(lo: int, hi: int) -> torch.Tensor:
+        p = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+        for kk in range(lo, hi):
+            p = bf16_dot_step(p, a[:, kk:kk + 1], b[kk:kk + 1, :])
+        return bf16_dot_step(p, zero, zero) if (hi - lo) % 2 else p
+
+    return _fold_splits(a.shape[1], plan, split_sum, bias)
