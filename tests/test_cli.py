@@ -158,6 +158,9 @@ def test_bench_linear_quick_interleaves_the_three_calls(tmp_path):
         assert r["packed_vs_stock"] == r["packed_ms"]["p50"] / r["stock_ms"]["p50"]
     streamed = [r for r in recs if r["weights"] == "streamed"]
     assert all(r["copies"] * 96 * 33 * 2 >= 1 << 20 for r in streamed)
+    assert main(["bench", "linear", "--quick", "--device", "cpu", "--ms", "2", "--json",
+                 str(out)]) == 0  # --ms picks the rows
+    assert {r["M"] for r in json.loads(out.read_text())["records"]} == {2}
     assert data["meta"]["versions"]["cpu_bf16"] in ("dot", "widen")
     assert "cpu_flags" in data["meta"] and "cpu_model" in data["meta"]
 

@@ -132,7 +132,7 @@ def run(device, dtype, args) -> list[dict]:
         raise SystemExit("bik bench linear: the CPU (--device cpu); `bik bench matmul` times GPUs")
     dtype = torch.bfloat16 if args.dtype is None else dtype  # the CLI's CPU default is fp32
     shapes = ((96, 33),) if args.quick else SMOLLM2 + LLAMA
-    ms = [int(v) for v in args.ms.split(",")] if args.ms else ([1, 3] if args.quick else [1, 8, 64])
+    ms = list(args.ms) if args.ms else ([1, 3] if args.quick else [1, 8, 64])
     rounds = 2 if args.quick else ROUNDS
     records = [_one(n, k, m, dtype, rounds) for n, k in shapes for m in ms]
     stream = (1 << 20) if args.quick else STREAM_BYTES
