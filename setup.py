@@ -137,7 +137,7 @@ class BuildPyWithCuda(build_py):
             native = root / "_native_src"
             shutil.rmtree(native, ignore_errors=True)
             native.mkdir(parents=True)
-            for src in (Path("csrc/native/native_cpu.cpp"), Path("csrc/cpu/c_abi.h")):
+            for src in (*sorted(Path("csrc/native").glob("*.[ch]*")), Path("csrc/cpu/c_abi.h")):
                 shutil.copy2(src, native / src.name)
         if os.environ.get("BIK_BUILD_CUDA", "0") not in ("", "0"):
             aot = _cuda_aot()

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "attention.h"
@@ -492,21 +493,6 @@ void write_kv_rows(std::uintptr_t cache, idx_t c_page, idx_t c_off, idx_t c_head
   }
 }
 
-void rms_norm_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t w, std::uintptr_t y, idx_t sym,
-                  idx_t M, idx_t H, double eps, int num_threads, const std::string& isa_name) {
-  if (M < 0 || H < 0) throw std::invalid_argument("bik: negative rms_norm size");
-  const Isa isa = select_isa(isa_name);
-  if (M == 0 || H == 0) return;
-  const float eps_f = static_cast<float>(eps);  // the contract rounds eps to fp32 first
-  const idx_t t = std::max<idx_t>(
-      1, std::min<idx_t>({idx_t(num_threads), M, (M * H) / kRmsMinElemsPerThread}));
-  pybind11::gil_scoped_release nogil;
-  parallel_run(int(t), [&](int id) {
-    const idx_t m0 = M * id / t, m1 = M * (id + 1) / t;
-    isa.rms(fptr(x), sxm, fptr(w), reinterpret_cast<float*>(y), sym, m0, m1, H, eps_f);
-  });
-}
-
 // A bf16's bits from an fp32 value, rounded to nearest even (torch's conversion; a NaN stays a
 // NaN, its payload unspecified).
 inline std::uint16_t bf16_round(float f) {
@@ -523,10 +509,72 @@ inline float bf16_value(std::uint16_t h) {
   return f;
 }
 
-// rms_norm_f32 for bf16 rows, without fp32 copies of them: x [M, H] (and residual, when not 0)
-// and the outputs y (and h) are bf16 bit patterns, w fp32. Per row, what the launcher's fp32
-// path does: h = x + residual in fp32 rounded to bf16 (the new residual), the row widened, the
-// ISA's rms_norm_rows on it (the same function: the same bits), y rounded to bf16.
+// The fixed-order RMSNorm over rows (the ISA's rms_norm_rows: the contract's 16-lane sum), with
+// rows and outputs fp32 or bf16 bit patterns (bf16), w fp32. With a residual (not null; h then
+// too), each row first becomes h = x + residual, added in fp32 and rounded to the rows' dtype
+// (the new residual, written to h); the row (widened, when bf16) is normalised and rounded once
+// to y. Without fp32 copies of bf16 rows, which at decode sizes cost more than the norm. Rows
+// are independent: the bits depend on neither M nor the threads. Takes no GIL.
+template <class T>
+void rms_norm_rows_of(const Isa& isa, const T* xs, idx_t sxm, const T* rs, idx_t srm,
+                      const float* w, T* ys, idx_t sym, T* hs, idx_t shm, idx_t M, idx_t H,
+                      float eps, idx_t threads) {
+  constexpr bool kF32 = std::is_same_v<T, float>;
+  if (kF32 && rs == nullptr) {  // the kernel reads the rows and writes y in place
+    parallel_run(int(threads), [&](int id) {
+      isa.rms(reinterpret_cast<const float*>(xs), sxm, w, reinterpret_cast<float*>(ys), sym,
+              M * id / threads, M * (id + 1) / threads, H, eps);
+    });
+    return;
+  }
+  float* rows = scratch_floats(size_t(2 * H) * size_t(threads));  // a row and its result
+  parallel_run(int(threads), [&](int id) {
+    float* in = rows + size_t(2 * H) * size_t(id);
+    float* out = in + H;
+    for (idx_t m = M * id / threads; m < M * (id + 1) / threads; ++m) {
+      const T* xr = xs + m * sxm;
+      if (rs != nullptr) {
+        const T* rr = rs + m * srm;
+        T* hr = hs + m * shm;
+        for (idx_t j = 0; j < H; ++j) {
+          if constexpr (kF32) {
+            hr[j] = in[j] = xr[j] + rr[j];
+          } else {
+            hr[j] = bf16_round(bf16_value(xr[j]) + bf16_value(rr[j]));
+            in[j] = bf16_value(hr[j]);
+          }
+        }
+      } else if constexpr (!kF32) {
+        for (idx_t j = 0; j < H; ++j) in[j] = bf16_value(xr[j]);
+      }
+      T* yr = ys + m * sym;
+      if constexpr (kF32) {
+        isa.rms(in, H, w, yr, H, 0, 1, H, eps);
+      } else {
+        isa.rms(in, H, w, out, H, 0, 1, H, eps);
+        for (idx_t j = 0; j < H; ++j) yr[j] = bf16_round(out[j]);
+      }
+    }
+  });
+}
+
+idx_t rms_threads(int num_threads, idx_t M, idx_t H) {
+  return std::max<idx_t>(
+      1, std::min<idx_t>({idx_t(num_threads), M, (M * H) / kRmsMinElemsPerThread}));
+}
+
+void rms_norm_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t w, std::uintptr_t y, idx_t sym,
+                  idx_t M, idx_t H, double eps, int num_threads, const std::string& isa_name) {
+  if (M < 0 || H < 0) throw std::invalid_argument("bik: negative rms_norm size");
+  const Isa isa = select_isa(isa_name);
+  if (M == 0 || H == 0) return;
+  pybind11::gil_scoped_release nogil;
+  rms_norm_rows_of<float>(isa, fptr(x), sxm, nullptr, 0, fptr(w), reinterpret_cast<float*>(y),
+                          sym, nullptr, 0, M, H, static_cast<float>(eps),  // eps rounded first
+                          rms_threads(num_threads, M, H));
+}
+
+// rms_norm_f32 for bf16 rows (and residual, when not 0): bf16 y (and h = x + residual).
 void rms_norm_bf16(std::uintptr_t x, idx_t sxm, std::uintptr_t residual, idx_t srm,
                    std::uintptr_t w, std::uintptr_t y, idx_t sym, std::uintptr_t h, idx_t shm,
                    idx_t M, idx_t H, double eps, int num_threads, const std::string& isa_name) {
@@ -534,36 +582,12 @@ void rms_norm_bf16(std::uintptr_t x, idx_t sxm, std::uintptr_t residual, idx_t s
   if (residual != 0 && h == 0) throw std::invalid_argument("bik: a residual needs h");
   const Isa isa = select_isa(isa_name);
   if (M == 0 || H == 0) return;
-  const float eps_f = static_cast<float>(eps);
-  const idx_t t = std::max<idx_t>(
-      1, std::min<idx_t>({idx_t(num_threads), M, (M * H) / kRmsMinElemsPerThread}));
   using u16 = std::uint16_t;
-  const u16* xs = reinterpret_cast<const u16*>(x);
-  const u16* rs = reinterpret_cast<const u16*>(residual);
-  u16* ys = reinterpret_cast<u16*>(y);
-  u16* hs = reinterpret_cast<u16*>(h);
-  float* rows = scratch_floats(size_t(2 * H) * size_t(t));  // a widened row and its result
   pybind11::gil_scoped_release nogil;
-  parallel_run(int(t), [&](int id) {
-    float* in = rows + size_t(2 * H) * size_t(id);
-    float* out = in + H;
-    for (idx_t m = M * id / t; m < M * (id + 1) / t; ++m) {
-      const u16* xr = xs + m * sxm;
-      if (rs != nullptr) {
-        const u16* rr = rs + m * srm;
-        u16* hr = hs + m * shm;
-        for (idx_t j = 0; j < H; ++j) {
-          hr[j] = bf16_round(bf16_value(xr[j]) + bf16_value(rr[j]));
-          in[j] = bf16_value(hr[j]);
-        }
-      } else {
-        for (idx_t j = 0; j < H; ++j) in[j] = bf16_value(xr[j]);
-      }
-      isa.rms(in, H, fptr(w), out, H, 0, 1, H, eps_f);
-      u16* yr = ys + m * sym;
-      for (idx_t j = 0; j < H; ++j) yr[j] = bf16_round(out[j]);
-    }
-  });
+  rms_norm_rows_of<u16>(isa, reinterpret_cast<const u16*>(x), sxm,
+                        reinterpret_cast<const u16*>(residual), srm, fptr(w),
+                        reinterpret_cast<u16*>(y), sym, reinterpret_cast<u16*>(h), shm, M, H,
+                        static_cast<float>(eps), rms_threads(num_threads, M, H));
 }
 
 void softmax_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t y, idx_t sym, idx_t M, idx_t N,
@@ -634,6 +658,29 @@ void unary_f32(std::uintptr_t x, std::uintptr_t y, idx_t n, const std::string& f
   }
 }
 
+// Runs one attention problem (attention.h) after the kernel's own check of its lengths and key
+// offsets: "" when done, else the check's message (nothing computed). Takes no GIL.
+std::string run_attention(const attn::Problem& p, idx_t total_q, idx_t k_extent,
+                          int num_threads, const Isa& isa) {
+  std::string bad = attn::check_metadata(p, total_q, k_extent);
+  if (!bad.empty()) return bad;
+  double macs = 0;
+  const std::vector<attn::Item> items = attn::make_items(p, &macs);
+  if (items.empty()) return "";
+  // One K block and one N block per tile call (speed only): K is D or a split's keys.
+  const idx_t d = p.d, split = p.split;
+  const idx_t kc = std::max(d, split);
+  const idx_t nc = (std::max(d, split) + isa.nrw - 1) / isa.nrw * isa.nrw;
+  const size_t per_worker =
+      (attn::own_floats(p) + isa.scratch_per_thread(kc, nc, 0) + 15) / 16 * 16;
+  const idx_t nt = std::max<idx_t>(1, std::min<idx_t>(
+      {idx_t(num_threads), idx_t(items.size()), idx_t(macs / double(kMatmulMinMacsPerThread))}));
+  float* ws = scratch_floats(per_worker * size_t(nt));
+  attn::run_items(p, attn::Tiles{isa.tile, isa.tile_bf16}, kc, nc, items, int(nt), ws,
+                  per_worker);
+  return "";
+}
+
 // Fixed-split attention (attention.h) over fp32 q and fp32 or bf16 k/v: q by strides, keys by
 // per-key offsets.
 void attention_f32(std::uintptr_t q, idx_t sq_tok, idx_t sq_head, std::uintptr_t k,
@@ -652,24 +699,13 @@ void attention_f32(std::uintptr_t q, idx_t sq_tok, idx_t sq_head, std::uintptr_t
                         reinterpret_cast<I64>(lens_k), B, hq, hkv, d, split,
                         static_cast<float>(scale_log2e), causal,
                         reinterpret_cast<float*>(out), reinterpret_cast<float*>(lse), kv_bf16};
-  const std::string bad = attn::check_metadata(p, total_q, k_extent);
+  std::string bad;
+  {
+    pybind11::gil_scoped_release nogil;
+    bad = run_attention(p, total_q, k_extent, num_threads, isa);
+  }
   if (!bad.empty()) throw std::invalid_argument(bad);
-  double macs = 0;
-  const std::vector<attn::Item> items = attn::make_items(p, &macs);
-  if (items.empty()) return;
-  // One K block and one N block per tile call (speed only): K is D or a split's keys.
-  const idx_t kc = std::max(d, split);
-  const idx_t nc = (std::max(d, split) + isa.nrw - 1) / isa.nrw * isa.nrw;
-  const size_t per_worker =
-      (attn::own_floats(p) + isa.scratch_per_thread(kc, nc, 0) + 15) / 16 * 16;
-  const idx_t nt = std::max<idx_t>(1, std::min<idx_t>(
-      {idx_t(num_threads), idx_t(items.size()), idx_t(macs / double(kMatmulMinMacsPerThread))}));
-  float* ws = scratch_floats(per_worker * size_t(nt));
-  pybind11::gil_scoped_release nogil;
-  attn::run_items(p, attn::Tiles{isa.tile, isa.tile_bf16}, kc, nc, items, int(nt), ws,
-                  per_worker);
 }
-
 
 // The normaliser's sum (sampling.h vocab_sum) of given fp32 terms [B, V] (contiguous), per row:
 // the contract's order, for tests and cross-backend checks.
@@ -755,6 +791,92 @@ extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
                         reinterpret_cast<std::uintptr_t>(p->c), p->ldc, p->M, p->N, p->K,
                         p->split, p->num_threads, 0, 0, p->b_bf16 != 0, p->batch, p->sab,
                         p->sbb, p->scb, 0, p->a_bf16 != 0, false);
+  } catch (...) {
+    return 2;
+  }
+  return 0;
+}
+
+// c_abi.h's RMSNorm entry: the widest ISA (resolved once), no exceptions.
+extern "C" int bik_cpu_rms_norm(const BikRmsNormArgs* p) {
+  if (p->M < 0 || p->H < 0 || (p->residual != nullptr && p->h == nullptr)) return 1;
+  if (p->M == 0 || p->H == 0) return 0;
+  static const bik_cpu::Isa isa = bik_cpu::select_isa("auto");
+  const auto threads = bik_cpu::rms_threads(p->num_threads, p->M, p->H);
+  const auto eps = static_cast<float>(p->eps);
+  try {
+    if (p->bf16) {
+      using u16 = std::uint16_t;
+      bik_cpu::rms_norm_rows_of<u16>(
+          isa, static_cast<const u16*>(p->x), p->sxm, static_cast<const u16*>(p->residual),
+          p->srm, p->w, static_cast<u16*>(p->y), p->sym, static_cast<u16*>(p->h), p->shm, p->M,
+          p->H, eps, threads);
+    } else {
+      bik_cpu::rms_norm_rows_of<float>(
+          isa, static_cast<const float*>(p->x), p->sxm, static_cast<const float*>(p->residual),
+          p->srm, p->w, static_cast<float*>(p->y), p->sym, static_cast<float*>(p->h), p->shm,
+          p->M, p->H, eps, threads);
+    }
+  } catch (...) {
+    return 2;
+  }
+  return 0;
+}
+
+namespace {
+
+std::int64_t read_index(const void* base, bool i64, std::int64_t at) {
+  return i64 ? static_cast<const std::int64_t*>(base)[at]
+             : std::int64_t(static_cast<const std::int32_t*>(base)[at]);
+}
+
+int refuse(const BikAttentionPagedArgs* a, const std::string& why) {
+  if (a->error != nullptr && a->error_size > 0) {
+    const size_t n = std::min(why.size(), size_t(a->error_size - 1));
+    std::memcpy(a->error, why.data(), n);
+    a->error[n] = '\0';
+  }
+  return 1;
+}
+
+}  // namespace
+
+// c_abi.h's paged attention entry. The key offsets are the ones bik.ops.attention.cpu.cpu_keys
+// builds in torch: a page of the block table clamped to [-1, num_blocks], then page * s_page +
+// (t % block_size) * s_tok, for the first min(max_seqlen_k, pages * block_size) keys of each
+// sequence; then attention.h's check and kernel.
+extern "C" int bik_cpu_attention_paged(const BikAttentionPagedArgs* a) {
+  using bik_cpu::idx_t;
+  if (a->B < 0 || a->d < 0 || a->hkv <= 0 || a->hq % a->hkv != 0 || a->split <= 0 ||
+      a->block_size <= 0 || a->table_cols < 0 || a->max_seqlen_k < 0 || a->total_q < 0)
+    return refuse(a, "attention needs B >= 0, D >= 0, Hq % Hkv == 0, split > 0, block_size > 0");
+  try {
+    const idx_t B = a->B, block = a->block_size;
+    const idx_t pages = std::min((a->max_seqlen_k + block - 1) / block, a->table_cols);
+    const idx_t width = std::min(a->max_seqlen_k, pages * block);
+    thread_local std::vector<std::int64_t> koff, cu, lens;  // read by the workers below
+    koff.assign(size_t(B * width), 0);
+    cu.resize(size_t(B + 1));
+    lens.resize(size_t(B));
+    for (idx_t b = 0; b < B; ++b) {
+      std::int64_t* row = koff.data() + b * width;
+      for (idx_t p = 0; p < pages; ++p) {
+        const std::int64_t page = std::clamp<std::int64_t>(
+            read_index(a->block_table, a->table_i64, b * a->s_table + p), -1, a->num_blocks);
+        for (idx_t t = p * block; t < std::min(width, (p + 1) * block); ++t)
+          row[t] = page * a->s_page + (t - p * block) * a->s_tok;
+      }
+      lens[size_t(b)] = read_index(a->seqlens_k, a->seqlens_i64, b);
+    }
+    for (idx_t b = 0; b <= B; ++b) cu[size_t(b)] = read_index(a->cu_q, a->cu_q_i64, b);
+    const bik_cpu::attn::Problem p{
+        a->q, a->sq_tok, a->sq_head, a->k, a->v, koff.data(), width, a->s_head, cu.data(),
+        lens.data(), B, a->hq, a->hkv, a->d, a->split, static_cast<float>(a->scale_log2e),
+        a->causal != 0, a->out, a->lse, a->kv_bf16 != 0};
+    static const bik_cpu::Isa isa = bik_cpu::select_isa("auto");
+    const std::string bad =
+        bik_cpu::run_attention(p, a->total_q, a->k_extent, a->num_threads, isa);
+    if (!bad.empty()) return refuse(a, bad);
   } catch (...) {
     return 2;
   }
@@ -896,6 +1018,8 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::dict d;
         d["abi_version"] = BIK_C_ABI_VERSION;
         d["matmul_f32"] = reinterpret_cast<std::uintptr_t>(&bik_cpu_matmul_f32);
+        d["rms_norm"] = reinterpret_cast<std::uintptr_t>(&bik_cpu_rms_norm);
+        d["attention_paged"] = reinterpret_cast<std::uintptr_t>(&bik_cpu_attention_paged);
         return d;
       },
       "Addresses of the c_abi.h entry points (for bik's dispatcher kernels), and its version.");

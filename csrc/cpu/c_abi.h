@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#define BIK_C_ABI_VERSION 3  // 2: + split; 3: + a_bf16
+#define BIK_C_ABI_VERSION 4  // 2: + split; 3: + a_bf16; 4: + rms_norm, attention_paged
 
 #ifdef __cplusplus
 extern "C" {
@@ -51,6 +51,59 @@ static inline int64_t bik_matmul_split_len(int64_t K, const BikMatmulSplitRule* 
 // 3: the bf16 dot path asked for where it is unavailable.
 // Never throws, takes no GIL.
 typedef int (*BikMatmulF32Fn)(const BikMatmulF32Args*);
+
+// RMSNorm over M rows of H (unit stride along H; row strides in elements): x, residual, y and h
+// fp32, or bf16 bit patterns when bf16 != 0; w fp32 [H]. With a residual (not NULL; h then too)
+// each row is first h = x + residual rounded to the rows' dtype, written to h. The bits of
+// bik.rms_norm's CPU launcher (the same kernel). 0 on success; 1: sizes refused; 2: a thread
+// could not start. Never throws, takes no GIL.
+typedef struct {
+  const void* x;
+  int64_t sxm;
+  const void* residual;  // NULL: none
+  int64_t srm;
+  const float* w;
+  void* y;
+  int64_t sym;
+  void* h;
+  int64_t shm;
+  int64_t M, H;
+  double eps;  // rounded to fp32 by the kernel, as the contract says
+  int32_t bf16, num_threads;
+} BikRmsNormArgs;
+typedef int (*BikRmsNormFn)(const BikRmsNormArgs*);
+
+// Fixed-split attention (attention.h) over a paged KV cache, the bits of bik.attention's CPU
+// launcher: q fp32 [total_q, hq, d] by strides (unit along d); k and v one layout, fp32 or bf16
+// bit patterns (kv_bf16), key t of sequence b and KV head h at element
+// page * s_page + (t % block_size) * s_tok + h * s_head, page = block_table[b, t / block_size]
+// (clamped to [-1, num_blocks]: the kernel's check refuses it). block_table [B, table_cols]
+// with row stride s_table; cu_q [B + 1] and seqlens_k [B]; each int32, or int64 when its
+// *_i64 is set. max_seqlen_k: the host bound on any sequence's keys. out [total_q, hq, d] and
+// lse [total_q, hq]: fp32, contiguous. 0 on success; 1: refused, with the reason in error
+// (NUL-terminated, at most error_size bytes); 2: the kernel failed (a thread could not start).
+// Never throws, takes no GIL.
+typedef struct {
+  const float* q;
+  int64_t sq_tok, sq_head;
+  const void* k;
+  const void* v;
+  int64_t k_extent;  // elements k's view reaches from its first (1 + sum (n - 1) * stride)
+  int64_t num_blocks, block_size, s_page, s_tok, s_head;
+  const void* block_table;
+  int64_t table_cols, s_table;
+  const void* cu_q;
+  const void* seqlens_k;
+  int32_t table_i64, cu_q_i64, seqlens_i64, kv_bf16;
+  int64_t B, total_q, hq, hkv, d, split, max_seqlen_k;
+  double scale_log2e;  // rounded to fp32
+  int32_t causal, num_threads;
+  float* out;
+  float* lse;
+  char* error;
+  int64_t error_size;
+} BikAttentionPagedArgs;
+typedef int (*BikAttentionPagedFn)(const BikAttentionPagedArgs*);
 
 #ifdef __cplusplus
 }

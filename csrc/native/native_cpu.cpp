@@ -13,6 +13,8 @@
 // * the public functions' direct route (ops/_call.py) once the kernels are loaded: matmul / bmm
 //   as a Python module's functions (PYBIND11_MODULE below), without the dispatcher.
 //
+// layers.h adds RMSNorm and paged attention for the compiled mode's graphs and the direct route.
+//
 // Both run bik's fixed-order CPU matmul through the entry point bik._cpu_kernels runs (handed
 // over by address: one copy of the kernel in the process, c_abi.h), so the bits are the Python
 // route's. Built against the installed torch at first use (bik/runtime/native_ext.py).
@@ -31,6 +33,7 @@
 #include <mutex>
 
 #include "c_abi.h"
+#include "layers.h"
 
 namespace {
 
@@ -210,19 +213,30 @@ Tensor compiled_bmm(const Tensor& a, const Tensor& b, std::optional<c10::ScalarT
 
 // ---- control -----------------------------------------------------------------------------------
 
+// entries: bik._cpu_kernels' c_abi.h entry points [matmul_f32, rms_norm, attention_paged];
 // split_rule: bik.configs.matmul_split's constants (tp_max, group_align, split,
 // one_split_max_k, none), so these kernels pick the splits bik's Python launcher picks;
-// bf16_dot: bik.runtime.cpu_ext.bf16_dot(), so they take the bf16 path it takes.
-void set_cpu_kernels(int64_t matmul_address, int64_t abi_version,
-                     c10::ArrayRef<int64_t> split_rule, bool bf16_dot) {
+// attention_split: bik.configs.CPU_ATTENTION_SPLIT; bf16_dot: bik.runtime.cpu_ext.bf16_dot(), so
+// they take the bf16 path it takes; debug_checks: BIK_DEBUG_CHECKS as bik read it (attention
+// then leaves every call to bik's op, which reads the lengths).
+void set_cpu_kernels(c10::ArrayRef<int64_t> entries, int64_t abi_version,
+                     c10::ArrayRef<int64_t> split_rule, int64_t attention_split, bool bf16_dot,
+                     bool debug_checks) {
   TORCH_CHECK(abi_version == BIK_C_ABI_VERSION, "bik: bik._cpu_kernels has C ABI ", abi_version,
               ", its dispatcher kernels expect ", BIK_C_ABI_VERSION, " (rebuild bik)");
+  TORCH_CHECK(entries.size() == 3 && entries[0] != 0 && entries[1] != 0 && entries[2] != 0,
+              "bik: set_cpu_kernels needs 3 entry points, got ", entries);
   TORCH_CHECK(split_rule.size() == 5 && split_rule[0] > 0 && split_rule[1] > 0 &&
                   split_rule[2] > 0,
               "bik: set_cpu_kernels needs the 5 matmul split constants, got ", split_rule);
+  TORCH_CHECK(attention_split > 0, "bik: set_cpu_kernels needs attention_split > 0");
   g_split_rule = {split_rule[0], split_rule[1], split_rule[2], split_rule[3], split_rule[4]};
   g_bf16_dot = bf16_dot;
-  g_matmul = reinterpret_cast<BikMatmulF32Fn>(matmul_address);
+  bik_layers::g_attention_split = attention_split;
+  bik_layers::g_debug_checks = debug_checks;
+  bik_layers::g_rms_norm = reinterpret_cast<BikRmsNormFn>(entries[1]);
+  bik_layers::g_attention = reinterpret_cast<BikAttentionPagedFn>(entries[2]);
+  g_matmul = reinterpret_cast<BikMatmulF32Fn>(entries[0]);
 }
 
 // torch warns (to stderr, from C++) when a kernel replaces another; replacing is the point here.
@@ -265,8 +279,8 @@ void reset_served() {
 
 // Control ops, and the compiled mode's products. Nothing is overridden until install().
 TORCH_LIBRARY(bik_native, m) {
-  m.def("set_cpu_kernels(int matmul_address, int abi_version, int[] split_rule, bool bf16_dot) "
-        "-> ()",
+  m.def("set_cpu_kernels(int[] entries, int abi_version, int[] split_rule, int attention_split, "
+        "bool bf16_dot, bool debug_checks) -> ()",
         &set_cpu_kernels);
   m.def("install() -> ()", &install);
   m.def("uninstall() -> ()", &uninstall);
@@ -274,6 +288,8 @@ TORCH_LIBRARY(bik_native, m) {
   m.def("reset_served() -> ()", &reset_served);
   m.def("matmul(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype) -> Tensor");
   m.def("bmm(Tensor a, Tensor b, ScalarType? out_dtype) -> Tensor");
+  // layers.h's kernels, bound to the ops Python defines from bik's (bik/ops/_native.py).
+  m.def("bind(str op, str kernel) -> ()", &bik_layers::bind);
 }
 
 TORCH_LIBRARY_IMPL(bik_native, CPU, m) {
@@ -281,7 +297,7 @@ TORCH_LIBRARY_IMPL(bik_native, CPU, m) {
   m.impl("bmm", TORCH_FN(compiled_bmm));
 }
 
-// The direct route's entry (bik/ops/matmul/native.py): a call through torch.ops matches its
+// The direct route's entry (bik/ops/_native.py): a call through torch.ops matches its
 // arguments against the schema in Python, ~5 us around a ~1 us one-row product; a pybind11
 // function with tensor arguments costs ~0.3 us. Same kernels: the bits and the fallback to
 // bik::matmul / bik::bmm are the dispatcher op's. The GIL is released around the product (a

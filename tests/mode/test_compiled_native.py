@@ -7,7 +7,7 @@ import bik
 import pytest
 import torch
 import torch.nn.functional as F
-from bik.ops.matmul import native as _native
+from bik.ops import _native
 from bik.runtime import cpu_ext
 from bik.testing import rows_alone_vs_batched, same_bits
 from torch._inductor.utils import run_and_get_code

@@ -113,7 +113,7 @@ def test_loaded_kernels_serve_the_public_functions_direct_route(name, dtype, gen
     """Once the C++ kernels are loaded (bik.enable() loads them), bik.matmul / linear / bmm's
     direct route runs them after the op's check instead of the Python launcher: the same bits,
     with BIK_ENABLE_NATIVE=0 the Python launcher again (the spy shows each route ran)."""
-    from bik.ops.matmul import native
+    from bik.ops import _native as native
 
     assert native.ready()  # loads them
     a, b = _operands(gen, dtype, "b = w.t()")
@@ -138,7 +138,7 @@ def test_the_direct_route_leaves_the_loaded_kernels_when_they_would_differ(gen, 
     """The kernels keep the split rule they loaded with: under another rule, and with the CPU
     extension masked, a direct call goes to the Python launcher (the rule's bits; the build
     hint), as the spy shows."""
-    from bik.ops.matmul import native
+    from bik.ops import _native as native
     from bik.runtime import cpu_ext
 
     assert native.ready()
@@ -236,7 +236,7 @@ def test_direct_route_on_loaded_kernels_is_batch_invariant_where_controls_fail(g
     """bik.linear's direct route once the kernels are loaded (the Python launcher refused, so
     every call below ran the C++ kernel): rows alone = rows batched, with the stock product and
     a split-by-M reference failing the same check here."""
-    from bik.ops.matmul import native
+    from bik.ops import _native as native
 
     assert native.ready()
     w, check = _linear_rows_check_failing_its_controls(gen)
@@ -315,7 +315,7 @@ def test_a_failed_build_warns_and_keeps_the_python_route(tmp_path):
         assert torch.equal(out, bik.matmul(a, b))
         assert bik.mode_stats().routed == {"aten.mm.default": 1}, bik.mode_stats()
         messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
-        assert any("dispatcher kernels for mm" in m and "false failed" in m for m in messages), messages
+        assert any("dispatcher kernels (mm" in m and "false failed" in m for m in messages), messages
         print("ok")
     """)
     env = dict(os.environ, CXX="false", BIK_NATIVE_CACHE=str(tmp_path))
@@ -342,12 +342,14 @@ def test_the_direct_route_calls_the_loaded_librarys_python_functions(gen):
     """The direct route's native entry is the loaded library's own Python function (no
     dispatcher around the product): bik::matmul's bits, and a call the C++ kernel does not serve
     goes to bik::matmul, whose error keeps its type and names the op."""
-    from bik.ops.matmul import native
+    from bik.ops import _native as native
 
     assert native.ready()
     module = native_ext.module()
-    assert native.matmul(loaded_only=True) is module.matmul
-    assert native.bmm(loaded_only=True) is module.bmm
+    from bik.ops._define import DECLARED
+
+    assert DECLARED["matmul"].native(loaded_only=True) is module.matmul
+    assert DECLARED["bmm"].native(loaded_only=True) is module.bmm
     a, b = torch.randn(3, 70, generator=gen), torch.randn(70, 5, generator=gen)
     with torch.no_grad():
         assert same_bits(module.matmul(a, b, None, None), torch.ops.bik.matmul(a, b, None, None,

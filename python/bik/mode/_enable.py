@@ -11,7 +11,7 @@ is told to leave these ops as aten calls while bik is enabled (_inductor.py). Wh
 runs, the aten calls it makes itself go straight to the original kernels.
 
 At the CPU key, mm / addmm / bmm get C++ kernels instead (csrc/native/native_cpu.cpp, made
-ready by ops/matmul/native.py): a Python kernel costs ~15 µs a call around a ~1 µs one-row
+ready by ops/_native.py): a Python kernel costs ~15 µs a call around a ~1 µs one-row
 product. They serve the plain calls with the same kernel the handler would run and hand every
 other call to the Python kernel, registered for that on ``bik_native_py::<op>`` (aten's schema).
 ``BIK_ENABLE_NATIVE=0``, or a build that fails, keeps the Python kernels there.
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from bik.ops.matmul import native
+from bik.ops import _native as native
 from bik.mode._handlers import HANDLERS
 from bik.mode._inductor import keep_as_aten_calls
 from bik.mode._numerics import acquire_flags, release_flags

@@ -58,6 +58,15 @@ def direct_ok(*tensors) -> bool:
     return True
 
 
+def _tensor_args(decl, args) -> bool:
+    """Every Tensor argument a tensor (or an optional one None): anything else is left to the
+    op's check, which names it (the dispatcher's type error would not name bik's op)."""
+    for i in decl.tensors:
+        if not isinstance(args[i], _Tensor) and args[i] is not None:
+            return False
+    return True
+
+
 def _compiling_without_grad() -> bool:
     """Compiling (not exporting: an exported program keeps bik's portable ops) with grad off."""
     return torch.compiler.is_compiling() and not torch.compiler.is_exporting() \
@@ -74,12 +83,17 @@ def call(op: str, *args, validated: bool = False):
     if direct_ok(*[args[i] for i in decl.tensors]):
         args = decl.complete(args)
         body = decl.record(args)
+        native = decl.native is not None and args[decl.backend_at] == "cpu"
+        if native and decl.native.checks_itself and _tensor_args(decl, args):
+            kernel = decl.native(loaded_only=True)
+            if kernel is not None:  # it checks what it serves and hands the rest to bik's op
+                return kernel(*body)
         if not validated:
             body = decl.check(decl.label, body)
         if decl.backend_at is None:
             return decl.run(None, body)
         backend = args[decl.backend_at]
-        if decl.native is not None and backend == "cpu":
+        if native and not decl.native.checks_itself:
             kernel = decl.native(loaded_only=True)
             if kernel is not None:
                 return kernel(*body)

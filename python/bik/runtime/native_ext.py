@@ -73,7 +73,7 @@ def source_hash() -> str:
     """Hash of the kernels' sources (bik.fingerprint covers them)."""
     source, include = _sources()
     h = hashlib.sha256()
-    for path in (source, include / "c_abi.h"):
+    for path in (source, *sorted(source.parent.glob("*.h")), include / "c_abi.h"):
         h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()[:16]
 

@@ -17,6 +17,7 @@ import torch
 from bik.ops._call import call
 from bik.ops._checks import check_same_device, check_tensor
 from bik.ops._define import DECLARED, define
+from bik.ops._native import kernel_for
 from bik.ops._registry import documented, resolve_backend
 from bik.ops.attention.backward import AUTOGRAD
 from bik.ops.attention.checks import (
@@ -75,7 +76,8 @@ define("attention",
        "Tensor? block_table, float scale, bool causal, str backend, int? max_seqlen_q=None, "
        "int? max_seqlen_k=None) -> Tensor",
        check=_check_attention, fake_check=_shapes_attention,
-       run=partial(_run_attention, "bik.attention"), fake=_fake_attention)
+       run=partial(_run_attention, "bik.attention"), fake=_fake_attention,
+       native=kernel_for("attention", kernel="attention"))
 
 
 # ---- bik::attention_varlen (packed K/V, no cache) -----------------------------------------------

@@ -21,7 +21,7 @@ from bik.ops._checks import (
 )
 from bik.ops._define import define
 from bik.ops._registry import documented, launcher, resolve_backend
-from bik.ops.matmul import native
+from bik.ops import _native as native
 
 # Every backend module (triton.py, cuda.py, cpu.py) defines the row's entry point
 #   launch_matmul(a [B, M, K], b [B, K, N], bias [N] | None, out [B, M, N], *,
@@ -151,10 +151,11 @@ def _bmm_backward(ctx, grad):
 define("matmul",
        "(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype, str backend) -> Tensor",
        check=_check_mm, run=_run_matmul, fake=_fake_matmul,
-       autograd=(_matmul_backward, _matmul_setup), native=native.matmul)
+       autograd=(_matmul_backward, _matmul_setup),
+       native=native.kernel_for("matmul", split_rule=True))
 define("bmm", "(Tensor a, Tensor b, ScalarType? out_dtype, str backend) -> Tensor",
        check=_check_bmm, run=_run_bmm, fake=_fake_bmm, autograd=(_bmm_backward, _bmm_setup),
-       native=native.bmm)
+       native=native.kernel_for("bmm", split_rule=True))
 
 
 @documented("matmul")

@@ -13,6 +13,7 @@ import math
 import torch
 
 from bik.ops._call import call
+from bik.ops._native import kernel_for
 from bik.ops._checks import (
     check_eps,
     check_float_dtype,
@@ -146,11 +147,11 @@ def _fused_backward(ctx, grad_out, grad_h):
 # One check and one run for both ops: the fused op's arguments are rms_norm's, then residual.
 define("rms_norm", "(Tensor x, Tensor weight, float eps, str backend) -> Tensor",
        check=_check_norm, run=_run_norm,
-       autograd=(_rms_norm_backward, _rms_norm_setup))
+       autograd=(_rms_norm_backward, _rms_norm_setup), native=kernel_for("rms_norm", kernel="norm"))
 define("fused_add_rms_norm",
        "(Tensor x, Tensor weight, float eps, Tensor residual, str backend) -> (Tensor, Tensor)",
        label="bik.rms_norm", check=_check_norm, run=_run_norm,
-       autograd=(_fused_backward, _fused_setup))
+       autograd=(_fused_backward, _fused_setup), native=kernel_for("fused_add_rms_norm", kernel="norm"))
 
 
 @documented("rms_norm")
@@ -180,13 +181,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least 1 dim, got a 0-D tensor")
     backend = resolve_backend("rms_norm", backend, x.device, label=op)
-    rows = math.prod(x.shape[:-1])  # not reshape(-1, H): H may be 0
-    x2 = x.reshape(rows, x.shape[-1])
+    rows = x.dim() == 2  # already rows: no reshape (each costs ~1.5 µs at decode sizes)
+    x2 = x if rows else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # H may be 0
     if residual is None:
-        return call("rms_norm", x2, weight, eps, backend).reshape(x.shape)
+        out = call("rms_norm", x2, weight, eps, backend)
+        return out if rows else out.reshape(x.shape)
     check_tensor(op, "residual", residual)
     if residual.shape != x.shape:
         raise ValueError(f"{op}: residual {list(residual.shape)} must match x {list(x.shape)}")
-    r2 = residual.reshape(rows, x.shape[-1])
+    r2 = residual if rows else residual.reshape(x2.shape)
     out, h = call("fused_add_rms_norm", x2, weight, eps, r2, backend)
-    return out.reshape(x.shape), h.reshape(x.shape)
+    return (out, h) if rows else (out.reshape(x.shape), h.reshape(x.shape))
