@@ -473,24 +473,31 @@ void matmul_pack_b(std::uintptr_t b, idx_t sbk, idx_t sbn, idx_t K, idx_t N, boo
 // strides s_tok, s_head, unit along d) goes to slot slots[t] of the cache (page s / block,
 // offset s % block; element strides c_page, c_off, c_head, unit along d), for every t with
 // 0 <= slots[t] < n_slots (negative: padding; past the cache: skipped, as the GPU kernel does).
-// Copies only; tokens in ascending order.
-void write_kv_rows(std::uintptr_t cache, idx_t c_page, idx_t c_off, idx_t c_head, idx_t block,
-                   idx_t n_slots, std::uintptr_t src, idx_t s_tok, idx_t s_head, idx_t tokens,
-                   idx_t hkv, idx_t d, idx_t elem, std::uintptr_t slots) {
-  if (block <= 0 || tokens < 0 || hkv < 0 || d < 0 || (elem != 2 && elem != 4))
-    throw std::invalid_argument("bik: bad write_kv_rows sizes");
-  const auto* slot = reinterpret_cast<const std::int64_t*>(slots);
-  char* dst = reinterpret_cast<char*>(cache);
-  const char* from = reinterpret_cast<const char*>(src);
+// slots: int64, or int32 unless slots_i64. Copies only; tokens in ascending order. The caller
+// checks the sizes (block > 0, elem 2 or 4).
+void copy_kv_rows(char* dst, idx_t c_page, idx_t c_off, idx_t c_head, idx_t block,
+                  idx_t n_slots, const char* from, idx_t s_tok, idx_t s_head, idx_t tokens,
+                  idx_t hkv, idx_t d, idx_t elem, const void* slots, bool slots_i64) {
   const size_t row = size_t(d) * size_t(elem);
   for (idx_t t = 0; t < tokens; ++t) {
-    const std::int64_t s = slot[t];
+    const std::int64_t s = slots_i64 ? static_cast<const std::int64_t*>(slots)[t]
+                                     : static_cast<const std::int32_t*>(slots)[t];
     if (s < 0 || s >= n_slots) continue;
     const idx_t page = s / block, off = s % block;
     for (idx_t h = 0; h < hkv; ++h)
       std::memcpy(dst + size_t(page * c_page + off * c_off + h * c_head) * size_t(elem),
                   from + size_t(t * s_tok + h * s_head) * size_t(elem), row);
   }
+}
+
+void write_kv_rows(std::uintptr_t cache, idx_t c_page, idx_t c_off, idx_t c_head, idx_t block,
+                   idx_t n_slots, std::uintptr_t src, idx_t s_tok, idx_t s_head, idx_t tokens,
+                   idx_t hkv, idx_t d, idx_t elem, std::uintptr_t slots) {
+  if (block <= 0 || tokens < 0 || hkv < 0 || d < 0 || (elem != 2 && elem != 4))
+    throw std::invalid_argument("bik: bad write_kv_rows sizes");
+  copy_kv_rows(reinterpret_cast<char*>(cache), c_page, c_off, c_head, block, n_slots,
+               reinterpret_cast<const char*>(src), s_tok, s_head, tokens, hkv, d, elem,
+               reinterpret_cast<const void*>(slots), true);
 }
 
 // A bf16's bits from an fp32 value, rounded to nearest even (torch's conversion; a NaN stays a
@@ -797,6 +804,16 @@ extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
   return 0;
 }
 
+// c_abi.h's KV cache write entry (write_kv_rows for one cache).
+extern "C" int bik_cpu_write_kv_rows(const BikKvRowsArgs* a) {
+  if (a->block <= 0 || a->tokens < 0 || a->hkv < 0 || a->d < 0 || (a->elem != 2 && a->elem != 4))
+    return 1;
+  bik_cpu::copy_kv_rows(static_cast<char*>(a->cache), a->c_page, a->c_off, a->c_head, a->block,
+                        a->n_slots, static_cast<const char*>(a->src), a->s_tok, a->s_head,
+                        a->tokens, a->hkv, a->d, a->elem, a->slots, a->slots_i64 != 0);
+  return 0;
+}
+
 // c_abi.h's RMSNorm entry: the widest ISA (resolved once), no exceptions.
 extern "C" int bik_cpu_rms_norm(const BikRmsNormArgs* p) {
   if (p->M < 0 || p->H < 0 || (p->residual != nullptr && p->h == nullptr)) return 1;
@@ -1020,6 +1037,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         d["matmul_f32"] = reinterpret_cast<std::uintptr_t>(&bik_cpu_matmul_f32);
         d["rms_norm"] = reinterpret_cast<std::uintptr_t>(&bik_cpu_rms_norm);
         d["attention_paged"] = reinterpret_cast<std::uintptr_t>(&bik_cpu_attention_paged);
+        d["write_kv_rows"] = reinterpret_cast<std::uintptr_t>(&bik_cpu_write_kv_rows);
         return d;
       },
       "Addresses of the c_abi.h entry points (for bik's dispatcher kernels), and its version.");

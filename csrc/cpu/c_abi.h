@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#define BIK_C_ABI_VERSION 4  // 2: + split; 3: + a_bf16; 4: + rms_norm, attention_paged
+#define BIK_C_ABI_VERSION 4  // 2: + split; 3: + a_bf16; 4: + rms_norm, attention_paged, write_kv_rows
 
 #ifdef __cplusplus
 extern "C" {
@@ -104,6 +104,21 @@ typedef struct {
   int64_t error_size;
 } BikAttentionPagedArgs;
 typedef int (*BikAttentionPagedFn)(const BikAttentionPagedArgs*);
+
+// New K/V rows into one paged cache, in place (bik.write_kv_cache's CPU copy loop): row t of src
+// [tokens, hkv, d] (element strides s_tok, s_head, unit along d; elements of `elem` bytes, 2 or
+// 4) goes to slot slots[t] (page s / block, offset s % block; element strides c_page, c_off,
+// c_head), tokens ascending; a slot < 0 or >= n_slots is skipped. slots: int32, or int64 when
+// slots_i64. 0 on success; 1: sizes refused. Never throws, takes no GIL.
+typedef struct {
+  void* cache;
+  int64_t c_page, c_off, c_head, block, n_slots;
+  const void* src;
+  int64_t s_tok, s_head, tokens, hkv, d, elem;
+  const void* slots;
+  int32_t slots_i64;
+} BikKvRowsArgs;
+typedef int (*BikKvRowsFn)(const BikKvRowsArgs*);
 
 #ifdef __cplusplus
 }

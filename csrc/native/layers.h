@@ -38,6 +38,7 @@ using at::Tensor;
 
 inline BikRmsNormFn g_rms_norm = nullptr;
 inline BikAttentionPagedFn g_attention = nullptr;
+inline BikKvRowsFn g_kv_rows = nullptr;
 inline int64_t g_attention_split = 0;  // bik.configs.CPU_ATTENTION_SPLIT, handed over with it
 inline bool g_debug_checks = false;   // BIK_DEBUG_CHECKS: bik's op reads the lengths itself
 
@@ -191,6 +192,62 @@ inline Tensor paged_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   return f32 ? out : out.to(q.scalar_type());
 }
 
+// ---- the KV cache write ------------------------------------------------------------------------
+
+// A cache as pages [P, block, Hkv, D] (a [slots, Hkv, D] one has pages of one token): sizes
+// and strides, or false when it is not a cache the copy loop serves.
+inline bool cache_pages(const Tensor& c, std::array<int64_t, 4>& size,
+                        std::array<int64_t, 4>& stride) {
+  if (!c.is_cpu() || (c.dim() != 3 && c.dim() != 4) || c.numel() == 0 || c.stride(-1) != 1)
+    return false;
+  for (const int64_t st : c.strides())
+    if (st < 0) return false;
+  const bool flat = c.dim() == 3;
+  size = {c.size(0), flat ? 1 : c.size(1), c.size(-2), c.size(-1)};
+  stride = {c.stride(0), flat ? 0 : c.stride(1), c.stride(-2), 1};
+  return true;
+}
+
+// Rows of k and v into their caches without validation (validate=False, no BIK_DEBUG_CHECKS):
+// what bik's op does on the CPU, its copy loop; every other call goes to the op.
+inline bool kv_write(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k,
+                     const Tensor& v, const Tensor& slots, bool validate) {
+  if (validate || g_debug_checks || g_kv_rows == nullptr) return false;
+  std::array<int64_t, 4> size{}, stride{}, v_size{}, v_stride{};
+  if (!cache_pages(k_cache, size, stride) || !cache_pages(v_cache, v_size, v_stride) ||
+      k_cache.sizes() != v_cache.sizes() || k_cache.data_ptr() == v_cache.data_ptr())
+    return false;
+  const auto dtype = k_cache.scalar_type();
+  if (!k.is_cpu() || !v.is_cpu() || k.dim() != 3 || k.sizes() != v.sizes() ||
+      k.size(1) != size[2] || k.size(2) != size[3] || k.scalar_type() != dtype ||
+      v.scalar_type() != dtype || v_cache.scalar_type() != dtype ||
+      (k.element_size() != 2 && k.element_size() != 4) || k.stride(2) != 1 ||
+      v.stride(2) != 1)
+    return false;
+  if (!index_vector(slots, k.size(0))) return false;
+  for (const auto& [cache, src, sz, st] :
+       {std::tuple{&k_cache, &k, size, stride}, std::tuple{&v_cache, &v, v_size, v_stride}}) {
+    BikKvRowsArgs a{};
+    a.cache = cache->mutable_data_ptr();
+    a.c_page = st[0];
+    a.c_off = st[1];
+    a.c_head = st[2];
+    a.block = sz[1];
+    a.n_slots = sz[0] * sz[1];
+    a.src = src->const_data_ptr();
+    a.s_tok = src->stride(0);
+    a.s_head = src->stride(1);
+    a.tokens = src->size(0);
+    a.hkv = sz[2];
+    a.d = sz[3];
+    a.elem = src->element_size();
+    a.slots = slots.const_data_ptr();
+    a.slots_i64 = slots.scalar_type() == at::kLong;
+    TORCH_CHECK(g_kv_rows(&a) == 0, "bik.write_kv_cache: bik's CPU copy loop refused its sizes");
+  }
+  return true;
+}
+
 // ---- boxed kernels, bound to the ops Python defines ---------------------------------------------
 
 // A call a kernel does not serve: bik's op of the same name on the CPU backend, its "backend"
@@ -246,8 +303,19 @@ inline void boxed_attention(const c10::OperatorHandle& op, torch::jit::Stack* st
   torch::jit::push(*stack, std::move(out));
 }
 
+// bik::write_kv_cache's arguments -> nothing (the caches are written in place).
+inline void boxed_kv_write(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  TORCH_CHECK(n == 6, "bik: the KV cache write kernel is bound to ", op.schema().name());
+  const auto a = torch::jit::last(*stack, n);
+  if (!kv_write(a[0].toTensor(), a[1].toTensor(), a[2].toTensor(), a[3].toTensor(),
+                a[4].toTensor(), a[5].toBool()))
+    return to_bik_op(op, stack);
+  torch::jit::drop(*stack, n);
+}
+
 // Binds bik_native::<op> (defined by Python from bik::<op>'s schema) at the CPU key to the
-// kernel named `kernel` ("norm" or "attention"). Once per op and process; the registrations
+// kernel named `kernel` ("norm", "attention" or "kv_write"). Once per op and process; the registrations
 // live as long as the process.
 inline void bind(std::string op, std::string kernel) {
   static std::mutex lock;
@@ -262,6 +330,8 @@ inline void bind(std::string op, std::string kernel) {
     library->impl(op.c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed_norm>());
   } else if (kernel == "attention") {
     library->impl(op.c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed_attention>());
+  } else if (kernel == "kv_write") {
+    library->impl(op.c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed_kv_write>());
   } else {
     TORCH_CHECK(false, "bik: no native kernel named ", kernel);
   }

@@ -213,7 +213,8 @@ Tensor compiled_bmm(const Tensor& a, const Tensor& b, std::optional<c10::ScalarT
 
 // ---- control -----------------------------------------------------------------------------------
 
-// entries: bik._cpu_kernels' c_abi.h entry points [matmul_f32, rms_norm, attention_paged];
+// entries: bik._cpu_kernels' c_abi.h entry points [matmul_f32, rms_norm, attention_paged,
+// write_kv_rows];
 // split_rule: bik.configs.matmul_split's constants (tp_max, group_align, split,
 // one_split_max_k, none), so these kernels pick the splits bik's Python launcher picks;
 // attention_split: bik.configs.CPU_ATTENTION_SPLIT; bf16_dot: bik.runtime.cpu_ext.bf16_dot(), so
@@ -224,8 +225,9 @@ void set_cpu_kernels(c10::ArrayRef<int64_t> entries, int64_t abi_version,
                      bool debug_checks) {
   TORCH_CHECK(abi_version == BIK_C_ABI_VERSION, "bik: bik._cpu_kernels has C ABI ", abi_version,
               ", its dispatcher kernels expect ", BIK_C_ABI_VERSION, " (rebuild bik)");
-  TORCH_CHECK(entries.size() == 3 && entries[0] != 0 && entries[1] != 0 && entries[2] != 0,
-              "bik: set_cpu_kernels needs 3 entry points, got ", entries);
+  TORCH_CHECK(entries.size() == 4 && entries[0] != 0 && entries[1] != 0 && entries[2] != 0 &&
+                  entries[3] != 0,
+              "bik: set_cpu_kernels needs 4 entry points, got ", entries);
   TORCH_CHECK(split_rule.size() == 5 && split_rule[0] > 0 && split_rule[1] > 0 &&
                   split_rule[2] > 0,
               "bik: set_cpu_kernels needs the 5 matmul split constants, got ", split_rule);
@@ -236,6 +238,7 @@ void set_cpu_kernels(c10::ArrayRef<int64_t> entries, int64_t abi_version,
   bik_layers::g_debug_checks = debug_checks;
   bik_layers::g_rms_norm = reinterpret_cast<BikRmsNormFn>(entries[1]);
   bik_layers::g_attention = reinterpret_cast<BikAttentionPagedFn>(entries[2]);
+  bik_layers::g_kv_rows = reinterpret_cast<BikKvRowsFn>(entries[3]);
   g_matmul = reinterpret_cast<BikMatmulF32Fn>(entries[0]);
 }
 

@@ -203,3 +203,58 @@ def test_the_kernels_compile_with_grad_off(kernels, gen):
         want = step(q, x)
         got = torch.compile(step, fullgraph=True)(q, x)
     assert all(same_bits(a, b) for a, b in zip(got, want))
+
+
+# ---- the KV cache write -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=str)
+def test_kv_write_kernel_writes_what_the_op_writes(kernels, dtype, slot_dtype, gen):
+    """vLLM's strided page views and a flat [slots, Hkv, D] cache; a padding slot (-1) and a
+    slot past the cache are skipped, as the op's copy loop does."""
+    for layout in ("vllm", "flat"):
+        caches = []
+        for _ in range(2):  # the same start for the kernel and for the op
+            if layout == "vllm":
+                k, v = _vllm_cache(torch.Generator().manual_seed(1), dtype)
+            else:
+                kv = torch.randn(2, 40, 3, 64, generator=torch.Generator().manual_seed(1))
+                k, v = kv.to(dtype).unbind(0)
+            caches.append((k, v))
+        n_slots = caches[0][0].numel() // (3 * 64)
+        slots = torch.tensor([5, -1, n_slots - 1, n_slots + 3, 17], dtype=slot_dtype)
+        new_k, new_v = (torch.randn(5, 3, 64, generator=gen).to(dtype) for _ in range(2))
+        with torch.no_grad():
+            kernels.write_kv_cache(*caches[0], new_k, new_v, slots, False)
+            torch.ops.bik.write_kv_cache(*caches[1], new_k, new_v, slots, False)
+        assert all(same_bits(a, b) for a, b in zip(caches[0], caches[1])), layout
+        assert same_bits(caches[0][0].reshape(-1, 3, 64)[17], new_k[4]), layout
+
+
+def test_kv_write_direct_route_runs_the_kernel(kernels, monkeypatch, gen):
+    from bik.ops.attention import cpu as attention_cpu
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Python copy loop ran")
+
+    monkeypatch.setattr(attention_cpu, "write_rows_cpu", refuse)
+    k, v = _vllm_cache(gen, torch.bfloat16)
+    new = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    with torch.no_grad():
+        bik.write_kv_cache(k, v, new, new, torch.tensor([3, 70]), validate=False)
+        assert same_bits(k[70 // 16, 70 % 16], new[1]) and same_bits(v[0, 3], new[0])
+        with pytest.raises(AssertionError, match="copy loop ran"):  # validate=True: the op's
+            bik.write_kv_cache(k, v, new, new, torch.tensor([3, 70]))
+
+
+def test_kv_write_calls_the_kernel_does_not_serve_reach_the_op(kernels, gen):
+    k, v = _vllm_cache(gen, torch.float32)
+    new = torch.randn(2, 3, 64, generator=gen)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="bik.write_kv_cache: slot_mapping names a slot more"):
+            kernels.write_kv_cache(k, v, new, new, torch.tensor([3, 3]), True)
+        with pytest.raises(ValueError, match="bik.write_kv_cache: k_cache and v_cache are the"):
+            kernels.write_kv_cache(k, k, new, new, torch.tensor([3, 4]), False)
+        with pytest.raises(TypeError, match="bik.write_kv_cache: new k/v"):
+            kernels.write_kv_cache(k, v, new.bfloat16(), new.bfloat16(), torch.tensor([3, 4]),
+                                   False)

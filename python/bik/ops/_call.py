@@ -58,6 +58,17 @@ def direct_ok(*tensors) -> bool:
     return True
 
 
+def _native_on_cpu(decl, args) -> bool:
+    """The op has a C++ kernel and the call runs on the CPU: its backend, or for an op without
+    one (data movement) the device of its first tensor."""
+    if decl.native is None:
+        return False
+    if decl.backend_at is None:
+        first = args[decl.tensors[0]]
+        return isinstance(first, _Tensor) and first.device.type == "cpu"
+    return args[decl.backend_at] == "cpu"
+
+
 def _tensor_args(decl, args) -> bool:
     """Every Tensor argument a tensor (or an optional one None): anything else is left to the
     op's check, which names it (the dispatcher's type error would not name bik's op)."""
@@ -83,7 +94,7 @@ def call(op: str, *args, validated: bool = False):
     if direct_ok(*[args[i] for i in decl.tensors]):
         args = decl.complete(args)
         body = decl.record(args)
-        native = decl.native is not None and args[decl.backend_at] == "cpu"
+        native = _native_on_cpu(decl, args)
         if native and decl.native.checks_itself and _tensor_args(decl, args):
             kernel = decl.native(loaded_only=True)
             if kernel is not None:  # it checks what it serves and hands the rest to bik's op
@@ -99,8 +110,8 @@ def call(op: str, *args, validated: bool = False):
                 return kernel(*body)
         device = args[decl.tensors[0]].device
         return decl.run_on(launcher(op, backend, device), backend, body)
-    if decl.native is not None and args[decl.backend_at] == "cpu" \
-            and _compiling_without_grad():
+    if decl.native is not None and decl.backend_at is not None \
+            and args[decl.backend_at] == "cpu" and _compiling_without_grad():
         kernel = decl.native()
         if kernel is not None:
             return kernel(*decl.record(decl.complete(args)))

@@ -11,6 +11,7 @@ import torch
 from bik.ops._call import call
 from bik.ops._checks import debug_checks
 from bik.ops._define import define
+from bik.ops._native import kernel_for
 from bik.ops.attention.checks import check_kv_write
 
 
@@ -78,7 +79,8 @@ def _fake(args):
 define("write_kv_cache",
        "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping, "
        "bool validate=True) -> ()",
-       check=_check, fake_check=_shapes, run=_run, fake=_fake)
+       check=_check, fake_check=_shapes, run=_run, fake=_fake,
+       native=kernel_for("write_kv_cache", kernel="kv_write"))
 
 
 def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
