@@ -2,8 +2,8 @@
 // kernel takes about a microsecond; a Python kernel at the dispatcher costs ~15 us around it
 // (bik bench boundary), and a model's decode step is mostly such calls. Three users:
 //
-// * bik.enable() (mode/_enable.py) installs kernels for aten::mm, aten::addmm and aten::bmm at
-//   the CPU key. Each serves the calls it can be sure bik's handler would serve (served dtypes,
+// * bik.enable() (mode/_enable.py) installs kernels for aten::mm, aten::addmm, aten::bmm and
+//   aten::silu at the CPU key. Each serves the calls it can be sure bik's handler would serve (served dtypes,
 //   the shapes torch accepts, nonempty, no dispatch mode to observe the call) and hands every
 //   other call to the Python kernel bik.enable() registered on bik_native_py::<op> (aten's
 //   schema), which serves it or gives it to the original kernel, with torch's own errors.
@@ -39,7 +39,7 @@ namespace {
 
 using at::Tensor;
 
-enum Op { kMm, kAddmm, kBmm, kOps };
+enum Op { kMm, kAddmm, kBmm, kSilu, kOps };
 
 BikMatmulF32Fn g_matmul = nullptr;
 BikMatmulSplitRule g_split_rule{};  // set with g_matmul
@@ -181,6 +181,26 @@ Tensor addmm(c10::DispatchKeySet, const Tensor& bias, const Tensor& a, const Ten
   return python.redispatch(kCpu, bias, a, b, beta, alpha);
 }
 
+// silu(x) = x / (1 + exp(-x)) in fp32, rounded to x's dtype: bik's silu (the Python handler's
+// bik.ops._pointwise.silu_f32) op for op, so the same aten kernels give the same bits, without
+// ~15 µs of Python around four elementwise ops. torch.exp's CPU kernel rounds an element the same
+// wherever it sits (tests/test_pointwise.py), unlike stock silu's SIMD body and scalar tail.
+Tensor silu(c10::DispatchKeySet, const Tensor& x) {
+  if (unobserved() && plain(x)) {
+    g_served[kSilu].fetch_add(1, std::memory_order_relaxed);
+    const bool f32 = x.scalar_type() == at::kFloat;
+    const Tensor x32 = f32 ? x : x.to(at::kFloat);
+    Tensor d = at::neg(x32);  // a fresh tensor: the next two steps run in place on it
+    d.exp_();
+    d.add_(1);
+    const Tensor y = at::div(x32, d);
+    return f32 ? y : y.to(x.scalar_type());
+  }
+  static const auto python = python_kernel<Tensor(const Tensor&)>("bik_native_py::silu");
+  InPython guard;
+  return python.redispatch(kCpu, x);
+}
+
 // ---- the compiled mode's ops -------------------------------------------------------------------
 
 bool same_dtype_row(const std::optional<Tensor>& bias, const Tensor& a, int64_t n) {
@@ -251,7 +271,8 @@ void install() {
   TORCH_CHECK(g_matmul != nullptr, "bik.enable(): set_cpu_kernels() was not called");
   std::lock_guard<std::mutex> lock(g_switch);
   if (g_library) return;
-  for (const char* name : {"bik_native_py::mm", "bik_native_py::addmm", "bik_native_py::bmm"})
+  for (const char* name : {"bik_native_py::mm", "bik_native_py::addmm", "bik_native_py::bmm",
+                           "bik_native_py::silu"})
     c10::Dispatcher::singleton().findSchemaOrThrow(name, "");  // Python defined them first
   Quiet quiet;
   c10::WarningUtils::WarningHandlerGuard guard(&quiet);
@@ -260,6 +281,7 @@ void install() {
   library->impl("mm", TORCH_FN(mm));
   library->impl("addmm", TORCH_FN(addmm));
   library->impl("bmm", TORCH_FN(bmm));
+  library->impl("silu", TORCH_FN(silu));
   g_library = std::move(library);
 }
 
@@ -287,7 +309,7 @@ TORCH_LIBRARY(bik_native, m) {
         &set_cpu_kernels);
   m.def("install() -> ()", &install);
   m.def("uninstall() -> ()", &uninstall);
-  m.def("served() -> int[]", &served);  // calls served in C++, in the order mm, addmm, bmm
+  m.def("served() -> int[]", &served);  // calls served in C++: mm, addmm, bmm, silu
   m.def("reset_served() -> ()", &reset_served);
   m.def("matmul(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype) -> Tensor");
   m.def("bmm(Tensor a, Tensor b, ScalarType? out_dtype) -> Tensor");

@@ -89,6 +89,23 @@ def test_native_kernels_give_the_python_kernels_bits(name, dtype, layout, gen):
     assert same_bits(native, python)
 
 
+@needs_native
+@pytest.mark.parametrize("layout", ["contiguous", "column slice", "transposed", "one row"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_native_silu_gives_the_python_kernels_bits(dtype, layout, gen):
+    """aten::silu's C++ kernel: bik's silu (x / (1 + exp(-x)) in fp32) op for op, at widths
+    that meet the SIMD body and its tail (3001, 1500), on the layouts vLLM's SiluAndMul and HF's
+    MLP hand over."""
+    x = (6 * torch.randn(7, 3001, generator=gen)).to(dtype)
+    x = {"contiguous": x, "column slice": x[:, :1500], "transposed": x.t(),
+         "one row": x[:1]}[layout]
+    native, served, _ = _run(lambda: F.silu(x), native=True)
+    python, python_served, stats = _run(lambda: F.silu(x), native=False)
+    assert served == 1 and python_served == 0
+    assert stats.routed == {"aten.silu.default": 1} and not stats.fallbacks
+    assert same_bits(native, python)
+
+
 PUBLIC = {
     "bik.matmul": lambda a, b, bias: bik.matmul(a, b, bias),
     "bik.linear 3-D input": lambda a, b, bias: bik.linear(a.unsqueeze(0).expand(2, -1, -1), b.t()),
