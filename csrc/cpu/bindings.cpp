@@ -151,6 +151,7 @@ struct Isa {
   void (*pack_bf16)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
   void (*rms)(const float*, idx_t, const float*, float*, idx_t, idx_t, idx_t, idx_t, float);
   void (*log_softmax)(const float*, idx_t, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t);
+  float (*exp_sum)(const float*, idx_t, float, idx_t, idx_t, float*);
   // The bf16 dot path (a and b bf16; matmul_bf16_dot.h): its FMA kernel and, on CPUs with
   // AVX512_BF16, its vdpbf16ps one; null where the ISA or the CPU has none. Same arguments as
   // tile, a packed B in pair words; pack_dot (pack_b_all) takes the split.
@@ -166,7 +167,7 @@ struct Isa {
   Isa {                                                                                      \
 #ns, ns::NRW, ns::MR, &ns::matmul_scratch_per_thread, &ns::matmul_tile<float>,          \
         &ns::matmul_tile<std::uint16_t>, &ns::pack_b<float>, &ns::pack_b<std::uint16_t>,     \
-        &ns::rms_norm_rows, &ns::log_softmax_rows                                            \
+        &ns::rms_norm_rows, &ns::log_softmax_rows, &ns::exp_sum_row                          \
   }
 
 bool isa_supported(const std::string& name) {
@@ -733,7 +734,8 @@ void sample_f32(std::uintptr_t x, idx_t sx, idx_t B, idx_t V, idx_t groups, idx_
                 std::uintptr_t seed, std::uintptr_t position, std::uintptr_t temperature,
                 std::uintptr_t top_k,
                 std::uintptr_t top_p, std::uintptr_t log_min_p, std::uint32_t stream,
-                std::uintptr_t tokens, std::uintptr_t logprobs, int num_threads) {
+                std::uintptr_t tokens, std::uintptr_t logprobs, int num_threads,
+                const std::string& isa_name) {
   if (B < 0 || V <= 0) throw std::invalid_argument("bik: sample needs B >= 0 and V > 0");
   check_vocab_chunks("sample", V, groups, chunk);
   if (B == 0) return;
@@ -741,6 +743,9 @@ void sample_f32(std::uintptr_t x, idx_t sx, idx_t B, idx_t V, idx_t groups, idx_
   using F32 = const float*;
   const idx_t t = std::max<idx_t>(
       1, std::min<idx_t>({idx_t(num_threads), B, (B * V) / red::kMinElemsPerThread}));
+  // "scalar": every row on sample_row's scalar sequence (tests compare the greedy path with it)
+  const sampling::ExpSum exp_sum =
+      isa_name == "scalar" ? nullptr : select_isa(isa_name).exp_sum;
   pybind11::gil_scoped_release nogil;
   parallel_run(int(t), [&](int id) {
     const idx_t r0 = B * id / t, r1 = B * (id + 1) / t;
@@ -749,7 +754,7 @@ void sample_f32(std::uintptr_t x, idx_t sx, idx_t B, idx_t V, idx_t groups, idx_
                           reinterpret_cast<I64>(top_k), reinterpret_cast<F32>(top_p),
                           reinterpret_cast<F32>(log_min_p), stream,
                           reinterpret_cast<std::int64_t*>(tokens),
-                          reinterpret_cast<float*>(logprobs), r0, r1);
+                          reinterpret_cast<float*>(logprobs), r0, r1, exp_sum);
   });
 }
 
@@ -1019,7 +1024,10 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("V"), py::arg("groups"), py::arg("chunk"), py::arg("seed"), py::arg("position"), py::arg("temperature"),
         py::arg("top_k"), py::arg("top_p"), py::arg("log_min_p"), py::arg("stream"),
         py::arg("tokens"), py::arg("logprobs"), py::arg("num_threads"),
-        "Gumbel-max sampler over rows of x[B,V] (unit stride along V); see sampling.h.");
+        py::arg("isa") = "auto",
+        "Gumbel-max sampler over rows of x[B,V] (unit stride along V); see sampling.h.\n"
+        "isa: the vectors of the unfiltered greedy rows' normaliser (speed only; 'scalar':\n"
+        "every row on sample_row's scalar sequence).");
   m.def("sampling_elementwise", &bik_cpu::sampling_elementwise, py::arg("fn"), py::arg("in"),
         py::arg("out"), py::arg("n"), "philox / log / gumbel / exp building blocks of the sampler.");
   m.def("vocab_sum_f32", &bik_cpu::vocab_sum_f32, py::arg("terms"), py::arg("B"), py::arg("V"),

@@ -383,6 +383,20 @@ static inline __attribute__((always_inline)) vf bik_exp_v(vf x) {
   return live ? e : vf{};
 }
 
+// vocab_sum(bik_exp(x[j] - m)) over a row x[0..n) in the normaliser's order, with the chunks'
+// terms on vectors (each lane the scalar's sequence): the normaliser of log_softmax_rows and of
+// the sampler's unfiltered greedy rows. s: scratch of `chunk` floats.
+static float exp_sum_row(const float* xr, idx_t n, float m, idx_t groups, idx_t chunk,
+                         float* s) {
+  // Each chunk's terms go straight into the scratch the fold reads: one call per chunk.
+  const auto terms = [xr, m](idx_t c0, idx_t len, float* d) {
+    idx_t t = 0;
+    for (; t + VW <= len; t += VW) storeu(d + t, bik_exp_v(loadu<vf>(xr + c0 + t) - m));
+    for (; t < len; ++t) d[t] = norm::bik_exp(xr[c0 + t] - m);
+  };
+  return norm::vocab_sum_chunks(n, {groups, chunk}, terms, s);
+}
+
 // log_softmax of rows m0..m1-1 of x [M, n] (unit stride along n) into y, in the sampler's
 // normaliser order (docs/design.md#softmax-log_softmax-and-mean): m = max x (exact, so the
 // vectors' order is free); a row whose m is not finite (a NaN, a +inf, all -inf) is NaN; else
@@ -417,13 +431,7 @@ static void log_softmax_rows(const float* x, idx_t sxm, float* y, idx_t sym, idx
       for (j = 0; j < n; ++j) yr[j] = NAN;
       continue;
     }
-    // Each chunk's terms go straight into the scratch the fold reads: one call per chunk.
-    const auto terms = [xr, m](idx_t c0, idx_t len, float* d) {
-      idx_t t = 0;
-      for (; t + VW <= len; t += VW) storeu(d + t, bik_exp_v(loadu<vf>(xr + c0 + t) - m));
-      for (; t < len; ++t) d[t] = norm::bik_exp(xr[c0 + t] - m);
-    };
-    const float lse = norm::bik_log(norm::vocab_sum_chunks(n, {groups, chunk}, terms, s.data()));
+    const float lse = norm::bik_log(exp_sum_row(xr, n, m, groups, chunk, s.data()));
     for (j = 0; j < n; ++j) yr[j] = (xr[j] - m) - lse;
   }
 }

@@ -179,3 +179,43 @@ def test_group_totals_torch_fold_to_the_kernels_sum(vocab, gen):
         half = terms[:, vocab // 2:]
         assert torch.equal(group_totals_torch(half, vocab // groups, chunk),
                            totals[:, groups // 2:])
+
+
+@pytest.mark.parametrize("v", [1, 17, 1000, 49152, 50257])
+def test_greedy_rows_on_vectors_give_the_scalar_sequence(v, gen):
+    """The CPU sampler's unfiltered greedy rows run on the ISA's vectors (argmax, then the
+    normaliser of kernels_isa.h exp_sum_row): the tokens and logprob bits of sample_row's scalar
+    sequence (isa="scalar") and of the literal contract, on rows with ties, -0/+0 maxima, -inf
+    entries, an all -inf row and NaN / +inf rows (invalid); filtered greedy rows and sampled
+    rows keep the scalar path either way."""
+    rows = 10
+    x = torch.randn(rows, v, generator=gen) * 4
+    x[1, v // 2:] = x[1].max()  # a tie: the lowest index wins
+    x[2] = float("-inf")
+    x[3, v // 3] = float("nan")
+    x[4, -1] = float("inf")
+    x[5, ::2] = float("-inf")
+    x[6] = 0.0
+    x[6, v // 2:] = -0.0  # +0 first, then -0: the same max, the first index
+    x[7, 0] = -0.0  # a -0 maximum first
+    x[7, 1:] = -x[7, 1:].abs() - 1
+    x[7, -1] = 0.0
+    zeros = torch.zeros(rows, dtype=torch.int64)
+    temperature = torch.zeros(rows)
+    temperature[8] = 1.0  # a sampled row
+    top_k = zeros.clone()
+    top_k[9] = 3  # a filtered greedy row
+    args = (x, torch.arange(rows), torch.arange(rows), temperature, top_k, torch.ones(rows),
+            torch.full((rows,), float("-inf")))
+    fast = cpu_sampling.sample_cpu(*args)
+    scalar = cpu_sampling.sample_cpu(*args, isa="scalar")
+    assert torch.equal(fast[0], scalar[0]) and torch.equal(_bits(fast[1]), _bits(scalar[1]))
+    valid = ~(x.isnan() | (x == float("inf"))).any(1) & (x.amax(1) > float("-inf"))
+    assert valid[[0, 1, 6, 7]].all() and not valid[[2, 3, 4]].any()
+    assert torch.equal(fast[0] >= 0, valid) and torch.equal(fast[1].isnan(), ~valid)
+    greedy = [r for r in range(8) if valid[r]]
+    want = torch.stack([torch.nonzero(x[r] == x[r].max())[0, 0] for r in greedy])
+    assert torch.equal(fast[0][greedy], want)
+    kept = torch.ones_like(x, dtype=torch.bool)
+    ref = reference.logprob(x[greedy], kept[greedy], want, *configs.sampler_chunks(v))
+    assert torch.equal(_bits(fast[1][greedy]), _bits(ref))
