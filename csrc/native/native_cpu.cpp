@@ -330,4 +330,13 @@ TORCH_LIBRARY_IMPL(bik_native, CPU, m) {
 PYBIND11_MODULE(bik_native, m) {
   m.def("matmul", &compiled_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("bmm", &compiled_bmm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  // vLLM's RoPE formula in one call (layers.h; the vLLM plugin's rope.py): None when not served.
+  m.def(
+      "rope",
+      [](const Tensor& positions, const Tensor& x, const Tensor& cos_sin, int64_t head_size,
+         int64_t rotary_dim, bool neox) -> std::optional<Tensor> {
+        Tensor out = bik_layers::rope(positions, x, cos_sin, head_size, rotary_dim, neox);
+        return out.defined() ? std::optional<Tensor>(out) : std::nullopt;
+      },
+      pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -258,3 +258,42 @@ def test_kv_write_calls_the_kernel_does_not_serve_reach_the_op(kernels, gen):
         with pytest.raises(TypeError, match="bik.write_kv_cache: new k/v"):
             kernels.write_kv_cache(k, v, new.bfloat16(), new.bfloat16(), torch.tensor([3, 4]),
                                    False)
+
+
+# ---- RoPE (the vLLM plugin's, in one call) ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rope_is_hugging_faces_arithmetic(kernels, dtype, rotary_dim, gen):
+    """layers.h's RoPE (neox style) gives transformers' apply_rotary_pos_emb bits, the formula
+    vLLM's forward_native runs too (tests/vllm_plugin compares with vLLM's own), passing the
+    entries past rotary_dim through; positions out of the table are not served (None)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    module = native_ext.module()
+    tokens, heads, head = 5, 3, 64
+    freqs = torch.randn(100, rotary_dim // 2, generator=gen)
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+    x = torch.randn(tokens, heads * head, generator=gen).to(dtype)
+    pos = torch.tensor([0, 7, 99, 7, 3])
+    got = module.rope(pos, x, cache, head, rotary_dim, True)
+    cos, sin = cache[pos].chunk(2, dim=-1)
+    rot = x.view(tokens, heads, head)[..., :rotary_dim]  # [seq, heads, d]: cos on dim 1
+    q, _ = apply_rotary_pos_emb(rot, rot, torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))
+    want = torch.cat([q, x.view(tokens, heads, head)[..., rotary_dim:]], -1)
+    assert same_bits(got, want.reshape(tokens, heads * head))
+    assert module.rope(torch.tensor([100]), x[:1], cache, head, rotary_dim, True) is None
+    assert module.rope(pos, x.half(), cache.half(), head, rotary_dim, True) is None
+
+
+def test_rope_gptj_style_interleaves(kernels, gen):
+    """GPT-J style: the even and odd entries are the pairs, each result rounded per op."""
+    module = native_ext.module()
+    cache = torch.randn(10, 16, generator=gen).bfloat16()
+    x = torch.randn(2, 16, generator=gen).bfloat16()
+    pos = torch.tensor([3, 9])
+    cos, sin = cache[pos].chunk(2, dim=-1)
+    x1, x2 = x[:, 0::2], x[:, 1::2]
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    want = torch.stack([o1, o2], dim=-1).flatten(-2)
+    assert same_bits(module.rope(pos, x, cache, 16, 16, False), want)

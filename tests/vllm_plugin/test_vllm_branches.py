@@ -250,3 +250,35 @@ def test_cpu_linear_is_bik_linear_packed_or_not(monkeypatch, pack, dtype, packed
     assert linear.CALLS[0] == calls + 1
     assert torch.equal(out, bik.linear(x, layer.weight, layer.bias))
     assert torch.equal(layer.cpu_linear(x[2:3], layer.weight, layer.bias), out[2:3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("neox, rotary_dim", [(True, 64), (True, 32), (False, 64)])
+def test_rope_in_one_call_is_vllms_forward_native(monkeypatch, dtype, neox, rotary_dim):
+    """The plugin's RoPE runs bik's C++ kernel (one call for q, one for k) where it is loaded:
+    forward_native's bits, on vLLM's own layer; without the kernel it is forward_native."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from bik.integrations.vllm import rope
+    from bik.ops import _native
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    assert _native.ready()
+    with set_current_vllm_config(VllmConfig()):
+        layer = RotaryEmbedding(64, rotary_dim, 512, 10000.0, neox, dtype)
+    monkeypatch.setattr(RotaryEmbedding, "forward_cpu", RotaryEmbedding.forward_cpu)
+    rope.install()
+    torch.manual_seed(0)
+    positions = torch.tensor([0, 5, 511, 5, 77, 300])
+    qkv = torch.randn(6, 15 * 64).to(dtype)  # q and k as slices of the fused projection
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    want = layer.forward_native(positions, q.clone(), k.clone())
+    assert rope._in_one_call(layer, positions, q, k) is not None  # the kernel serves it
+    got = layer.forward_cpu(positions, q, k)
+    assert all(torch.equal(a.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           b.view(torch.int16 if dtype != torch.float32 else torch.int32))
+               for a, b in zip(got, want))
+    monkeypatch.setattr(rope, "_module", lambda: None)  # not loaded: vLLM's torch formula
+    assert rope._in_one_call(layer, positions, q, k) is None
+    assert all(torch.equal(a, b) for a, b in zip(layer.forward_cpu(positions, q, k), want))

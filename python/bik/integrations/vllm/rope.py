@@ -16,6 +16,8 @@ the CUDA path keeps vLLM's kernel (not run on a GPU).
 
 from __future__ import annotations
 
+import torch
+
 __all__ = ["CALLS", "install"]
 
 CALLS = [0]  # RoPE applications by the torch formula in this process
@@ -36,8 +38,33 @@ def install() -> None:
         if spec_draft.drafting_on_stock():  # a fast-path draft model keeps vLLM's kernel
             return stock(self, positions, query, key)
         CALLS[0] += 1
-        return native(self, positions, query, key)
+        fast = _in_one_call(self, positions, query, key)
+        return fast if fast is not None else native(self, positions, query, key)
 
     forward_cpu.bik_wrapped = True
 
     RotaryEmbedding.forward_cpu = forward_cpu
+
+
+def _in_one_call(layer, positions, query, key):
+    """forward_native's result from bik's C++ kernels in one call each for q and k
+    (csrc/native/layers.h ``rope``: the same ops, the same bits; tested against it), or None
+    where they are not loaded, torch.compile traces, or they do not serve the call (fp16, a
+    missing key, another layout): forward_native then runs."""
+    module = _module()
+    if module is None or key is None or torch.compiler.is_compiling():
+        return None
+    cache = layer._match_cos_sin_cache_dtype(query)
+    pos = positions.flatten()
+    args = (cache, layer.head_size, layer.rotary_dim, layer.is_neox_style)
+    q = module.rope(pos, query, *args)
+    k = None if q is None else module.rope(pos, key, *args)
+    return None if k is None else (q, k)
+
+
+def _module():
+    """bik's loaded dispatcher kernels (bik.enable(), on in the plugin's process, loads them)."""
+    from bik.ops import _native
+    from bik.runtime import native_ext
+
+    return native_ext.module() if _native.ready() else None
