@@ -152,6 +152,7 @@ struct Isa {
   void (*rms)(const float*, idx_t, const float*, float*, idx_t, idx_t, idx_t, idx_t, float);
   void (*log_softmax)(const float*, idx_t, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t);
   float (*exp_sum)(const float*, idx_t, float, idx_t, idx_t, float*);
+  float (*row_max)(const float*, idx_t, bool*);
   // The bf16 dot path (a and b bf16; matmul_bf16_dot.h): its FMA kernel and, on CPUs with
   // AVX512_BF16, its vdpbf16ps one; null where the ISA or the CPU has none. Same arguments as
   // tile, a packed B in pair words; pack_dot (pack_b_all) takes the split.
@@ -167,7 +168,7 @@ struct Isa {
   Isa {                                                                                      \
 #ns, ns::NRW, ns::MR, &ns::matmul_scratch_per_thread, &ns::matmul_tile<float>,          \
         &ns::matmul_tile<std::uint16_t>, &ns::pack_b<float>, &ns::pack_b<std::uint16_t>,     \
-        &ns::rms_norm_rows, &ns::log_softmax_rows, &ns::exp_sum_row                          \
+        &ns::rms_norm_rows, &ns::log_softmax_rows, &ns::exp_sum_row, &ns::row_max            \
   }
 
 bool isa_supported(const std::string& name) {
@@ -744,8 +745,11 @@ void sample_f32(std::uintptr_t x, idx_t sx, idx_t B, idx_t V, idx_t groups, idx_
   const idx_t t = std::max<idx_t>(
       1, std::min<idx_t>({idx_t(num_threads), B, (B * V) / red::kMinElemsPerThread}));
   // "scalar": every row on sample_row's scalar sequence (tests compare the greedy path with it)
-  const sampling::ExpSum exp_sum =
-      isa_name == "scalar" ? nullptr : select_isa(isa_name).exp_sum;
+  sampling::RowVectors vectors{};
+  if (isa_name != "scalar") {
+    const Isa isa = select_isa(isa_name);
+    vectors = {isa.row_max, isa.exp_sum};
+  }
   pybind11::gil_scoped_release nogil;
   parallel_run(int(t), [&](int id) {
     const idx_t r0 = B * id / t, r1 = B * (id + 1) / t;
@@ -754,7 +758,7 @@ void sample_f32(std::uintptr_t x, idx_t sx, idx_t B, idx_t V, idx_t groups, idx_
                           reinterpret_cast<I64>(top_k), reinterpret_cast<F32>(top_p),
                           reinterpret_cast<F32>(log_min_p), stream,
                           reinterpret_cast<std::int64_t*>(tokens),
-                          reinterpret_cast<float*>(logprobs), r0, r1, exp_sum);
+                          reinterpret_cast<float*>(logprobs), r0, r1, vectors);
   });
 }
 

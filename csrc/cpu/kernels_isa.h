@@ -383,6 +383,33 @@ static inline __attribute__((always_inline)) vf bik_exp_v(vf x) {
   return live ? e : vf{};
 }
 
+// The largest entry of a row x[0..n) (-inf for an empty or all -inf row; the max is exact, so
+// the vectors' order is free, save the sign of a zero maximum) and whether it holds a NaN.
+static float row_max(const float* xr, idx_t n, bool* nan_out) {
+  alignas(64) float lanes[VW];
+  vf vmax = vf{} - INFINITY;
+  vi vnan = vi{};
+  idx_t j = 0;
+  for (; j + VW <= n; j += VW) {
+    const vf v = loadu<vf>(xr + j);
+    vnan |= v != v;
+    vmax = v > vmax ? v : vmax;
+  }
+  storeu(lanes, vmax);
+  float m = -INFINITY;
+  bool nan = false;
+  for (int l = 0; l < VW; ++l) {
+    m = lanes[l] > m ? lanes[l] : m;
+    nan |= vnan[l] != 0;
+  }
+  for (; j < n; ++j) {
+    m = xr[j] > m ? xr[j] : m;
+    nan |= xr[j] != xr[j];
+  }
+  *nan_out = nan;
+  return m;
+}
+
 // vocab_sum(bik_exp(x[j] - m)) over a row x[0..n) in the normaliser's order, with the chunks'
 // terms on vectors (each lane the scalar's sequence): the normaliser of log_softmax_rows and of
 // the sampler's unfiltered greedy rows. s: scratch of `chunk` floats.
@@ -404,29 +431,12 @@ static float exp_sum_row(const float* xr, idx_t n, float m, idx_t groups, idx_t 
 static void log_softmax_rows(const float* x, idx_t sxm, float* y, idx_t sym, idx_t m0,
                              idx_t m1, idx_t n, idx_t groups, idx_t chunk) {
   std::vector<float> s(static_cast<size_t>(chunk));
-  alignas(64) float lanes[VW];
   for (idx_t row = m0; row < m1; ++row) {
     const float* xr = x + row * sxm;
     float* yr = y + row * sym;
-    vf vmax = vf{} - INFINITY;
-    vi vnan = vi{};
-    idx_t j = 0;
-    for (; j + VW <= n; j += VW) {
-      const vf v = loadu<vf>(xr + j);
-      vnan |= v != v;
-      vmax = v > vmax ? v : vmax;
-    }
-    storeu(lanes, vmax);
-    float m = -INFINITY;
     bool nan = false;
-    for (int l = 0; l < VW; ++l) {
-      m = lanes[l] > m ? lanes[l] : m;
-      nan |= vnan[l] != 0;
-    }
-    for (; j < n; ++j) {
-      m = xr[j] > m ? xr[j] : m;
-      nan |= xr[j] != xr[j];
-    }
+    const float m = row_max(xr, n, &nan);
+    idx_t j = 0;
     if (nan || !(m > -INFINITY && m < INFINITY)) {
       for (j = 0; j < n; ++j) yr[j] = NAN;
       continue;

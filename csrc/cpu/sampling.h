@@ -188,42 +188,42 @@ static void sample_row(const float* x, idx_t V, const VocabChunks& vc, const Row
   *logprob_out = (z[best_j] - m) - bik_log(sum);  // sum >= 1: the max token's term is 1
 }
 
-// vocab_sum(bik_exp(x[j] - m)) over a row on the caller's vectors (kernels_isa.h exp_sum_row:
-// the same terms in the same order, hence the same bits); s: scratch of vc.chunk floats.
-using ExpSum = float (*)(const float* x, idx_t V, float m, idx_t groups, idx_t chunk, float* s);
+// A row's max and normaliser on the caller's vectors (kernels_isa.h row_max / exp_sum_row: exact
+// maxima, and the same terms in the same order as vocab_sum of bik_exp, hence the same bits);
+// null members: the scalar path for every row.
+struct RowVectors {
+  float (*row_max)(const float* x, idx_t V, bool* nan) = nullptr;
+  float (*exp_sum)(const float* x, idx_t V, float m, idx_t groups, idx_t chunk,
+                   float* s) = nullptr;
+};
 
 // sample_row for a greedy row without filters (T == 0, top-k, top-p and min-p off), every token
 // kept: the first token of the largest z = x (a NaN or +inf: invalid; all -inf: invalid), and
-// logprob (z_c - m) - bik_log(vocab_sum(bik_exp(z_j - m))) with the sum on exp_sum. The same
-// token and bits as sample_row's sequence, without its copies of the row and its scalar exps.
-static void greedy_row(const float* x, idx_t V, const VocabChunks& vc, ExpSum exp_sum, float* s,
-                       std::int64_t* token_out, float* logprob_out) {
+// logprob (z_c - m) - bik_log(vocab_sum(bik_exp(z_j - m))). m is that token's own value, as in
+// sample_row (a vector max may hold the other zero of a +-0 maximum). The same token and bits as
+// sample_row's sequence, without its copies of the row and its scalar exps. s: vc.chunk floats.
+static void greedy_row(const float* x, idx_t V, const VocabChunks& vc, const RowVectors& vec,
+                       float* s, std::int64_t* token_out, float* logprob_out) {
   *token_out = -1;
   *logprob_out = std::numeric_limits<float>::quiet_NaN();
-  bool bad = false;
-  float m = -INFINITY;
-  idx_t best = -1;  // strict >: the lowest index of the max (sample_row's pick and its m)
-  for (idx_t j = 0; j < V; ++j) {
-    const float v = x[j];
-    bad |= (v != v) || v == INFINITY;
-    if (v > m) {
-      m = v;
-      best = j;
-    }
-  }
-  if (bad || best < 0) return;
+  bool nan = false;
+  const float top = vec.row_max(x, V, &nan);
+  if (nan || top == INFINITY || top == -INFINITY) return;
+  idx_t best = 0;
+  while (!(x[best] == top)) ++best;  // the first maximal token (-0 == +0)
+  const float m = x[best];
   *token_out = best;
-  *logprob_out = (x[best] - m) - bik_log(exp_sum(x, V, m, vc.groups, vc.chunk, s));
+  *logprob_out = (x[best] - m) - bik_log(vec.exp_sum(x, V, m, vc.groups, vc.chunk, s));
 }
 
-// Rows r0..r1-1 of x [B, V] (row stride sx, unit stride along V). exp_sum (may be null: the
+// Rows r0..r1-1 of x [B, V] (row stride sx, unit stride along V). vec (its members null: the
 // scalar path for every row) serves the greedy rows without filters.
 static void sample_rows(const float* x, idx_t sx, idx_t V, const VocabChunks& vc,
                         const std::int64_t* seed,
                         const std::int64_t* position, const float* temperature,
                         const std::int64_t* top_k, const float* top_p, const float* log_min_p,
                         std::uint32_t stream, std::int64_t* tokens, float* logprobs, idx_t r0,
-                        idx_t r1, ExpSum exp_sum) {
+                        idx_t r1, const RowVectors& vec) {
   std::vector<float> z(static_cast<size_t>(V)), e(static_cast<size_t>(V));
   std::vector<float> s(static_cast<size_t>(vc.chunk));
   std::vector<std::int32_t> idx(static_cast<size_t>(V));
@@ -232,8 +232,8 @@ static void sample_rows(const float* x, idx_t sx, idx_t V, const VocabChunks& vc
                        stream};
     const bool unfiltered = (rp.top_k <= 0 || rp.top_k >= V) && !(rp.top_p < 1.0f) &&
                             !(rp.log_min_p > -INFINITY);
-    if (exp_sum != nullptr && rp.temperature == 0.0f && unfiltered) {
-      greedy_row(x + r * sx, V, vc, exp_sum, s.data(), tokens + r, logprobs + r);
+    if (vec.row_max != nullptr && rp.temperature == 0.0f && unfiltered) {
+      greedy_row(x + r * sx, V, vc, vec, s.data(), tokens + r, logprobs + r);
       continue;
     }
     sample_row(x + r * sx, V, vc, rp, z.data(), e.data(), idx.data(), tokens + r, logprobs + r);

@@ -153,6 +153,26 @@ def test_flash_attn_backend_writes_and_attends_like_bik():
     assert torch.equal(output[n:], torch.full((2, h * d), 5.0))  # padding rows untouched
 
 
+def test_a_layers_cache_views_follow_its_cache():
+    """The views of a layer cache are made once and reused while the layer's cache is the same
+    tensor over the same memory; a new cache tensor, or the same tensor re-pointed (set_),
+    gets new views, so a write lands in the cache the layer holds now."""
+    impl = _flash_impl()
+    key = value = torch.ones(1, 2, 8)
+    slot = torch.tensor([5])
+    first = torch.zeros(4, 2, 4, 16)
+    impl.do_kv_cache_update(None, key, value, first, slot)
+    views = impl._bik_kv_views
+    impl.do_kv_cache_update(None, key, value, first, slot)
+    assert impl._bik_kv_views is views  # reused
+    second = torch.zeros(4, 2, 4, 16)
+    impl.do_kv_cache_update(None, key, value, second, slot)
+    assert second[1, :, 1].eq(1).all()
+    second.set_(torch.zeros(4, 2, 4, 16))  # the same tensor, other memory
+    impl.do_kv_cache_update(None, key, value, second, slot)
+    assert second[1, :, 1].eq(1).all()
+
+
 @pytest.mark.parametrize("field, value, what", [
     ("causal", False, "non-causal attention"),
     ("rswa_window", 64, "reference sliding-window attention"),
