@@ -599,17 +599,28 @@ void rms_norm_bf16(std::uintptr_t x, idx_t sxm, std::uintptr_t residual, idx_t s
                         static_cast<float>(eps), rms_threads(num_threads, M, H));
 }
 
+// The fixed-order softmax (softmax = true) or mean of rows 0..M-1 of fp32 x [M, N] (unit
+// stride along N, row stride sxm) into y (softmax: [M, N] with row stride sym; mean: [M]), on
+// num_threads threads splitting rows. Takes no GIL; M, N > 0.
+void reduce_rows(bool softmax, const float* x, idx_t sxm, float* y, idx_t sym, idx_t M, idx_t N,
+                 int num_threads) {
+  const idx_t t = std::max<idx_t>(
+      1, std::min<idx_t>({idx_t(num_threads), M, (M * N) / red::kMinElemsPerThread}));
+  parallel_run(int(t), [&](int id) {
+    const idx_t m0 = M * id / t, m1 = M * (id + 1) / t;
+    if (softmax)
+      red::softmax_rows(x, sxm, y, sym, m0, m1, N);
+    else
+      red::mean_rows(x, sxm, y, m0, m1, N);
+  });
+}
+
 void softmax_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t y, idx_t sym, idx_t M, idx_t N,
                  int num_threads) {
   if (M < 0 || N < 0) throw std::invalid_argument("bik: negative softmax size");
   if (M == 0 || N == 0) return;
-  const idx_t t = std::max<idx_t>(
-      1, std::min<idx_t>({idx_t(num_threads), M, (M * N) / red::kMinElemsPerThread}));
   pybind11::gil_scoped_release nogil;
-  parallel_run(int(t), [&](int id) {
-    const idx_t m0 = M * id / t, m1 = M * (id + 1) / t;
-    red::softmax_rows(fptr(x), sxm, reinterpret_cast<float*>(y), sym, m0, m1, N);
-  });
+  reduce_rows(true, fptr(x), sxm, reinterpret_cast<float*>(y), sym, M, N, num_threads);
 }
 
 void check_vocab_chunks(const char* op, idx_t V, idx_t groups, idx_t chunk) {
@@ -640,13 +651,8 @@ void log_softmax_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t y, idx_t sym, i
 void mean_f32(std::uintptr_t x, idx_t sxm, std::uintptr_t y, idx_t M, idx_t N, int num_threads) {
   if (M < 0 || N <= 0) throw std::invalid_argument("bik: mean needs M >= 0 and N > 0");
   if (M == 0) return;
-  const idx_t t = std::max<idx_t>(
-      1, std::min<idx_t>({idx_t(num_threads), M, (M * N) / red::kMinElemsPerThread}));
   pybind11::gil_scoped_release nogil;
-  parallel_run(int(t), [&](int id) {
-    const idx_t m0 = M * id / t, m1 = M * (id + 1) / t;
-    red::mean_rows(fptr(x), sxm, reinterpret_cast<float*>(y), m0, m1, N);
-  });
+  reduce_rows(false, fptr(x), sxm, reinterpret_cast<float*>(y), 0, M, N, num_threads);
 }
 
 // y[i] = exp2f(x[i]) or log2f(x[i]): a pure function of each input value (no SIMD body vs scalar tail that could
@@ -820,6 +826,18 @@ extern "C" int bik_cpu_write_kv_rows(const BikKvRowsArgs* a) {
   bik_cpu::copy_kv_rows(static_cast<char*>(a->cache), a->c_page, a->c_off, a->c_head, a->block,
                         a->n_slots, static_cast<const char*>(a->src), a->s_tok, a->s_head,
                         a->tokens, a->hkv, a->d, a->elem, a->slots, a->slots_i64 != 0);
+  return 0;
+}
+
+// c_abi.h's softmax / mean rows entry.
+extern "C" int bik_cpu_reduce_rows(const BikReduceRowsArgs* a) {
+  if (a->M < 0 || a->N <= 0 || (a->op != 0 && a->op != 1)) return 1;
+  if (a->M == 0) return 0;
+  try {
+    bik_cpu::reduce_rows(a->op == 0, a->x, a->sxm, a->y, a->sym, a->M, a->N, a->num_threads);
+  } catch (...) {
+    return 2;
+  }
   return 0;
 }
 
@@ -1050,6 +1068,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         d["rms_norm"] = reinterpret_cast<std::uintptr_t>(&bik_cpu_rms_norm);
         d["attention_paged"] = reinterpret_cast<std::uintptr_t>(&bik_cpu_attention_paged);
         d["write_kv_rows"] = reinterpret_cast<std::uintptr_t>(&bik_cpu_write_kv_rows);
+        d["reduce_rows"] = reinterpret_cast<std::uintptr_t>(&bik_cpu_reduce_rows);
         return d;
       },
       "Addresses of the c_abi.h entry points (for bik's dispatcher kernels), and its version.");

@@ -6,7 +6,8 @@
 
 #include <stdint.h>
 
-#define BIK_C_ABI_VERSION 4  // 2: + split; 3: + a_bf16; 4: + rms_norm, attention_paged, write_kv_rows
+// 2: + split; 3: + a_bf16; 4: + rms_norm, attention_paged, write_kv_rows, reduce_rows
+#define BIK_C_ABI_VERSION 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -119,6 +120,19 @@ typedef struct {
   int32_t slots_i64;
 } BikKvRowsArgs;
 typedef int (*BikKvRowsFn)(const BikKvRowsArgs*);
+
+// The fixed-order softmax (op 0: y [M, N], row stride sym) or mean (op 1: y [M]) of the rows of
+// fp32 x [M, N] (unit stride along N, row stride sxm; N >= 1): the kernels of bik.softmax's and
+// bik.mean's CPU launchers (contract.h), threads splitting rows. 0 on success; 1: sizes
+// refused; 2: a thread could not start. Never throws, takes no GIL.
+typedef struct {
+  const float* x;
+  int64_t sxm;
+  float* y;
+  int64_t sym, M, N;
+  int32_t op, num_threads;
+} BikReduceRowsArgs;
+typedef int (*BikReduceRowsFn)(const BikReduceRowsArgs*);
 
 #ifdef __cplusplus
 }

@@ -2,8 +2,8 @@
 // kernel takes about a microsecond; a Python kernel at the dispatcher costs ~15 us around it
 // (bik bench boundary), and a model's decode step is mostly such calls. Three users:
 //
-// * bik.enable() (mode/_enable.py) installs kernels for aten::mm, aten::addmm, aten::bmm and
-//   aten::silu at the CPU key. Each serves the calls it can be sure bik's handler would serve (served dtypes,
+// * bik.enable() (mode/_enable.py) installs kernels for aten::mm, addmm, bmm, silu, mean.dim and
+//   _softmax at the CPU key. Each serves the calls it can be sure bik's handler would serve (served dtypes,
 //   the shapes torch accepts, nonempty, no dispatch mode to observe the call) and hands every
 //   other call to the Python kernel bik.enable() registered on bik_native_py::<op> (aten's
 //   schema), which serves it or gives it to the original kernel, with torch's own errors.
@@ -27,6 +27,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <memory>
@@ -39,9 +40,10 @@ namespace {
 
 using at::Tensor;
 
-enum Op { kMm, kAddmm, kBmm, kSilu, kOps };
+enum Op { kMm, kAddmm, kBmm, kSilu, kMean, kSoftmax, kOps };
 
 BikMatmulF32Fn g_matmul = nullptr;
+BikReduceRowsFn g_reduce_rows = nullptr;  // set with g_matmul
 BikMatmulSplitRule g_split_rule{};  // set with g_matmul
 bool g_bf16_dot = false;  // bf16 products on contract.h's bf16 dot sequence (set with g_matmul)
 std::mutex g_switch;
@@ -135,8 +137,8 @@ Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
 }
 
 template <class Signature>
-c10::TypedOperatorHandle<Signature> python_kernel(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+c10::TypedOperatorHandle<Signature> python_kernel(const char* name, const char* overload = "") {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload).typed<Signature>();
 }
 
 using MmSig = Tensor(const Tensor&, const Tensor&);
@@ -201,6 +203,70 @@ Tensor silu(c10::DispatchKeySet, const Tensor& x) {
   return python.redispatch(kCpu, x);
 }
 
+// The rows of x along its last dim as fp32 [rows, n] with unit stride along n (exact copies where
+// needed), as bik's mean / softmax launchers read them.
+Tensor fp32_rows(const Tensor& x) {
+  const int64_t n = x.size(-1);
+  Tensor rows = (x.scalar_type() == at::kFloat ? x : x.to(at::kFloat)).reshape({-1, n});
+  return n <= 1 || rows.stride(1) == 1 ? rows : rows.contiguous();
+}
+
+// bik's softmax (op 0) or mean (op 1) of x's rows along its last dim, fp32 [rows, n] / [rows].
+Tensor reduce_last(const Tensor& x, int32_t op) {
+  TORCH_CHECK(g_reduce_rows != nullptr, "bik.enable(): bik's CPU reductions were not handed over");
+  const Tensor rows = fp32_rows(x);
+  const int64_t M = rows.size(0), N = rows.size(1);
+  Tensor out = op == 0 ? at::detail::empty_cpu({M, N}, at::kFloat)
+                       : at::detail::empty_cpu({M}, at::kFloat);
+  BikReduceRowsArgs a{rows.const_data_ptr<float>(), rows.stride(0), out.mutable_data_ptr<float>(),
+                      N, M, N, op, static_cast<int32_t>(at::get_num_threads())};
+  const int rc = g_reduce_rows(&a);
+  TORCH_CHECK(rc == 0, "bik.enable(): bik's CPU reduction failed (code ", rc, ")");
+  return out;
+}
+
+// x's last dim, given as d (wrapped), and a call on a nonempty x of a served dtype.
+bool last_dim_served(const Tensor& x, int64_t d) {
+  return unobserved() && plain(x) && x.dim() >= 1 && x.numel() > 0 &&
+         (d == x.dim() - 1 || d == -1);
+}
+
+// mean over the last dim (RMSNorm as transformers writes it): bik.mean's bits (its launcher's
+// kernel on the same fp32 rows, rounded once to x's dtype), without the Python handler.
+Tensor mean_dim(c10::DispatchKeySet, const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim,
+                std::optional<c10::ScalarType> dtype) {
+  if (!dtype && dim && dim->size() == 1 && last_dim_served(x, (*dim)[0])) {
+    g_served[kMean].fetch_add(1, std::memory_order_relaxed);
+    Tensor out = reduce_last(x, 1);
+    if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
+    auto shape = x.sizes().vec();
+    if (keepdim)
+      shape.back() = 1;
+    else
+      shape.pop_back();
+    return out.reshape(shape);
+  }
+  static const auto python = python_kernel<Tensor(const Tensor&, at::OptionalIntArrayRef, bool,
+                                                  std::optional<c10::ScalarType>)>(
+      "bik_native_py::mean", "dim");
+  InPython guard;
+  return python.redispatch(kCpu, x, dim, keepdim, dtype);
+}
+
+// softmax over the last dim (eager attention's): bik.softmax's bits, in x's dtype.
+Tensor softmax(c10::DispatchKeySet, const Tensor& x, int64_t dim, bool half_to_float) {
+  if (!half_to_float && last_dim_served(x, dim)) {
+    g_served[kSoftmax].fetch_add(1, std::memory_order_relaxed);
+    Tensor out = reduce_last(x, 0);
+    if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
+    return out.reshape(x.sizes());
+  }
+  static const auto python =
+      python_kernel<Tensor(const Tensor&, int64_t, bool)>("bik_native_py::_softmax");
+  InPython guard;
+  return python.redispatch(kCpu, x, dim, half_to_float);
+}
+
 // ---- the compiled mode's ops -------------------------------------------------------------------
 
 bool same_dtype_row(const std::optional<Tensor>& bias, const Tensor& a, int64_t n) {
@@ -234,7 +300,7 @@ Tensor compiled_bmm(const Tensor& a, const Tensor& b, std::optional<c10::ScalarT
 // ---- control -----------------------------------------------------------------------------------
 
 // entries: bik._cpu_kernels' c_abi.h entry points [matmul_f32, rms_norm, attention_paged,
-// write_kv_rows];
+// write_kv_rows, reduce_rows];
 // split_rule: bik.configs.matmul_split's constants (tp_max, group_align, split,
 // one_split_max_k, none), so these kernels pick the splits bik's Python launcher picks;
 // attention_split: bik.configs.CPU_ATTENTION_SPLIT; bf16_dot: bik.runtime.cpu_ext.bf16_dot(), so
@@ -245,9 +311,9 @@ void set_cpu_kernels(c10::ArrayRef<int64_t> entries, int64_t abi_version,
                      bool debug_checks) {
   TORCH_CHECK(abi_version == BIK_C_ABI_VERSION, "bik: bik._cpu_kernels has C ABI ", abi_version,
               ", its dispatcher kernels expect ", BIK_C_ABI_VERSION, " (rebuild bik)");
-  TORCH_CHECK(entries.size() == 4 && entries[0] != 0 && entries[1] != 0 && entries[2] != 0 &&
-                  entries[3] != 0,
-              "bik: set_cpu_kernels needs 4 entry points, got ", entries);
+  TORCH_CHECK(entries.size() == 5 &&
+                  std::all_of(entries.begin(), entries.end(), [](int64_t e) { return e != 0; }),
+              "bik: set_cpu_kernels needs 5 entry points, got ", entries);
   TORCH_CHECK(split_rule.size() == 5 && split_rule[0] > 0 && split_rule[1] > 0 &&
                   split_rule[2] > 0,
               "bik: set_cpu_kernels needs the 5 matmul split constants, got ", split_rule);
@@ -259,6 +325,7 @@ void set_cpu_kernels(c10::ArrayRef<int64_t> entries, int64_t abi_version,
   bik_layers::g_rms_norm = reinterpret_cast<BikRmsNormFn>(entries[1]);
   bik_layers::g_attention = reinterpret_cast<BikAttentionPagedFn>(entries[2]);
   bik_layers::g_kv_rows = reinterpret_cast<BikKvRowsFn>(entries[3]);
+  g_reduce_rows = reinterpret_cast<BikReduceRowsFn>(entries[4]);
   g_matmul = reinterpret_cast<BikMatmulF32Fn>(entries[0]);
 }
 
@@ -272,8 +339,9 @@ void install() {
   std::lock_guard<std::mutex> lock(g_switch);
   if (g_library) return;
   for (const char* name : {"bik_native_py::mm", "bik_native_py::addmm", "bik_native_py::bmm",
-                           "bik_native_py::silu"})
+                           "bik_native_py::silu", "bik_native_py::_softmax"})
     c10::Dispatcher::singleton().findSchemaOrThrow(name, "");  // Python defined them first
+  c10::Dispatcher::singleton().findSchemaOrThrow("bik_native_py::mean", "dim");
   Quiet quiet;
   c10::WarningUtils::WarningHandlerGuard guard(&quiet);
   auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
@@ -282,6 +350,8 @@ void install() {
   library->impl("addmm", TORCH_FN(addmm));
   library->impl("bmm", TORCH_FN(bmm));
   library->impl("silu", TORCH_FN(silu));
+  library->impl("mean.dim", TORCH_FN(mean_dim));
+  library->impl("_softmax", TORCH_FN(softmax));
   g_library = std::move(library);
 }
 
@@ -309,7 +379,8 @@ TORCH_LIBRARY(bik_native, m) {
         &set_cpu_kernels);
   m.def("install() -> ()", &install);
   m.def("uninstall() -> ()", &uninstall);
-  m.def("served() -> int[]", &served);  // calls served in C++: mm, addmm, bmm, silu
+  // calls served in C++: mm, addmm, bmm, silu, mean.dim, _softmax
+  m.def("served() -> int[]", &served);
   m.def("reset_served() -> ()", &reset_served);
   m.def("matmul(Tensor a, Tensor b, Tensor? bias, ScalarType? out_dtype) -> Tensor");
   m.def("bmm(Tensor a, Tensor b, ScalarType? out_dtype) -> Tensor");

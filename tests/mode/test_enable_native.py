@@ -89,21 +89,43 @@ def test_native_kernels_give_the_python_kernels_bits(name, dtype, layout, gen):
     assert same_bits(native, python)
 
 
+ROW_OPS = {  # aten op -> a call of it as transformers' Llama makes it
+    "aten.silu.default": F.silu,
+    "aten.mean.dim": lambda x: x.float().pow(2).mean(-1, keepdim=True),  # LlamaRMSNorm
+    "aten._softmax.default": lambda x: torch.softmax(x, dim=-1),  # eager attention
+}
+
+
 @needs_native
 @pytest.mark.parametrize("layout", ["contiguous", "column slice", "transposed", "one row"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_native_silu_gives_the_python_kernels_bits(dtype, layout, gen):
-    """aten::silu's C++ kernel: bik's silu (x / (1 + exp(-x)) in fp32) op for op, at widths
-    that meet the SIMD body and its tail (3001, 1500), on the layouts vLLM's SiluAndMul and HF's
-    MLP hand over."""
+@pytest.mark.parametrize("name", list(ROW_OPS))
+def test_native_row_ops_give_the_python_kernels_bits(name, dtype, layout, gen):
+    """aten::silu, mean.dim (last dim) and _softmax (last dim)'s C++ kernels: bik's silu (x /
+    (1 + exp(-x)) in fp32, op for op) and the mean / softmax launchers' kernels on the same fp32
+    rows, at widths that meet the SIMD body and its tail (3001, 1500), on the layouts vLLM and
+    transformers hand over."""
     x = (6 * torch.randn(7, 3001, generator=gen)).to(dtype)
     x = {"contiguous": x, "column slice": x[:, :1500], "transposed": x.t(),
          "one row": x[:1]}[layout]
-    native, served, _ = _run(lambda: F.silu(x), native=True)
-    python, python_served, stats = _run(lambda: F.silu(x), native=False)
+    call = ROW_OPS[name]
+    native, served, _ = _run(lambda: call(x), native=True)
+    python, python_served, stats = _run(lambda: call(x), native=False)
     assert served == 1 and python_served == 0
-    assert stats.routed == {"aten.silu.default": 1} and not stats.fallbacks
+    assert stats.routed == {name: 1} and not stats.fallbacks
     assert same_bits(native, python)
+
+
+@needs_native
+def test_native_row_ops_hand_other_calls_to_python(gen):
+    """A mean over another dim, a dtype= mean and half_to_float go to the Python kernel (which
+    serves them or keeps aten's), with its bits."""
+    x = torch.randn(4, 6, 5, generator=gen)
+    for call in (lambda: x.mean(1), lambda: x.mean((1, 2)), lambda: x.mean(-1, dtype=torch.float32),
+                 lambda: torch.softmax(x, 1), lambda: torch.ops.aten._softmax(x.half(), -1, True)):
+        native, served, _ = _run(call, native=True)
+        python, _, _ = _run(call, native=False)
+        assert served == 0 and same_bits(native, python)
 
 
 PUBLIC = {

@@ -56,7 +56,8 @@ _CPU_ONLY = {aten._scaled_dot_product_flash_attention_for_cpu.default,
              aten.silu.default, aten.silu_backward.default}
 
 # The ops with a C++ kernel at the CPU key (csrc/native/native_cpu.cpp), in its counters' order.
-NATIVE_CPU = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.silu.default)
+NATIVE_CPU = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.silu.default,
+              aten.mean.dim, aten._softmax.default)
 
 _switch_lock = threading.Lock()
 _state: dict = {}  # while enabled: {"library": Library, "native": bool, "undo_inductor": fn}

@@ -49,7 +49,7 @@ def _load() -> bool:
             rule = configs.matmul_split_rule()
             # An older build lacks the later entries: its ABI version is refused first.
             addresses = [entries.get(n, 0) for n in ("matmul_f32", "rms_norm", "attention_paged",
-                                                     "write_kv_rows")]
+                                                     "write_kv_rows", "reduce_rows")]
             torch.ops.bik_native.set_cpu_kernels(
                 addresses, entries["abi_version"], list(rule), configs.CPU_ATTENTION_SPLIT,
                 cpu_ext.bf16_dot(), debug_checks())
