@@ -803,7 +803,9 @@ void sampling_elementwise(const std::string& fn, std::uintptr_t in, std::uintptr
 
 // c_abi.h's matmul entry: the widest ISA (resolved once), auto blocking, no exceptions.
 extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
-  if (p->M < 0 || p->N < 0 || p->K < 0 || p->batch < 0 || p->split < 0) return 1;
+  if (p->M < 0 || p->N < 0 || p->K < 0 || p->batch < 0 || p->split < 0 ||
+      (p->packed != nullptr && p->batch != 1))
+    return 1;
   static const bik_cpu::Isa isa = bik_cpu::select_isa("auto");
   if (p->a_bf16 && (!p->b_bf16 || !bik_cpu::bf16_dot_refusal().empty())) return 3;
   try {  // a thread that cannot start (std::system_error) must not cross the C boundary
@@ -812,7 +814,8 @@ extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
                         reinterpret_cast<std::uintptr_t>(p->bias),
                         reinterpret_cast<std::uintptr_t>(p->c), p->ldc, p->M, p->N, p->K,
                         p->split, p->num_threads, 0, 0, p->b_bf16 != 0, p->batch, p->sab,
-                        p->sbb, p->scb, 0, p->a_bf16 != 0, false);
+                        p->sbb, p->scb, reinterpret_cast<std::uintptr_t>(p->packed),
+                        p->a_bf16 != 0, false);
   } catch (...) {
     return 2;
   }

@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-// 2: + split; 3: + a_bf16; 4: + rms_norm, attention_paged, write_kv_rows, reduce_rows
+// 2: + split; 3: + a_bf16; 4: + packed, rms_norm, attention_paged, write_kv_rows, reduce_rows
 #define BIK_C_ABI_VERSION 4
 
 #ifdef __cplusplus
@@ -32,6 +32,9 @@ typedef struct {
   // a_bf16 != 0: a and b hold bf16 bit patterns and the product runs contract.h's bf16 dot
   // sequence (vdpbf16ps); refused with code 3 where that path is unavailable.
   int32_t a_bf16;
+  // Not NULL: B as bik.PackedWeight packed it for this process's CPU path (matmul_pack_b, or
+  // matmul_pack_b_pairs with a_bf16), read in place of b (b unread; batch 1). Same bits.
+  const void* packed;
 } BikMatmulF32Args;
 
 // The K-split rule of bik.configs.matmul_split, for C++ callers that pick a split themselves

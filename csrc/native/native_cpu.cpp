@@ -297,6 +297,53 @@ Tensor compiled_bmm(const Tensor& a, const Tensor& b, std::optional<c10::ScalarT
   return op.call(a, b, out_dtype, "cpu");
 }
 
+// bik.PackedWeight's product (ops/matmul/packed.py) without its Python: rows of x [..., K] times
+// the panels at `panels` (packed for this process's CPU path, `split` and `dot` as packed: the
+// bf16 dot path's pair words for bf16 x, fp32 panels for fp32 x), + bias, rounded once to x's
+// dtype: the same kernel call as the Python route, so the same bits. nullopt for anything else
+// (another dtype, an empty product, a bias of another shape): the Python route then serves or
+// refuses it with its own message.
+std::optional<Tensor> packed_linear(const Tensor& x, const std::optional<Tensor>& bias,
+                                    int64_t panels, int64_t n, int64_t k, int64_t split,
+                                    bool dot) {
+  const auto dtype = x.scalar_type();
+  if (g_matmul == nullptr || panels == 0 || !x.is_cpu() || x.is_neg() || x.dim() < 1 ||
+      x.size(-1) != k || n <= 0 || k <= 0 || x.numel() == 0 ||
+      dtype != (dot ? at::kBFloat16 : at::kFloat))
+    return std::nullopt;
+  if (bias && !(bias->is_cpu() && !bias->is_neg() && bias->dim() == 1 && bias->size(0) == n &&
+                served_dtype(bias->scalar_type())))
+    return std::nullopt;
+  const int64_t rows = x.numel() / k;
+  const Tensor a = x.dim() == 2 ? x : x.reshape({rows, k});
+  Tensor bias32;
+  if (bias) bias32 = bias->to(at::kFloat).contiguous();
+  Tensor out = at::detail::empty_cpu({rows, n}, at::kFloat);
+  BikMatmulF32Args args{};
+  args.a = a.const_data_ptr();
+  args.sam = a.stride(0);
+  args.sak = a.stride(1);
+  args.bias = bias ? bias32.const_data_ptr<float>() : nullptr;
+  args.c = out.mutable_data_ptr<float>();
+  args.ldc = n;
+  args.M = rows;
+  args.N = n;
+  args.K = k;
+  args.batch = 1;
+  args.split = split;
+  args.num_threads = at::get_num_threads();
+  args.b_bf16 = dot;
+  args.a_bf16 = dot;
+  args.packed = reinterpret_cast<const void*>(panels);
+  const int rc = g_matmul(&args);
+  TORCH_CHECK(rc == 0, "bik.PackedWeight: bik's CPU matmul kernel failed (code ", rc, ")");
+  Tensor result = dtype == at::kFloat ? out : out.to(dtype);
+  if (x.dim() == 2) return result;
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  return result.view(shape);
+}
+
 // ---- control -----------------------------------------------------------------------------------
 
 // entries: bik._cpu_kernels' c_abi.h entry points [matmul_f32, rms_norm, attention_paged,
@@ -401,6 +448,7 @@ TORCH_LIBRARY_IMPL(bik_native, CPU, m) {
 PYBIND11_MODULE(bik_native, m) {
   m.def("matmul", &compiled_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("bmm", &compiled_bmm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("packed_linear", &packed_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
   // vLLM's RoPE formula in one call (layers.h; the vLLM plugin's rope.py): None when not served.
   m.def(
       "rope",

@@ -297,3 +297,44 @@ def test_rope_gptj_style_interleaves(kernels, gen):
     o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     want = torch.stack([o1, o2], dim=-1).flatten(-2)
     assert same_bits(module.rope(pos, x, cache, 16, 16, False), want)
+
+
+# ---- bik.PackedWeight's product -----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_packed_product_runs_in_cpp_with_the_python_routes_bits(kernels, dtype, monkeypatch,
+                                                                gen):
+    """Once the kernels are loaded a packed product is one C++ call (the same kernel call as
+    the Python route): the same bits, with and without a bias, on rows of any leading shape and
+    strided rows; what it does not serve (fp16 panels, a wrong dtype or K) takes the Python
+    route and its errors."""
+    from bik.ops.matmul import packed as packed_module
+
+    w = torch.randn(96, 70, generator=gen).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype)
+    pw = bik.PackedWeight(w)
+    xs = [torch.randn(1, 70, generator=gen).to(dtype),
+          torch.randn(2, 3, 70, generator=gen).to(dtype),
+          torch.randn(5, 140, generator=gen).to(dtype)[:, ::2]]
+    with torch.no_grad():
+        fast = [(pw(x), pw(x, bias)) for x in xs]
+        monkeypatch.setattr(packed_module, "_native_product", lambda: None)
+        slow = [(pw(x), pw(x, bias)) for x in xs]
+    assert all(same_bits(a, b) for f, s in zip(fast, slow) for a, b in zip(f, s))
+    monkeypatch.undo()
+    served = torch.float16 != dtype
+    calls = []
+    real = packed_module._native_product()
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(packed_module, "_native_product", lambda: counting)
+    out = pw(xs[0])
+    assert out.dtype == dtype and calls == [1]  # the C++ route was asked first
+    assert (real(xs[0], None, pw._panels_ptr, 96, 70, pw._split, pw._dot) is not None) == served
+    with pytest.raises(ValueError, match="bik.PackedWeight: x is torch.float64"):
+        pw(xs[0].double())
+    with pytest.raises(ValueError, match="disagree on K"):
+        pw(torch.randn(1, 71).to(dtype))
