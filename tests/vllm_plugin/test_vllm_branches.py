@@ -302,3 +302,24 @@ def test_rope_in_one_call_is_vllms_forward_native(monkeypatch, dtype, neox, rota
     monkeypatch.setattr(rope, "_module", lambda: None)  # not loaded: vLLM's torch formula
     assert rope._in_one_call(layer, positions, q, k) is None
     assert all(torch.equal(a, b) for a, b in zip(layer.forward_cpu(positions, q, k), want))
+
+
+def test_the_profiles_layer_timers_wrap_vllms_layers(monkeypatch):
+    """`bik bench vllm --profile`'s wall-clock view times each LAYERS class's forward: every
+    class exists in the pinned vLLM, and a wrapped forward adds its time to its group."""
+    import collections
+    import importlib
+
+    from bik.cli.bench import vllm_profile
+
+    classes = [(importlib.import_module(m), n, g) for m, names, g in vllm_profile.LAYERS
+               for n in names]
+    for mod, name, _ in classes:
+        monkeypatch.setattr(getattr(mod, name), "forward", getattr(mod, name).forward)
+    spent = collections.Counter()
+    vllm_profile._time_layers(spent)
+    mod, name, group = classes[0]
+    assert getattr(mod, name).forward.__wrapped__ is not None
+    with pytest.raises(TypeError):  # called without a layer: the error passes through, timed
+        getattr(mod, name).forward()
+    assert spent[group] > 0 and set(spent) == {group}

@@ -1,6 +1,10 @@
 """`bik bench vllm --profile`: where vLLM-CPU's decode step spends its time, stock vs bik's
 plugin, on SmolLM2-135M-Instruct (issue 35's profile; run it with ``.venv-vllm/bin/bik``).
 
+Two views per batch: torch.profiler's self times per op (below), and the wall clock of vLLM's
+layer modules without the profiler (:data:`LAYERS`: each class's ``forward`` timed around, so
+the plugin's Python inside a layer counts where it runs, and nothing inflates small ops).
+
 Each (dtype, stock or plugin) engine runs in its own process (the plugin is process-wide; the
 engine in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so torch.profiler sees the model).
 For batch 1 and 8: a warm-up ``generate()``, then one of ``NEW_TOKENS`` greedy tokens under
@@ -31,6 +35,42 @@ TOP_OPS = 10
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
            "def fib(n):", "Explain gravity to a child.", "The quick brown fox",
            "Translate 'hello' to German:", "My favourite food is"]
+
+
+# (module, classes, group): the vLLM layers whose forward the wall-clock view times. None
+# nests inside another (the LM head's logits are not one of the three linear classes).
+LAYERS = (
+    ("vllm.model_executor.layers.linear",
+     ("QKVParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear"), "linear"),
+    ("vllm.model_executor.layers.logits_processor", ("LogitsProcessor",), "LM head"),
+    ("vllm.model_executor.layers.layernorm", ("RMSNorm",), "RMSNorm"),
+    ("vllm.model_executor.layers.activation", ("SiluAndMul",), "SiLU and mul"),
+    ("vllm.model_executor.layers.rotary_embedding", ("RotaryEmbedding",), "RoPE"),
+    ("vllm.model_executor.layers.attention", ("Attention",), "attention (+ cache write)"),
+    ("vllm.v1.sample.sampler", ("Sampler",), "sampler"),
+)
+
+
+def _time_layers(spent: collections.Counter) -> None:
+    """Wraps each LAYERS class's forward to add its wall time to ``spent[group]``."""
+    import functools
+    import importlib
+
+    for module, classes, group in LAYERS:
+        mod = importlib.import_module(module)
+        for name in classes:
+            cls = getattr(mod, name)
+            forward = cls.forward
+
+            @functools.wraps(forward)
+            def timed(*args, _forward=forward, _group=group, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _forward(*args, **kwargs)
+                finally:
+                    spent[_group] += time.perf_counter() - t0
+
+            cls.forward = timed
 
 
 def group_of(name: str) -> str:
@@ -80,12 +120,21 @@ def _child(dtype: str) -> None:
 
     if os.environ.get("BIK_VLLM") == "1":
         _wrap_bik()
+    spent = collections.Counter()
+    _time_layers(spent)  # before the model is built: vLLM binds a layer's forward then
     llm = LLM(model=str(smollm2.cache_dir()), dtype=dtype, enforce_eager=True,
               max_model_len=512, seed=0)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     for batch in BATCHES:
         prompts = PROMPTS[:batch]
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
+        spent.clear()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)  # wall clock by layer, no profiler
+        layers_wall = time.perf_counter() - t0
+        layers_ms = {g: v * 1e3 / NEW_TOKENS for g, v in spent.most_common()}
+        layers_ms["rest (scheduler, inputs, model Python)"] = \
+            layers_wall * 1e3 / NEW_TOKENS - sum(layers_ms.values())
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
@@ -101,6 +150,7 @@ def _child(dtype: str) -> None:
         print("BIK_PROFILE " + json.dumps({
             "batch": batch, "step_ms": wall_ms, "groups_ms": dict(groups.most_common()),
             "top_ops_ms": dict(step_ms.most_common(TOP_OPS)),
+            "wall_step_ms": layers_wall * 1e3 / NEW_TOKENS, "layers_ms": layers_ms,
             "threads": torch.get_num_threads()}), flush=True)
 
 
@@ -148,6 +198,16 @@ def render(records: list[dict], console) -> None:
         table.add_row(r["dtype"], r["config"], str(r["batch"]), f"{r['step_ms']:.1f}",
                       *(f"{g[c]:.1f}" if c in g else "-" for c in columns))
     print_table(console, table, keys=3)
+    walls = Table(title="The same steps without the profiler: wall clock (ms) of vLLM's layer "
+                        "modules per step")
+    columns = list(dict.fromkeys(g for r in records for g in r["layers_ms"]))
+    for col in ("dtype", "config", "batch", "step", *columns):
+        walls.add_column(col, justify="right")
+    for r in records:
+        g = r["layers_ms"]
+        walls.add_row(r["dtype"], r["config"], str(r["batch"]), f"{r['wall_step_ms']:.1f}",
+                      *(f"{g[c]:.2f}" if c in g else "-" for c in columns))
+    print_table(console, walls, keys=3)
 
 
 if __name__ == "__main__":
