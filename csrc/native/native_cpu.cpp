@@ -184,10 +184,75 @@ Tensor addmm(c10::DispatchKeySet, const Tensor& bias, const Tensor& a, const Ten
 }
 
 // silu(x) = x / (1 + exp(-x)) in fp32, rounded to x's dtype: bik's silu (the Python handler's
-// bik.ops._pointwise.silu_f32) op for op, so the same aten kernels give the same bits, without
-// ~15 µs of Python around four elementwise ops. torch.exp's CPU kernel rounds an element the same
-// wherever it sits (tests/test_pointwise.py), unlike stock silu's SIMD body and scalar tail.
+// bik.ops._pointwise.silu_f32) without ~15 µs of Python around it. Its rounded steps are the
+// handler's: exp is torch's own kernel, run in place on -x (torch.exp's CPU kernel rounds an
+// element the same wherever it sits: tests/test_pointwise.py; stock silu's SIMD body and scalar
+// tail do not), and the widening, negation, + 1 and division are exact or correctly rounded, so
+// the loops around it give the handler's bits with two passes instead of five; the result is
+// rounded to x's dtype by torch's conversion, as the handler's.
+// Widening, negation, + 1 and division are exact or correctly rounded in every lane width, so
+// the loops may run on whatever vectors the CPU has: an AVX-512 build of them where it has it.
+#define BIK_SILU_ROWS                                                                        \
+  for (int64_t r = 0; r < rows; ++r) {                                                      \
+    const T* xr = x + r * sx;                                                               \
+    float* yr = y + r * cols;                                                               \
+    if (negate) {                                                                           \
+      for (int64_t c = 0; c < cols; ++c) yr[c] = -static_cast<float>(xr[c]);               \
+    } else { /* y holds exp(-x): y = x / (exp(-x) + 1) */                                   \
+      for (int64_t c = 0; c < cols; ++c) yr[c] = static_cast<float>(xr[c]) / (yr[c] + 1.0f); \
+    }                                                                                       \
+  }
+
+#if defined(__x86_64__)
+template <class T>
+__attribute__((target("avx512f,avx512bw"), optimize("tree-vectorize"))) void silu_rows_avx512(
+    const T* x, int64_t rows, int64_t cols, int64_t sx, float* y, bool negate) {
+  BIK_SILU_ROWS
+}
+#endif
+
+template <class T>
+__attribute__((optimize("tree-vectorize"))) void silu_rows_base(const T* x, int64_t rows,
+                                                                int64_t cols, int64_t sx,
+                                                                float* y, bool negate) {
+  BIK_SILU_ROWS
+}
+#undef BIK_SILU_ROWS
+
+template <class T>
+void silu_rows(const T* x, int64_t rows, int64_t cols, int64_t sx, float* y, bool negate) {
+#if defined(__x86_64__)
+  static const bool avx512 =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  if (avx512) return silu_rows_avx512(x, rows, cols, sx, y, negate);
+#endif
+  silu_rows_base(x, rows, cols, sx, y, negate);
+}
+
 Tensor silu(c10::DispatchKeySet, const Tensor& x) {
+  // Rows of unit stride (a contiguous x, or vLLM's x[..., :d] of its gate-and-up output): the
+  // loops; any other layout: the handler's ops in C++.
+  const bool flat = x.is_contiguous();
+  const bool rows2d = x.dim() == 2 && x.size(1) > 1 && x.stride(1) == 1 &&
+                      x.stride(0) >= x.size(1);
+  if (unobserved() && plain(x) && (flat || rows2d)) {
+    g_served[kSilu].fetch_add(1, std::memory_order_relaxed);
+    const int64_t rows = flat ? 1 : x.size(0), cols = flat ? x.numel() : x.size(1);
+    const int64_t sx = flat ? cols : x.stride(0);
+    Tensor y = at::detail::empty_cpu(x.sizes(), at::kFloat);
+    float* yp = y.mutable_data_ptr<float>();
+    for (const bool negate : {true, false}) {
+      if (!negate) y.exp_();  // torch's exp of -x, in place
+      switch (x.scalar_type()) {
+        case at::kFloat: silu_rows(x.const_data_ptr<float>(), rows, cols, sx, yp, negate); break;
+        case at::kBFloat16:
+          silu_rows(x.const_data_ptr<c10::BFloat16>(), rows, cols, sx, yp, negate);
+          break;
+        default: silu_rows(x.const_data_ptr<c10::Half>(), rows, cols, sx, yp, negate); break;
+      }
+    }
+    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  }
   if (unobserved() && plain(x)) {
     g_served[kSilu].fetch_add(1, std::memory_order_relaxed);
     const bool f32 = x.scalar_type() == at::kFloat;
