@@ -26,9 +26,13 @@ def test_wrapped_entry_points_show_in_the_profile(monkeypatch):
 
     with profile(activities=[ProfilerActivity.CPU]) as plain:
         calls()
-    vllm_profile._wrap_bik()
+    unwrap = vllm_profile._wrap_bik()
     with profile(activities=[ProfilerActivity.CPU]) as wrapped:
         calls()
+    unwrap()
+    with profile(activities=[ProfilerActivity.CPU]) as after:
+        calls()
+    assert not {"bik.rms_norm", "bik.packed_linear"} & {e.key for e in after.key_averages()}
     keys = {e.key for e in wrapped.key_averages()}
     assert {"bik.rms_norm", "bik.packed_linear"} <= keys
     assert not {"bik.rms_norm", "bik.packed_linear"} & {e.key for e in plain.key_averages()}
