@@ -32,7 +32,7 @@ LAYERS = [
     ("bik._arch", "bik._dtypes", "bik._cpu_kernels"),
     ("bik.configs", "bik.runtime"),
     ("bik.ops._registry", "bik.ops._checks", "bik.ops._pointwise", "bik.ops._define",
-     "bik.ops._call", "bik.ops._normaliser", "bik.ops._normaliser_triton"),
+     "bik.ops._call", "bik.ops._native", "bik.ops._normaliser", "bik.ops._normaliser_triton"),
     ("bik.ops.*.<backend>",),  # an op's backend modules and their private helpers
     ("bik.ops.*.op", "bik.ops.*.backward", "bik.ops.*", "bik.ops", "bik.fingerprint"),
     ("bik.mode",),
