@@ -742,10 +742,22 @@ void sample_f32(std::uintptr_t x, idx_t sx, idx_t B, idx_t V, idx_t groups, idx_
                 std::uintptr_t top_k,
                 std::uintptr_t top_p, std::uintptr_t log_min_p, std::uint32_t stream,
                 std::uintptr_t tokens, std::uintptr_t logprobs, int num_threads,
-                const std::string& isa_name) {
+                const std::string& isa_name, bool min_p_raw) {
   if (B < 0 || V <= 0) throw std::invalid_argument("bik: sample needs B >= 0 and V > 0");
   check_vocab_chunks("sample", V, groups, chunk);
   if (B == 0) return;
+  // min_p_raw: log_min_p holds min_p itself; its bik_log is taken here, as noise.log_min_p
+  // takes it in torch (the same sequence: the same bits), without reading it back first.
+  std::vector<float> lmp;
+  if (min_p_raw) {
+    const float* mp = fptr(log_min_p);
+    lmp.resize(size_t(B));
+    for (idx_t r = 0; r < B; ++r)
+      lmp[size_t(r)] = mp[r] > 0.0f
+                           ? norm::bik_log(std::max(mp[r], std::numeric_limits<float>::min()))
+                           : -std::numeric_limits<float>::infinity();
+    log_min_p = reinterpret_cast<std::uintptr_t>(lmp.data());
+  }
   using I64 = const std::int64_t*;
   using F32 = const float*;
   const idx_t t = std::max<idx_t>(
@@ -1049,8 +1061,9 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("V"), py::arg("groups"), py::arg("chunk"), py::arg("seed"), py::arg("position"), py::arg("temperature"),
         py::arg("top_k"), py::arg("top_p"), py::arg("log_min_p"), py::arg("stream"),
         py::arg("tokens"), py::arg("logprobs"), py::arg("num_threads"),
-        py::arg("isa") = "auto",
+        py::arg("isa") = "auto", py::arg("min_p_raw") = false,
         "Gumbel-max sampler over rows of x[B,V] (unit stride along V); see sampling.h.\n"
+        "min_p_raw: log_min_p holds min_p, whose bik_log (or -inf where 0) is taken here.\n"
         "isa: the vectors of the unfiltered greedy rows' normaliser (speed only; 'scalar':\n"
         "every row on sample_row's scalar sequence).");
   m.def("sampling_elementwise", &bik_cpu::sampling_elementwise, py::arg("fn"), py::arg("in"),

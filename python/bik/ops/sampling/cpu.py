@@ -12,19 +12,21 @@ import torch
 
 from bik.configs import sampler_chunks
 from bik.ops._checks import require, require_cpu
-from bik.ops.sampling.noise import STREAM_SAMPLE, greedy_limit, log_min_p
+from bik.ops.sampling.noise import STREAM_SAMPLE, greedy_limit
 from bik.runtime import cpu_ext
 
 
 def sample_cpu(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
                temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                log_min_p: torch.Tensor, *, stream: int = 0,
-               num_threads: int | None = None,
-               isa: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+               num_threads: int | None = None, isa: str = "auto",
+               min_p_raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens int64 [B], logprobs fp32 [B] for fp32 logits [B, V] (V >= 1) and per-row params:
     seed/position/top_k int64 [B], temperature/top_p/log_min_p fp32 [B] (contiguous).
     ``num_threads`` and ``isa`` change speed only: ``isa`` picks the vectors of the normaliser
-    of greedy rows without filters ("scalar": sampling.h's scalar sequence for every row)."""
+    of greedy rows without filters ("scalar": sampling.h's scalar sequence for every row).
+    ``min_p_raw``: ``log_min_p`` holds min_p itself, and the kernel takes noise.log_min_p of it
+    (the same bik_log, the same bits), reading nothing back here."""
     ext = cpu_ext.require()
     fn = "bik.ops.sampling.cpu.sample_cpu"
     require_cpu(fn, logits=logits, seed=seed, position=position, temperature=temperature,
@@ -47,7 +49,8 @@ def sample_cpu(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
     ext.sample_f32(logits.data_ptr(), logits.stride(0), b, v, groups, chunk,
                    *(t.data_ptr() for t in args),
                    int(stream), tokens.data_ptr(), logprobs.data_ptr(),
-                   torch.get_num_threads() if num_threads is None else num_threads, isa)
+                   torch.get_num_threads() if num_threads is None else num_threads, isa,
+                   min_p_raw)
     return tokens, logprobs
 
 
@@ -108,13 +111,6 @@ def sample_rows(x, seed, position, temperature, top_k, top_p, min_p, max_top_k=N
                 any_top_p=None):
     """The op's entry point on this backend (see bik/ops/sampling/op.py)."""
     del max_top_k, any_top_p  # the kernel reads each row's filters itself: no host metadata
+    # min_p's bik_log in the kernel: noise.log_min_p's ~80 µs of torch ops, and no read-back
     return sample_cpu(x.float(), seed, position, greedy_limit(temperature), top_k, top_p,
-                      _log_min_p(min_p), stream=STREAM_SAMPLE)
-
-
-def _log_min_p(min_p: torch.Tensor) -> torch.Tensor:
-    """noise.log_min_p, without its ~80 µs of torch ops when no row has min-p on (all -inf
-    then: the same values; on the CPU the check reads nothing back from a device)."""
-    if bool(min_p.gt(0).any()):
-        return log_min_p(min_p)
-    return torch.full(min_p.shape, float("-inf"), dtype=torch.float32)
+                      min_p.float().contiguous(), stream=STREAM_SAMPLE, min_p_raw=True)
