@@ -299,7 +299,7 @@ inline void store(T* at, float v) {
 }
 
 // One head's rotary pairs, every product and sum rounded to T. Exactly rounded ops only, so
-// any vector width gives the same bits: an AVX-512 build of the loop where the CPU has it.
+// any vector width gives the same bits: the AVX-512 version below where the CPU has it.
 #define BIK_ROPE_HEAD                                                                  \
   for (int64_t i = 0; i < half; ++i) {                                                 \
     const int64_t i1 = kNeox ? i : 2 * i, i2 = kNeox ? i + half : 2 * i + 1;           \
@@ -310,10 +310,73 @@ inline void store(T* at, float v) {
   }
 
 #if defined(__x86_64__)
+// The neox pairs on 16-lane vectors (GCC's vector extensions; each lane the scalar's ops):
+// x1, x2 and cos, sin are contiguous halves, so a head is a few vector steps.
+typedef float rope_vf __attribute__((vector_size(64)));
+typedef uint32_t rope_vu __attribute__((vector_size(64)));
+typedef uint16_t rope_vh __attribute__((vector_size(32)));
+
+template <class T>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline rope_vf rope_load(const T* p) {
+  rope_vf v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof v);
+  } else {
+    rope_vh h;
+    std::memcpy(&h, p, sizeof h);
+    const rope_vu u = __builtin_convertvector(h, rope_vu) << 16;
+    std::memcpy(&v, &u, sizeof v);
+  }
+  return v;
+}
+
+template <class T>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline rope_vf rope_round(rope_vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    rope_vu u;
+    std::memcpy(&u, &v, sizeof u);
+    const rope_vu nearest = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    u = (u & 0x7fffffffu) > 0x7f800000u ? rope_vu{} + 0x7fc00000u : nearest;
+    std::memcpy(&v, &u, sizeof v);
+    return v;
+  }
+}
+
+template <class T>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void rope_store(T* p,
+                                                                                   rope_vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(p, &v, sizeof v);
+  } else {
+    rope_vu u;
+    std::memcpy(&u, &v, sizeof u);
+    const rope_vh h = __builtin_convertvector(u >> 16, rope_vh);
+    std::memcpy(p, &h, sizeof h);
+  }
+}
+
 template <class T, bool kNeox>
-__attribute__((target("avx512f,avx512bw"), optimize("tree-vectorize"))) void rope_head_avx512(
-    const T* xr, T* yr, const T* cs, int64_t half) {
-  BIK_ROPE_HEAD
+__attribute__((target("avx512f,avx512bw"))) void rope_head_avx512(const T* xr, T* yr,
+                                                                  const T* cs, int64_t half) {
+  int64_t i0 = 0;
+  if constexpr (kNeox) {
+    for (; i0 + 16 <= half; i0 += 16) {
+      const rope_vf x1 = rope_load(xr + i0), x2 = rope_load(xr + half + i0);
+      const rope_vf c = rope_load(cs + i0), s = rope_load(cs + half + i0);
+      rope_store(yr + i0, rope_round<T>(rope_round<T>(x1 * c) - rope_round<T>(x2 * s)));
+      rope_store(yr + half + i0,
+                 rope_round<T>(rope_round<T>(x2 * c) + rope_round<T>(x1 * s)));
+    }
+  }
+  for (int64_t i = i0; i < half; ++i) {  // the rest (and GPT-J's interleaved pairs)
+    const int64_t i1 = kNeox ? i : 2 * i, i2 = kNeox ? i + half : 2 * i + 1;
+    const float x1 = widen(xr[i1]), x2 = widen(xr[i2]);
+    const float c = widen(cs[i]), s = widen(cs[half + i]);
+    store(yr + i1, rounded<T>(rounded<T>(x1 * c) - rounded<T>(x2 * s)));
+    store(yr + i2, rounded<T>(rounded<T>(x2 * c) + rounded<T>(x1 * s)));
+  }
 }
 #endif
 
