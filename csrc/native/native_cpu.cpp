@@ -13,7 +13,8 @@
 // * the public functions' direct route (ops/_call.py) once the kernels are loaded: matmul / bmm
 //   as a Python module's functions (PYBIND11_MODULE below), without the dispatcher.
 //
-// layers.h adds RMSNorm and paged attention for the compiled mode's graphs and the direct route.
+// layers.h adds RMSNorm, paged attention and the KV cache write for the compiled mode's graphs
+// and the direct route; rope.h the vLLM plugin's RoPE.
 //
 // Both run bik's fixed-order CPU matmul through the entry point bik._cpu_kernels runs (handed
 // over by address: one copy of the kernel in the process, c_abi.h), so the bits are the Python
@@ -35,6 +36,7 @@
 
 #include "c_abi.h"
 #include "layers.h"
+#include "rope.h"
 
 namespace {
 
@@ -514,7 +516,7 @@ PYBIND11_MODULE(bik_native, m) {
   m.def("matmul", &compiled_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("bmm", &compiled_bmm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("packed_linear", &packed_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
-  // vLLM's RoPE formula in one call (layers.h; the vLLM plugin's rope.py): None when not served.
+  // vLLM's RoPE formula in one call (rope.h; the vLLM plugin's rope.py): None when not served.
   m.def(
       "rope",
       [](const Tensor& positions, const Tensor& x, const Tensor& cos_sin, int64_t head_size,

@@ -265,7 +265,7 @@ def test_kv_write_calls_the_kernel_does_not_serve_reach_the_op(kernels, gen):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 def test_rope_is_hugging_faces_arithmetic(kernels, dtype, rotary_dim, gen):
-    """layers.h's RoPE (neox style) gives transformers' apply_rotary_pos_emb bits, the formula
+    """rope.h's RoPE (neox style) gives transformers' apply_rotary_pos_emb bits, the formula
     vLLM's forward_native runs too (tests/vllm_plugin compares with vLLM's own), passing the
     entries past rotary_dim through; positions out of the table are not served (None)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

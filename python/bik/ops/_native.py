@@ -122,9 +122,9 @@ def kernel_for(name: str, *, kernel: str | None = None, split_rule: bool = False
     (bik::<name>'s arguments without the backend) when ready, or with ``loaded_only`` (the
     direct route) its kernel as the loaded module's function (no dispatcher: ~5 us less a
     call) when already loaded; None otherwise. ``kernel``: the boxed kernel of
-    csrc/native/layers.h that serves it ("norm", "attention"): the op is then defined from
-    bik::<name>'s schema when the kernels load, and the direct route calls it through the
-    dispatcher (~1 µs more than a module function). ``split_rule``: the kernel picks matmul
+    csrc/native/layers.h that serves it ("norm", "attention", "kv_write"): the op is then
+    defined from bik::<name>'s schema when the kernels load, and the direct route calls it
+    through the dispatcher (~1 µs more than a module function). ``split_rule``: the kernel picks matmul
     splits (see :func:`_loaded`)."""
     if kernel is not None:
         _BOUND[name] = kernel

@@ -61,7 +61,7 @@ def _command(cxx: str, out: Path) -> list[str]:
     # A Python extension module too (the direct route's functions): Python's headers, torch's
     # pybind11 type casters (libtorch_python), the module name its PyInit_ carries.
     # -ffp-contract=off: the kernels' float expressions round each operation, as torch's
-    # elementwise ops do (layers.h's RoPE), never fused into an FMA.
+    # elementwise ops do (rope.h, native_cpu.cpp's silu), never fused into an FMA.
     return [cxx, "-O2", "-std=c++20", "-fPIC", "-shared", "-w", "-ffp-contract=off",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=bik_native",

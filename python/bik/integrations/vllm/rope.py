@@ -48,7 +48,7 @@ def install() -> None:
 
 def _in_one_call(layer, positions, query, key):
     """forward_native's result from bik's C++ kernels in one call each for q and k
-    (csrc/native/layers.h ``rope``: the same ops, the same bits; tested against it), or None
+    (csrc/native/rope.h: the same ops, the same bits; tested against it), or None
     where they are not loaded, torch.compile traces, or they do not serve the call (fp16, a
     missing key, another layout): forward_native then runs."""
     module = _module()
