@@ -195,34 +195,35 @@ def run(dtypes: list[str], version: str, advance=None) -> list[dict]:
 
 
 def render(records: list[dict], console) -> None:
-    from rich.table import Table
-
     from bik.cli.common import print_table
 
-    table = Table(title=f"vLLM-CPU decode step (ms), SmolLM2-135M-Instruct, "
-                        f"{records[0]['new_tokens']} tokens, greedy, "
-                        f"{records[0]['threads']} threads (torch.profiler, self times)")
     totals = collections.Counter()
     for r in records:
         totals.update(r["groups_ms"])
-    columns = [g for g, _ in totals.most_common()]  # the groups, largest first
+    print_table(console, _step_table(
+        f"vLLM-CPU decode step (ms), SmolLM2-135M-Instruct, {records[0]['new_tokens']} "
+        f"tokens, greedy, {records[0]['threads']} threads (torch.profiler, self times)",
+        records, "step_ms", "groups_ms", [g for g, _ in totals.most_common()], 1), keys=3)
+    print_table(console, _step_table(
+        "The same steps without the profiler: wall clock (ms) of vLLM's layer modules per step",
+        records, "wall_step_ms", "layers_ms",
+        list(dict.fromkeys(g for r in records for g in r["layers_ms"])), 2), keys=3)
+
+
+def _step_table(title: str, records: list[dict], step: str, groups: str, columns: list[str],
+                digits: int):
+    """One row per record: its dtype, config, batch, step time and its ``groups`` in
+    ``columns`` order ("-" where a record has none)."""
+    from rich.table import Table
+
+    table = Table(title=title)
     for col in ("dtype", "config", "batch", "step", *columns):
         table.add_column(col, justify="right")
     for r in records:
-        g = r["groups_ms"]
-        table.add_row(r["dtype"], r["config"], str(r["batch"]), f"{r['step_ms']:.1f}",
-                      *(f"{g[c]:.1f}" if c in g else "-" for c in columns))
-    print_table(console, table, keys=3)
-    walls = Table(title="The same steps without the profiler: wall clock (ms) of vLLM's layer "
-                        "modules per step")
-    columns = list(dict.fromkeys(g for r in records for g in r["layers_ms"]))
-    for col in ("dtype", "config", "batch", "step", *columns):
-        walls.add_column(col, justify="right")
-    for r in records:
-        g = r["layers_ms"]
-        walls.add_row(r["dtype"], r["config"], str(r["batch"]), f"{r['wall_step_ms']:.1f}",
-                      *(f"{g[c]:.2f}" if c in g else "-" for c in columns))
-    print_table(console, walls, keys=3)
+        g = r[groups]
+        table.add_row(r["dtype"], r["config"], str(r["batch"]), f"{r[step]:.1f}",
+                      *(f"{g[c]:.{digits}f}" if c in g else "-" for c in columns))
+    return table
 
 
 if __name__ == "__main__":
