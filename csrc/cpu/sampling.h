@@ -224,9 +224,11 @@ static void sample_rows(const float* x, idx_t sx, idx_t V, const VocabChunks& vc
                         const std::int64_t* top_k, const float* top_p, const float* log_min_p,
                         std::uint32_t stream, std::int64_t* tokens, float* logprobs, idx_t r0,
                         idx_t r1, const RowVectors& vec) {
-  std::vector<float> z(static_cast<size_t>(V)), e(static_cast<size_t>(V));
+  // sample_row's scratch (3 V-long rows, zeroed) is made for the first row that needs it: a
+  // batch of greedy rows never writes it.
+  std::vector<float> z, e;
   std::vector<float> s(static_cast<size_t>(vc.chunk));
-  std::vector<std::int32_t> idx(static_cast<size_t>(V));
+  std::vector<std::int32_t> idx;
   for (idx_t r = r0; r < r1; ++r) {
     const RowParams rp{seed[r], position[r], top_k[r], temperature[r], top_p[r], log_min_p[r],
                        stream};
@@ -235,6 +237,11 @@ static void sample_rows(const float* x, idx_t sx, idx_t V, const VocabChunks& vc
     if (vec.row_max != nullptr && rp.temperature == 0.0f && unfiltered) {
       greedy_row(x + r * sx, V, vc, vec, s.data(), tokens + r, logprobs + r);
       continue;
+    }
+    if (z.empty()) {
+      z.resize(static_cast<size_t>(V));
+      e.resize(static_cast<size_t>(V));
+      idx.resize(static_cast<size_t>(V));
     }
     sample_row(x + r * sx, V, vc, rp, z.data(), e.data(), idx.data(), tokens + r, logprobs + r);
   }
