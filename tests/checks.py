@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from functools import cache
+from pathlib import Path
 
 import torch
 
 __all__ = ["ACCURACY_FLOOR", "ACCURACY_RATIO", "DTYPES", "EVERY_M", "FULL", "GPU_M_MAX",
-           "accuracy_bound",
-           "alone_rows", "assert_invariant", "check_grads_against_stock", "first_bad_m",
-           "grad_rows", "grads_of", "max_err", "randn", "sequential_row_sum"]
+           "accuracy_bound", "alone_rows", "assert_invariant", "bits_equal",
+           "check_grads_against_stock", "cpu_flags", "cpu_mul_add", "first_bad_m", "grad_rows",
+           "grads_of", "max_err", "randn", "sequential_row_sum"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -114,3 +116,33 @@ def first_bad_m(fn, pool: torch.Tensor, alone: torch.Tensor) -> int | None:
         if not same_bits(fn(pool[:m]), alone[:m]):
             return m
     return None
+
+
+def cpu_mul_add(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU backend's product on contract.h's mul-add fp32 sequence (the one CUDA's SIMT fp32
+    kernel shares), whichever sequence this process's CPU products run: a [M, K] @ b [K, N]
+    (+ bias [N]), fp32, the K-split of bik.configs.matmul_split."""
+    from bik.configs import matmul_split
+    from bik.ops.matmul.cpu import matmul_f32
+
+    out = torch.empty(a.shape[0], b.shape[1])
+    matmul_f32(a.float(), b.float(), None if bias is None else bias.float().contiguous(), out,
+               split=matmul_split(torch.float32, b.shape[1], a.shape[1]).split, fp32_fma=False)
+    return out
+
+
+@cache
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return set()
+    flags = [line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")]
+    return set(flags[0].split(":", 1)[1].split()) if flags else set()
+
+
+def bits_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """fp32 x and y hold the same bits, any NaN equal to any NaN (no contract fixes NaN
+    payloads)."""
+    same = x.view(torch.int32) == y.view(torch.int32)
+    return bool((same | (x.isnan() & y.isnan())).all())

@@ -16,6 +16,7 @@
 #include "c_abi.h"
 #include "contract.h"
 #include "dot_reference.h"
+#include "fma_reference.h"
 #include "reductions.h"
 #include "sampling.h"
 
@@ -79,11 +80,11 @@ namespace avx512 {
 #endif
 #if defined(__clang__)
 #pragma clang attribute pop
-#pragma clang attribute push(__attribute__((target("avx2"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
 #else
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx2")
+#pragma GCC target("avx2,fma")  // FMA instructions only in the Fma32 kernels (a test checks)
 #endif
 #define BIK_NS avx2
 #define BIK_VW 8
@@ -139,13 +140,17 @@ struct Isa {
   const char* name;
   idx_t nrw, mr;
   size_t (*scratch_per_thread)(idx_t, idx_t, idx_t);
-  void (*tile)(const float*, idx_t, idx_t, const float*, idx_t, idx_t, const float*, float*,
-               idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*,
-               const float*);
-  // The same with a bf16 B (bit patterns), widened exactly while packing.
-  void (*tile_bf16)(const float*, idx_t, idx_t, const std::uint16_t*, idx_t, idx_t,
-                    const float*, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
-                    idx_t, idx_t, float*, const float*);
+  // The fp32 sequence's tiles (contract.h), fp32 B and a bf16 B (bit patterns, widened
+  // exactly while packing): mul-add (tile, tile_bf16; attention's dots too) and fma
+  // (tile_fma, tile_bf16_fma; null where the CPU has no FMA for this ISA's vectors).
+  using Tile = void (*)(const float*, idx_t, idx_t, const float*, idx_t, idx_t, const float*,
+                        float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
+                        float*, const float*);
+  using TileBf16 = void (*)(const float*, idx_t, idx_t, const std::uint16_t*, idx_t, idx_t,
+                            const float*, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
+                            idx_t, idx_t, idx_t, float*, const float*);
+  Tile tile, tile_fma;
+  TileBf16 tile_bf16, tile_bf16_fma;
   // pack_b for an fp32 / bf16 B: b[pc:pc+kc, jc:jc+nc] -> panels dst[p][k][nrw].
   void (*pack)(const float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
   void (*pack_bf16)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t, float*);
@@ -166,8 +171,11 @@ struct Isa {
 
 #define BIK_ISA_ENTRY(ns)                                                                    \
   Isa {                                                                                      \
-#ns, ns::NRW, ns::MR, &ns::matmul_scratch_per_thread, &ns::matmul_tile<float>,          \
-        &ns::matmul_tile<std::uint16_t>, &ns::pack_b<float>, &ns::pack_b<std::uint16_t>,     \
+#ns, ns::NRW, ns::MR, &ns::matmul_scratch_per_thread,                                     \
+        &ns::matmul_tile<float, ns::MulAdd32>, &ns::matmul_tile<float, ns::Fma32>,           \
+        &ns::matmul_tile<std::uint16_t, ns::MulAdd32>,                                       \
+        &ns::matmul_tile<std::uint16_t, ns::Fma32>, &ns::pack_b<float>,                      \
+        &ns::pack_b<std::uint16_t>,                                                          \
         &ns::rms_norm_rows, &ns::log_softmax_rows, &ns::exp_sum_row, &ns::row_max            \
   }
 
@@ -211,6 +219,7 @@ Isa select_isa(const std::string& want) {
   }
   if (name == "avx2") {
     Isa isa = BIK_ISA_ENTRY(avx2);
+    if (!__builtin_cpu_supports("fma")) isa.tile_fma = nullptr, isa.tile_bf16_fma = nullptr;
     if (__builtin_cpu_supports("fma")) {
       isa.tile_dot = &avx2::dot::matmul_tile<avx2::dot::Fma>;
       isa.pack_dot = &avx2::dot::pack_b_all;
@@ -229,7 +238,8 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
                 idx_t sbk, idx_t sbn, std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M,
                 idx_t N, idx_t K, idx_t split, int num_threads, idx_t block_k, idx_t block_n,
                 bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb,
-                std::uintptr_t packed = 0, bool a_bf16 = false, bool vdp = false) {
+                std::uintptr_t packed = 0, bool a_bf16 = false, bool vdp = false,
+                bool fp32_fma = false) {
   if (M == 0 || N == 0 || batch == 0) return;
   if (split <= 0 || split >= K) split = K;  // one split
   // Blocking (speed only; K blocks store/reload the fp32 acc in order, so bits never change).
@@ -279,10 +289,10 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
                      r1, n0, n1, K, split, kcb, ncb, mine,
                      reinterpret_cast<const std::uint32_t*>(packed));
       else if (b_bf16)
-        isa.tile_bf16(A, sam, sak, reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p,
+        (fp32_fma ? isa.tile_bf16_fma : isa.tile_bf16)(A, sam, sak, reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p,
                       C, ldc, r0, r1, n0, n1, K, split, kcb, ncb, mine, P);
       else
-        isa.tile(A, sam, sak, fptr(B), sbk, sbn, bias_p, C, ldc, r0, r1, n0, n1, K, split, kcb,
+        (fp32_fma ? isa.tile_fma : isa.tile)(A, sam, sak, fptr(B), sbk, sbn, bias_p, C, ldc, r0, r1, n0, n1, K, split, kcb,
                  ncb, mine, P);
     }
   };
@@ -310,12 +320,17 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
 // fixed probe. Decided once per process. vdp: the vdpbf16ps kernel, else the FMA one of the
 // widest ISA.
 const std::string& bf16_dot_refusal(bool vdp = false);
+// Why the fp32 fma sequence's kernel of the widest ISA cannot run here ("" when it can): the
+// CPU has no FMA for its vectors, or the start-up self-test found its bits differing from the
+// transcription (fma_reference.h) on a fixed probe. Decided once per process.
+const std::string& fp32_fma_refusal();
 
 void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t sbk, idx_t sbn,
                 std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M, idx_t N, idx_t K,
                 idx_t split, int num_threads, const std::string& isa_name, idx_t block_k,
                 idx_t block_n, bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb,
-                std::uintptr_t packed, bool a_bf16, const std::string& dot_kernel) {
+                std::uintptr_t packed, bool a_bf16, const std::string& dot_kernel,
+                bool fp32_fma) {
   if (M < 0 || N < 0 || K < 0 || batch < 0)
     throw std::invalid_argument("bik: negative matmul size");
   if (split < 0) throw std::invalid_argument("bik: negative matmul split");
@@ -333,9 +348,17 @@ void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t 
       throw std::invalid_argument("bik: isa '" + std::string(isa.name) + "' has no " +
                                   dot_kernel + " bf16 dot kernel on this CPU");
   }
+  if (fp32_fma && !a_bf16) {
+    if (!fp32_fma_refusal().empty())
+      throw std::invalid_argument("bik: the fp32 fma sequence is unavailable: " +
+                                  fp32_fma_refusal());
+    if (isa.tile_fma == nullptr)
+      throw std::invalid_argument("bik: isa '" + std::string(isa.name) +
+                                  "' has no fp32 fma kernel on this CPU");
+  }
   pybind11::gil_scoped_release nogil;
   matmul_run(isa, a, sam, sak, b, sbk, sbn, bias, c, ldc, M, N, K, split, num_threads, block_k,
-             block_n, b_bf16, batch, sab, sbb, scb, packed, a_bf16, vdp);
+             block_n, b_bf16, batch, sab, sbb, scb, packed, a_bf16, vdp, fp32_fma);
 }
 
 // The self-test's probes: bf16 words whose exponents reach the denormals, products near the
@@ -429,17 +452,100 @@ const std::string& bf16_dot_refusal(bool vdp) {
   return vdp ? vdp_why : fma_why;
 }
 
-// contract.h's bf16 dot sequence in scalar code (dot_reference.h), for the tests.
-void matmul_bf16_dot_reference(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b,
-                               idx_t sbk, idx_t sbn, std::uintptr_t bias, std::uintptr_t c,
-                               idx_t ldc, idx_t M, idx_t N, idx_t K, idx_t split) {
+// The fp32 fma self-test's probes: floats whose exponents reach the denormals, the overflow
+// range and cancellations, from a fixed generator; K odd (45) and even (44), row and column
+// tails, one split and splits of 16. Row 0 x column 0 is a step the two fp32 sequences round
+// apart: p = -1, then (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24, whose product alone rounds (a tie, to
+// even) to 1 + 2^-11 while the fused step keeps the 2^-24.
+struct FmaProbe {
+  static constexpr idx_t M = 7, N = 35, kKs[2] = {45, 44};
+  idx_t K;
+  std::vector<float> a, b;  // a [M, K], b [K, N] row-major
+  explicit FmaProbe(idx_t k) : K(k), a(size_t(M * k)), b(size_t(k * N)) {
+    std::uint32_t state = 54321u;
+    auto value = [&state]() {
+      state = state * 1664525u + 1013904223u;
+      static const std::uint32_t exps[] = {0,   1,   2,   40,  63,  100, 120, 125, 126,
+                                           127, 128, 129, 131, 150, 190, 230, 250, 254};
+      const std::uint32_t e = exps[(state >> 8) % (sizeof exps / sizeof exps[0])];
+      const std::uint32_t u = ((state >> 31) << 31) | (e << 23) | ((state * 2654435761u) >> 9);
+      float f;
+      std::memcpy(&f, &u, sizeof f);
+      return f;
+    };
+    for (auto& x : a) x = value();
+    for (auto& x : b) x = value();
+    for (idx_t k = 0; k < K; ++k) a[k] = b[k * N] = 0.0f;
+    a[0] = 1.0f;
+    b[0] = -1.0f;
+    a[1] = b[1 * N] = 1.0f + 0x1p-12f;
+  }
+  std::vector<idx_t> splits() const { return {K, 16}; }
+};
+
+// Runs probe K through the fp32 tile `tile` (B row-major, B as a weight's transpose, B packed
+// once) and returns "" when its bits equal the transcription's everywhere (NaN where it is NaN).
+std::string fp32_fma_probe_check(const Isa& isa, Isa::Tile tile, idx_t K) {
+  const FmaProbe probe(K);
+  constexpr idx_t M = FmaProbe::M, N = FmaProbe::N;
+  std::vector<float> got(M * N), want(M * N);
+  float* scratch = scratch_floats(isa.scratch_per_thread(16, 64, M));
+  const idx_t panels_n = (N + isa.nrw - 1) / isa.nrw * isa.nrw;
+  std::vector<float> panels(size_t(panels_n) * K);
+  std::vector<float> bt(K * N);  // [N, K]: b = bt.t() reads K with unit stride
+  for (idx_t k = 0; k < K; ++k)
+    for (idx_t n = 0; n < N; ++n) bt[n * K + k] = probe.b[k * N + n];
+  isa.pack(probe.b.data(), N, 1, 0, K, 0, N, panels.data());
+  FenvGuard g;
+  for (const idx_t split : probe.splits()) {
+    fma_ref::matmul(probe.a.data(), K, 1, probe.b.data(), N, 1, nullptr, want.data(), N, M, N, K,
+                    split);
+    for (int layout = 0; layout < 3; ++layout) {
+      const float* bp = layout == 1 ? bt.data() : probe.b.data();
+      const idx_t sbk = layout == 1 ? 1 : N, sbn = layout == 1 ? K : 1;
+      tile(probe.a.data(), K, 1, bp, sbk, sbn, nullptr, got.data(), N, 0, M, 0, N, K, split, 16,
+           64, scratch, layout == 2 ? panels.data() : nullptr);
+      for (idx_t i = 0; i < M * N; ++i) {
+        const bool both_nan = std::isnan(got[i]) && std::isnan(want[i]);
+        if (!both_nan && std::memcmp(&got[i], &want[i], sizeof(float)) != 0)
+          return std::string("self-test (") + isa.name + " fp32 fma): c[" +
+                 std::to_string(i / N) + ", " + std::to_string(i % N) +
+                 "] differs from the transcription (K " + std::to_string(K) + ", split " +
+                 std::to_string(split) + ", B layout " + std::to_string(layout) + ")";
+      }
+    }
+  }
+  return "";
+}
+
+std::string fp32_fma_self_test() {
+  const Isa isa = select_isa("auto");
+  if (isa.tile_fma == nullptr) return "this CPU has no FMA";
+  for (const idx_t K : FmaProbe::kKs) {
+    std::string why = fp32_fma_probe_check(isa, isa.tile_fma, K);
+    if (!why.empty()) return why;
+  }
+  return "";
+}
+
+const std::string& fp32_fma_refusal() {
+  static const std::string why = fp32_fma_self_test();
+  return why;
+}
+
+// A scalar transcription of contract.h (Ref: fma_ref::matmul, dot_ref::matmul on words T) over
+// raw pointers, for the tests.
+template <class T, void (*Ref)(const T*, idx_t, idx_t, const T*, idx_t, idx_t, const float*,
+                               float*, idx_t, idx_t, idx_t, idx_t, idx_t)>
+void matmul_reference(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t sbk,
+                      idx_t sbn, std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M,
+                      idx_t N, idx_t K, idx_t split) {
   if (M < 0 || N < 0 || K < 0 || split < 0)
     throw std::invalid_argument("bik: negative matmul size or split");
   pybind11::gil_scoped_release nogil;
   FenvGuard g;
-  dot_ref::matmul(reinterpret_cast<const std::uint16_t*>(a), sam, sak,
-                  reinterpret_cast<const std::uint16_t*>(b), sbk, sbn,
-                  bias ? fptr(bias) : nullptr, reinterpret_cast<float*>(c), ldc, M, N, K, split);
+  Ref(reinterpret_cast<const T*>(a), sam, sak, reinterpret_cast<const T*>(b), sbk, sbn,
+      bias ? fptr(bias) : nullptr, reinterpret_cast<float*>(c), ldc, M, N, K, split);
 }
 
 // All of b[K, N] (bf16) in the dot path's pair panels for `isa_name`: panels * pair_rows * nrw
@@ -820,6 +926,7 @@ extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
     return 1;
   static const bik_cpu::Isa isa = bik_cpu::select_isa("auto");
   if (p->a_bf16 && (!p->b_bf16 || !bik_cpu::bf16_dot_refusal().empty())) return 3;
+  if (p->fp32_fma && !p->a_bf16 && !bik_cpu::fp32_fma_refusal().empty()) return 3;
   try {  // a thread that cannot start (std::system_error) must not cross the C boundary
     bik_cpu::matmul_run(isa, reinterpret_cast<std::uintptr_t>(p->a), p->sam, p->sak,
                         reinterpret_cast<std::uintptr_t>(p->b), p->sbk, p->sbn,
@@ -827,7 +934,7 @@ extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
                         reinterpret_cast<std::uintptr_t>(p->c), p->ldc, p->M, p->N, p->K,
                         p->split, p->num_threads, 0, 0, p->b_bf16 != 0, p->batch, p->sab,
                         p->sbb, p->scb, reinterpret_cast<std::uintptr_t>(p->packed),
-                        p->a_bf16 != 0, false);
+                        p->a_bf16 != 0, false, p->fp32_fma != 0);
   } catch (...) {
     return 2;
   }
@@ -942,6 +1049,24 @@ extern "C" int bik_cpu_attention_paged(const BikAttentionPagedArgs* a) {
   return 0;
 }
 
+// A self-test's probes for the tests: M, N, K, splits and the words of a [M, K] and b [K, N].
+template <class Probe>
+pybind11::list probe_list() {
+  pybind11::list probes;
+  for (const auto K : Probe::kKs) {
+    const Probe p(K);
+    pybind11::dict d;
+    d["M"] = p.M;
+    d["N"] = p.N;
+    d["K"] = p.K;
+    d["splits"] = p.splits();
+    d["a"] = p.a;
+    d["b"] = p.b;
+    probes.append(d);
+  }
+  return probes;
+}
+
 PYBIND11_MODULE(_cpu_kernels, m) {
   pthread_atfork(nullptr, nullptr, [] { bik_cpu::forked_child() = true; });
   namespace py = pybind11;
@@ -952,14 +1077,14 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.attr("SOURCE_HASH") = BIK_CPU_SOURCE_HASH;  // of csrc/cpu, computed by setup.py
   // The numerics contract's revision (in bik.fingerprint): raised whenever a kernel's bits
   // change or a kernel is added, so fingerprints of different contracts never match.
-  m.attr("CONTRACT_VERSION") = 8;
+  m.attr("CONTRACT_VERSION") = 9;
   m.def("matmul_f32", &bik_cpu::matmul_f32, py::arg("a"), py::arg("sam"), py::arg("sak"),
         py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),
         py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("split"),
         py::arg("num_threads"), py::arg("isa") = "auto", py::arg("block_k") = 0,
         py::arg("block_n") = 0, py::arg("b_bf16") = false, py::arg("batch") = 1, py::arg("sab") = 0, py::arg("sbb") = 0,
         py::arg("scb") = 0, py::arg("packed") = 0, py::arg("a_bf16") = false,
-        py::arg("dot_kernel") = "fma",
+        py::arg("dot_kernel") = "fma", py::arg("fp32_fma") = false,
         "c[M,N] (row pitch ldc) = a[M,K] @ b[K,N] (+ bias[N]); raw pointers, element strides.\n"
         "split: the K-split length S of contract.h (0 or >= K: one split).\n"
         "isa/block_k/block_n (0 = auto) change speed only, never bits (tests check this).\n"
@@ -967,30 +1092,30 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "batch entries e < batch: a + e*sab, b + e*sbb, c + e*scb (elements; b's in its dtype).\n"
         "packed: b as matmul_pack_b wrote it for the same isa (b unread; batch 1), same bits.\n"
         "a_bf16: a and b hold bf16 bit patterns: the bf16 dot sequence of contract.h (packed:\n"
-        "as matmul_pack_b_pairs wrote it), on dot_kernel 'fma' or 'vdpbf16ps' (same bits).");
+        "as matmul_pack_b_pairs wrote it), on dot_kernel 'fma' or 'vdpbf16ps' (same bits).\n"
+        "fp32_fma (off the bf16 dot path): contract.h's fp32 fma sequence, else the mul-add one.");
+  m.def(
+      "fp32_fma_probe",
+      &probe_list<bik_cpu::FmaProbe>,
+      "The fp32 fma self-test's probes: M, N, K, splits and the floats of a [M, K], b [K, N].");
+  m.def("fp32_fma_refusal", &bik_cpu::fp32_fma_refusal,
+        "Why the fp32 fma sequence's kernel cannot run in this process ('' when it can): the\n"
+        "CPU has no FMA, or the start-up self-test disagreed with the transcription.");
+  m.def("matmul_fp32_fma_reference",
+        &bik_cpu::matmul_reference<float, &bik_cpu::fma_ref::matmul>, py::arg("a"),
+        py::arg("sam"), py::arg("sak"), py::arg("b"), py::arg("sbk"), py::arg("sbn"),
+        py::arg("bias"), py::arg("c"), py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"),
+        py::arg("split"), "contract.h's fp32 fma sequence in scalar C++ (any CPU; tests).");
   m.def(
       "bf16_dot_probe",
-      [] {
-        py::list probes;
-        for (const auto K : bik_cpu::DotProbe::kKs) {
-          const bik_cpu::DotProbe p(K);
-          py::dict d;
-          d["M"] = p.M;
-          d["N"] = p.N;
-          d["K"] = p.K;
-          d["splits"] = p.splits();
-          d["a"] = p.a;
-          d["b"] = p.b;
-          probes.append(d);
-        }
-        return probes;
-      },
+      &probe_list<bik_cpu::DotProbe>,
       "The self-test's probes: M, N, K, splits and the bf16 words of a [M, K] and b [K, N].");
   m.def("bf16_dot_refusal", &bik_cpu::bf16_dot_refusal, py::arg("vdp") = false,
         "Why the bf16 dot path (its FMA kernel; vdp: its vdpbf16ps one) cannot run in this\n"
         "process ('' when it can): the CPU lacks it, or the start-up self-test disagreed with\n"
         "the transcription.");
-  m.def("matmul_bf16_dot_reference", &bik_cpu::matmul_bf16_dot_reference, py::arg("a"),
+  m.def("matmul_bf16_dot_reference",
+        &bik_cpu::matmul_reference<std::uint16_t, &bik_cpu::dot_ref::matmul>, py::arg("a"),
         py::arg("sam"), py::arg("sak"), py::arg("b"), py::arg("sbk"), py::arg("sbn"),
         py::arg("bias"), py::arg("c"), py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"),
         py::arg("split"), "contract.h's bf16 dot sequence in scalar C++ (any CPU; tests).");

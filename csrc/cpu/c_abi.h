@@ -6,8 +6,9 @@
 
 #include <stdint.h>
 
-// 2: + split; 3: + a_bf16; 4: + packed, rms_norm, attention_paged, write_kv_rows, reduce_rows
-#define BIK_C_ABI_VERSION 4
+// 2: + split; 3: + a_bf16; 4: + packed, rms_norm, attention_paged, write_kv_rows, reduce_rows;
+// 5: + fp32_fma
+#define BIK_C_ABI_VERSION 5
 
 #ifdef __cplusplus
 extern "C" {
@@ -35,6 +36,9 @@ typedef struct {
   // Not NULL: B as bik.PackedWeight packed it for this process's CPU path (matmul_pack_b, or
   // matmul_pack_b_pairs with a_bf16), read in place of b (b unread; batch 1). Same bits.
   const void* packed;
+  // Off the bf16 dot path: fp32_fma != 0 runs contract.h's fp32 fma sequence (refused with code
+  // 3 where it is unavailable), else its mul-add one.
+  int32_t fp32_fma;
 } BikMatmulF32Args;
 
 // The K-split rule of bik.configs.matmul_split, for C++ callers that pick a split themselves
@@ -52,7 +56,7 @@ static inline int64_t bik_matmul_split_len(int64_t K, const BikMatmulSplitRule* 
 }
 
 // 0 on success; 1: sizes refused (negative); 2: the kernel failed (a thread could not start);
-// 3: the bf16 dot path asked for where it is unavailable.
+// 3: the bf16 dot path or the fp32 fma sequence asked for where it is unavailable.
 // Never throws, takes no GIL.
 typedef int (*BikMatmulF32Fn)(const BikMatmulF32Args*);
 

@@ -9,13 +9,22 @@
 // matmul (fp32 in, fp32 out), c[m,n] for a[M,K], b[K,N], optional bias[N], split length S
 // (bik.configs.matmul_split: from K, never M; S >= K is one split):
 //     for each split s = [s*S, min((s+1)*S, K)) in ascending order (at least one):
-//         p = 0.0f;  for k in the split, ascending:  p = p + a[m,k] * b[k,n]
-//         (the multiply is rounded to fp32, then the add is rounded: no FMA, no reassociation)
+//         p = 0.0f;  for k in the split, ascending:  p = step(p, a[m,k], b[k,n])
 //         t = p if s == 0, else t = t + p
 //     c[m,n] = t + bias[n]    if bias is given (so K == 0 gives 0.0f + bias[n])
 //     c[m,n] = t              otherwise
 //   (bik's K-split contract cuts K into G groups, then splits; its table keeps each group one
 //   split when G > 1, so the two-level fold is this flat one.)
+//   Two sequences of step, one per process (versions["cpu_fp32"] in the fingerprint):
+//     fma:      step(p, x, y) = the exact p + x*y rounded once (fmaf). The default wherever
+//               the widest ISA's Fma32 kernel passes its start-up self-test (bindings.cpp,
+//               bik.runtime.cpu_ext.fp32_fma): x86 CPUs with FMA; the generic build's lanes
+//               call fmaf, exact by definition. Transcriptions: fma_reference.h (scalar C++,
+//               no FMA instruction) and bik/ops/matmul/reference.py's fma_step.
+//     mul-add:  step(p, x, y) = p + x*y with the multiply rounded, then the add (no FMA):
+//               BIK_CPU_FP32=mul-add, a CPU without FMA, and attention's dots in every process.
+//               The CUDA backend's SIMT fp32 kernel runs this one.
+//   The folds and the bias add are plain rounded adds in both.
 //
 // matmul, bf16 dot sequence (a and b bf16, fp32 out), on x86 CPUs with FMA whose start-up
 // self-test passed (bindings.cpp; bik.runtime.cpu_ext.bf16_dot, BIK_CPU_BF16=widen turns it
@@ -70,8 +79,8 @@
 //   Rows are independent; threads split rows only, as for rms_norm.
 //
 // attention (attention.h): the sequence written there, the bits of the Python reference
-//   (bik.ops.attention.reference.attention_cpu_reference); its dots are matmul tiles, so they
-//   run the matmul sequence above. Threads split (sequence, KV head, row block) work items.
+//   (bik.ops.attention.reference.attention_cpu_reference); its dots are matmul tiles on the
+//   mul-add sequence above, whichever sequence the process's products run. Threads split (sequence, KV head, row block) work items.
 //
 // FP environment: each compute thread (the caller included, restored afterwards) runs with the
 // default environment (round to nearest, no flush-to-zero / denormals-are-zero), so a caller's
@@ -180,5 +189,31 @@ constexpr idx_t kMatmulMinMacsPerThread = idx_t(1) << 18;
 // Rows a matmul tile call takes at once when K has several splits (bounds the partial's scratch).
 constexpr idx_t kSplitRows = 256;
 constexpr idx_t kRmsMinElemsPerThread = idx_t(1) << 18;
+
+// The matmul contract's loops around a step, for the scalar transcriptions (dot_reference.h,
+// fma_reference.h): c[m, n] for a[M, K], b[K, N] (element strides) and split length `split`
+// (0 or >= K: one split): each split p = 0.0f, p = step(p, a[m,k], b[k,n]) for k ascending,
+// then p = split_end(p, its length); t = p_0, t = t + p_s; then + bias[n] when bias is given.
+template <class T, class Step, class SplitEnd>
+inline void matmul_loops(const T* a, idx_t sam, idx_t sak, const T* b, idx_t sbk, idx_t sbn,
+                         const float* bias, float* c, idx_t ldc, idx_t M, idx_t N, idx_t K,
+                         idx_t split, Step step, SplitEnd split_end) {
+  if (split <= 0 || split >= K) split = K > 0 ? K : 1;
+  for (idx_t m = 0; m < M; ++m) {
+    for (idx_t n = 0; n < N; ++n) {
+      float t = 0.0f;
+      idx_t lo = 0;
+      do {
+        const idx_t hi = K - lo < split ? K : lo + split;
+        float p = 0.0f;
+        for (idx_t k = lo; k < hi; ++k) p = step(p, a[m * sam + k * sak], b[k * sbk + n * sbn]);
+        p = split_end(p, hi - lo);
+        t = lo == 0 ? p : t + p;
+        lo = hi;
+      } while (lo < K);
+      c[m * ldc + n] = bias ? t + bias[n] : t;
+    }
+  }
+}
 
 }  // namespace bik_cpu

@@ -44,22 +44,9 @@ inline float step(float p, std::uint16_t a, std::uint16_t b) {
 inline void matmul(const std::uint16_t* a, idx_t sam, idx_t sak, const std::uint16_t* b, idx_t sbk,
                    idx_t sbn, const float* bias, float* c, idx_t ldc, idx_t M, idx_t N, idx_t K,
                    idx_t split) {
-  if (split <= 0 || split >= K) split = K > 0 ? K : 1;
-  for (idx_t m = 0; m < M; ++m) {
-    for (idx_t n = 0; n < N; ++n) {
-      float t = 0.0f;
-      idx_t lo = 0;
-      do {
-        const idx_t hi = K - lo < split ? K : lo + split;
-        float p = 0.0f;
-        for (idx_t k = lo; k < hi; ++k) p = step(p, a[m * sam + k * sak], b[k * sbk + n * sbn]);
-        if ((hi - lo) % 2 == 1) p = step(p, 0, 0);  // the odd pair's zero half: -0 becomes +0
-        t = lo == 0 ? p : t + p;
-        lo = hi;
-      } while (lo < K);
-      c[m * ldc + n] = bias ? t + bias[n] : t;
-    }
-  }
+  // an odd split ends with its last pair's zero half: a -0 partial becomes +0
+  matmul_loops(a, sam, sak, b, sbk, sbn, bias, c, ldc, M, N, K, split, step,
+               [](float p, idx_t len) { return len % 2 == 1 ? step(p, 0, 0) : p; });
 }
 
 }  // namespace dot_ref

@@ -194,10 +194,30 @@ static inline __attribute__((always_inline)) void store_acc(const vf (&acc)[R][N
   }
 }
 
+// The two fp32 sequences of contract.h, as tags (their names mark the FMA code in the object
+// file for the test that keeps FMAs out of everything else): MulAdd32 rounds the multiply and
+// then the add; Fma32 rounds p + a*b once.
+struct MulAdd32 {
+  static inline __attribute__((always_inline)) vf step(vf p, float a, vf b) { return p + a * b; }
+};
+struct Fma32 {
+  static inline __attribute__((always_inline)) vf step(vf p, float a, vf b) {
+#if BIK_VW == 16
+    return _mm512_fmadd_ps(_mm512_set1_ps(a), b, p);
+#elif BIK_VW == 8
+    return _mm256_fmadd_ps(_mm256_set1_ps(a), b, p);
+#else
+    vf r;  // no vector FMA in this build: the C library's fmaf is exact by definition
+    for (int l = 0; l < VW; ++l) r[l] = std::fmaf(a, b[l], p[l]);
+    return r;
+#endif
+  }
+};
+
 // c[0:R, 0:cols] (row pitch ldc) for one packed A block (kc x MR) and one B panel (kc x NRW).
 // first: acc starts at 0.0f, else at the fp32 value stored in c by the previous K block.
 // bias (already offset to this panel, or null) is added once, after the last K block.
-template <int R>
+template <int R, class Seq>
 static void micro(const float* __restrict pa, const float* __restrict pb, idx_t kc,
                   float* __restrict c, idx_t ldc, idx_t cols, bool first, const float* bias) {
   vf acc[R][NRV];
@@ -210,7 +230,7 @@ static void micro(const float* __restrict pa, const float* __restrict pb, idx_t 
     for (int r = 0; r < R; ++r) {
       const float av = pa[k * MR + r];
 #pragma GCC unroll 8
-      for (int v = 0; v < NRV; ++v) acc[r][v] = acc[r][v] + av * bv[v];  // mul, then add
+      for (int v = 0; v < NRV; ++v) acc[r][v] = Seq::step(acc[r][v], av, bv[v]);
     }
   }
   if (bias) {
@@ -224,12 +244,13 @@ static void micro(const float* __restrict pa, const float* __restrict pb, idx_t 
   store_acc<R>(acc, c, ldc, cols);
 }
 
-template <int... R>
+template <class Seq, int... R>
 static inline void micro_rows(int rows, std::integer_sequence<int, R...>, const float* pa,
                               const float* pb, idx_t kc, float* c, idx_t ldc, idx_t cols,
                               bool first, const float* bias) {
   // rows in [1, MR]: call micro<rows>.
-  (void)((rows == R + 1 ? (micro<R + 1>(pa, pb, kc, c, ldc, cols, first, bias), true) : false) ||
+  (void)((rows == R + 1 ? (micro<R + 1, Seq>(pa, pb, kc, c, ldc, cols, first, bias), true)
+                        : false) ||
          ...);
 }
 
@@ -264,7 +285,7 @@ static void fold_part(float* c, idx_t ldc, const float* part, idx_t ldp, idx_t r
 // every panel p of N): its panel rows are the ones pack_b would write for each block, read in
 // place, so the micro kernel sees the same values in the same order (same bits) without
 // packing on every call.
-template <class TB>
+template <class TB, class Seq>
 static void matmul_tile(const float* a, idx_t sam, idx_t sak, const TB* b, idx_t sbk,
                         idx_t sbn, const float* bias, float* c, idx_t ldc, idx_t m0, idx_t m1,
                         idx_t n0, idx_t n1, idx_t K, idx_t split, idx_t KC, idx_t NC,
@@ -307,7 +328,7 @@ static void matmul_tile(const float* a, idx_t sam, idx_t sak, const TB* b, idx_t
               const float* bb = (one_split && last && bias) ? bias + jc + jr : nullptr;
               float* cc = in_c ? c + (ic + ir) * ldc + jc + jr
                                : part + (ic + ir - m0) * NC + jr;
-              micro_rows(rows, std::make_integer_sequence<int, MR>{}, bufa + ir * kc,
+              micro_rows<Seq>(rows, std::make_integer_sequence<int, MR>{}, bufa + ir * kc,
                          pb + (jr / NRW) * panel_stride, kc, cc, ldd, cols, first, bb);
             }
           }

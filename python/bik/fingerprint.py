@@ -9,10 +9,11 @@ Pin it in RL and evaluation runs: when it changes, re-baseline.
 ``variants`` reports each backend's code path in this process (the CPU's SIMD path) outside the
 digest: the CPU contract gives every path the same bits, so a trainer on an AVX-512 machine and
 an engine on an AVX2 one compare equal digests, as their bits are. The one CPU choice that
-changes bits, whether bf16 products run the bf16 dot sequence (on x86 CPUs with FMA whose
-start-up self-test passed) or the fp32 one, is ``versions["cpu_bf16"]``, in the digest: such a
-machine and one without FMA compare different digests (set ``BIK_CPU_BF16=widen`` on the first
-to match the second).
+changes bits, whether the CPU has FMA, is in the digest as two fields: whether bf16 products
+run the bf16 dot sequence or the fp32 one (``versions["cpu_bf16"]``), and whether the fp32
+sequence fuses its multiply-add (``versions["cpu_fp32"]``; x86 CPUs with FMA whose start-up
+self-tests passed take both). Such a machine and one without FMA compare different digests
+(set ``BIK_CPU_BF16=widen`` and ``BIK_CPU_FP32=mul-add`` on the first to match the second).
 """
 
 from __future__ import annotations
@@ -140,7 +141,9 @@ def fingerprint(device: torch.device | str | None = None) -> Fingerprint:
     versions = {"bik": _version("bik"), "torch": torch.__version__, "triton": _version("triton"),
                 "cpu_contract": cpu_ext.contract_version(),
                 # bf16 products: "dot" or "widen" (the fp32 sequence): other bits, so hashed
-                "cpu_bf16": cpu_ext.bf16_contract()}
+                "cpu_bf16": cpu_ext.bf16_contract(),
+                # the other products: "fma" or "mul-add" (contract.h's two fp32 sequences)
+                "cpu_fp32": cpu_ext.fp32_contract()}
     sources = _all_sources_hash()
     payload = json.dumps([arch, backends, config_hash, sources, versions], sort_keys=True)
     return Fingerprint(

@@ -16,6 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from bik.testing import InvarianceReport, rows_alone_vs_batched
+from bik.configs import MatmulSplit
+from bik.ops.matmul.reference import matmul_contract_reference
+from bik.runtime import cpu_ext
 from checks import DTYPES, check_grads_against_stock, grad_rows, grads_of, sequential_row_sum
 from targets import targets
 from torch.library import opcheck
@@ -149,8 +152,11 @@ def test_linear_weight_and_bias_grads_are_the_ascending_row_sum(target, gen):
     x, w = torch.randn(37, 24, generator=gen), torch.randn(16, 24, generator=gen)
     b, u = torch.randn(16, generator=gen), torch.randn(37, 16, generator=gen)
     _, gw, gb = grads_of(linear, [x, w, b], [u])
-    # weight [N, K] is b = weight.t() [K, N]: grad_b[k, n] = sum_m x[m, k] * u[m, n]
-    assert torch.equal(gw.t(), sequential_row_sum(x[:, :, None] * u[:, None, :]))
+    # weight [N, K] is b = weight.t() [K, N]: grad_b[k, n] = sum_m x[m, k] * u[m, n], m
+    # ascending, on this process's fp32 sequence (the CPU's fma one where it runs)
+    rows = matmul_contract_reference(x.t(), u, None, MatmulSplit(1, x.shape[0]),
+                                     fma=cpu_ext.fp32_fma())
+    assert torch.equal(gw.t(), rows)
     assert torch.equal(gb, sequential_row_sum(u))
     again = grads_of(linear, [x, w, b], [u])
     assert torch.equal(again[1], gw) and torch.equal(again[2], gb)

@@ -22,20 +22,12 @@ from bik.configs import MatmulSplit, matmul_split
 from bik.ops.matmul.reference import (bf16_dot_step, matmul_bf16_dot_reference,
                                       matmul_contract_reference)
 from bik.runtime import cpu_ext
-from checks import alone_rows, first_bad_m
+from checks import alone_rows, bits_equal as _bits_equal, cpu_flags, first_bad_m
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason=cpu_ext.unavailable_reason())
 
 
-def _cpu_flags() -> set[str]:
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return set()
-    flags = [line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")]
-    return set(flags[0].split(":", 1)[1].split()) if flags else set()
-
-
-FLAGS = _cpu_flags()
+FLAGS = cpu_flags()
 # (isa, dot kernel, the CPU flags it needs): every kernel of the contract this build has
 KERNELS = [("avx512", "fma", {"avx512f", "fma"}), ("avx2", "fma", {"avx2", "fma"}),
            ("avx512", "vdpbf16ps", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})]
@@ -77,12 +69,6 @@ def _words(gen: torch.Generator, *shape: int, exponents=EXPONENTS) -> torch.Tens
 
 def _normal(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(torch.bfloat16)
-
-
-def _bits_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Same bits, any NaN equal to any NaN (the contract does not fix NaN payloads)."""
-    same = x.view(torch.int32) == y.view(torch.int32)
-    return bool((same | (x.isnan() & y.isnan())).all())
 
 
 def _scalar_reference(a, b, bias, split: int) -> torch.Tensor:
@@ -346,7 +332,7 @@ def test_widen_keeps_the_fp32_sequence_and_the_fingerprint_says_so(dot):
     near = (60, 62, 63, 64, 65, 66)  # products around 2^-126, sums too
     x, w = _words(g, 32, 1536, exponents=near), _words(g, 256, 1536, exponents=near)
     plan = matmul_split(torch.float32, *w.shape)
-    widened = matmul_contract_reference(x, w.t(), None, plan)
+    widened = matmul_contract_reference(x, w.t(), None, plan, fma=cpu_ext.fp32_fma())
     assert not torch.equal(bik.linear(x, w), widened.bfloat16())
     code = ("import torch, bik, sys\n"
             "x, w, want = torch.load(sys.argv[1])\n"

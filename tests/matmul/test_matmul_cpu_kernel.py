@@ -35,11 +35,14 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def matmul_cpu_reference(a, b, bias, split: int | None = None) -> torch.Tensor:
-    """The contract's bits for this problem's plan (or one split of ``split``)."""
+def matmul_cpu_reference(a, b, bias, split: int | None = None,
+                         fp32_fma: bool | None = None) -> torch.Tensor:
+    """The contract's bits for this problem's plan (or one split of ``split``), on the fp32
+    sequence ``fp32_fma`` names (default this process's, as the kernel's default)."""
     k, n = b.shape
     plan = matmul_split(torch.float32, n, k) if split is None else MatmulSplit(1, split)
-    return matmul_contract_reference(a, b, bias, plan)
+    fma = cpu_ext.fp32_fma() if fp32_fma is None else fp32_fma
+    return matmul_contract_reference(a, b, bias, plan, fma=fma)
 
 
 def mm(a, b, bias=None, **kw) -> torch.Tensor:
@@ -51,10 +54,11 @@ def mm(a, b, bias=None, **kw) -> torch.Tensor:
 # ---- exactness against the contract ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fp32_fma", [True, False], ids=["fma", "mul-add"])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("M", SIZES)
 @pytest.mark.parametrize("N", SIZES)
-def test_matmul_matches_contract(isa, M, N):
+def test_matmul_matches_contract(isa, M, N, fp32_fma):
     for K in SIZES:
         g = _gen(M * 10007 + N * 101 + K)
         a = torch.randn(M, K, generator=g)
@@ -62,8 +66,9 @@ def test_matmul_matches_contract(isa, M, N):
         bias = torch.randn(N, generator=g)
         for b in (w.t(), w.t().contiguous()):
             for bb in (None, bias):
-                want = matmul_cpu_reference(a, b, bb)
-                assert torch.equal(mm(a, b, bb, isa=isa), want), (M, N, K, bb)
+                want = matmul_cpu_reference(a, b, bb, fp32_fma=fp32_fma)
+                got = mm(a, b, bb, isa=isa, fp32_fma=fp32_fma)
+                assert torch.equal(got, want), (M, N, K, bb)
 
 
 def test_matmul_blocking_and_odd_k_match_contract():
@@ -174,7 +179,8 @@ def test_batched_call_is_a_call_per_entry(bf16):
                 got = torch.full((n_batch, M, N), float("nan"))
                 ext.matmul_f32(a.data_ptr(), a.stride(1), a.stride(2), b.data_ptr(),
                                b.stride(1), b.stride(2), 0, got.data_ptr(), N, M, N, K, 0,
-                               threads, "auto", 0, 0, bf16, n_batch, a.stride(0), b.stride(0), M * N)
+                               threads, "auto", 0, 0, bf16, n_batch, a.stride(0), b.stride(0), M * N,
+                               fp32_fma=cpu_ext.fp32_fma())
                 assert torch.equal(got, want), (n_batch, M, N, K, b.stride(), threads)
 
 
@@ -269,9 +275,9 @@ FMA_MNEMONICS = ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub", "fmla", "fmadd")
 
 
 def test_no_fused_multiply_add_in_binary():
-    """-ffp-contract=off must hold in every ISA clone: an FMA would change the bits. The one
-    place FMAs are the contract is the bf16 dot path's FMA kernel (contract.h: each step is a
-    fused multiply-add), which must have them."""
+    """-ffp-contract=off must hold in every ISA clone: an FMA would change the bits. The places
+    FMAs are the contract are the bf16 dot path's FMA kernel and the fp32 fma sequence's
+    (contract.h: each step is a fused multiply-add), which must have them."""
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump not found")
@@ -284,12 +290,15 @@ def test_no_fused_multiply_add_in_binary():
             function = line
         elif any(f"\t{m}" in line for m in FMA_MNEMONICS):
             with_fma.add(function)
-    # the FMA kernel's micro kernels, or its tile where the compiler inlined one
-    outside = [f for f in with_fma if "::dot::Fma" not in f]
+    # the FMA kernels' micro kernels, or their tiles where the compiler inlined one
+    outside = [f for f in with_fma if "::dot::Fma" not in f and "::Fma32>" not in f]
     assert not outside, outside
-    if cpu_ext._ext.isa_supported("avx2"):  # built for x86: the dot kernels are there
+    if cpu_ext._ext.isa_supported("avx2"):  # built for x86: the FMA kernels are there
         for isa in ("avx512", "avx2"):
             assert any(f"{isa}::dot::Fma" in f for f in with_fma), isa
+            assert any(f"{isa}::Fma32>" in f for f in with_fma), isa
+        # and the mul-add sequence's tiles have none
+        assert not any("MulAdd32>" in f for f in with_fma)
 
 
 def test_unavailable_reason_is_empty_when_built():

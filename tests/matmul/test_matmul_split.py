@@ -87,7 +87,8 @@ from bik.configs import MatmulSplit
 from bik.ops.matmul.reference import matmul_contract_reference
 g = torch.Generator().manual_seed(0)
 a, b = torch.randn(3, 4096, generator=g), torch.randn(4096, 20, generator=g)
-one = matmul_contract_reference(a, b, None, MatmulSplit(1, 4096))
+from bik.runtime import cpu_ext
+one = matmul_contract_reference(a, b, None, MatmulSplit(1, 4096), fma=cpu_ext.fp32_fma())
 assert torch.equal(bik.matmul(a, b, backend="cpu"), one)
 with bik.enabled():
     assert torch.equal(torch.mm(a, b), one)
@@ -159,7 +160,8 @@ def test_cpu_backend_is_the_literal_contract_at_llama_widths():
         a, w = torch.randn(3, k, generator=g), torch.randn(20, k, generator=g)
         plan = matmul_split(torch.float32, 20, k)
         assert same_bits(bik.linear(a, w, backend="cpu"),
-                         matmul_contract_reference(a, w.t(), None, plan))
+                         matmul_contract_reference(a, w.t(), None, plan,
+                                                   fma=cpu_ext.fp32_fma()))
 
 
 # ---- Triton: SPREAD == FOLD (interpreter) --------------------------------------------------

@@ -21,12 +21,17 @@ except Exception as exc:  # noqa: BLE001 - missing .so, ABI mismatch, anything
     _ext = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["BF16_ENV", "available", "bf16_contract", "bf16_dot", "bf16_dot_refusal",
-           "contract_version", "isa", "require", "source_hash", "unavailable_reason"]
+__all__ = ["BF16_ENV", "FP32_ENV", "available", "bf16_contract", "bf16_dot", "bf16_dot_refusal",
+           "contract_version", "fp32_contract", "fp32_fma", "fp32_fma_refusal", "isa",
+           "require", "source_hash", "unavailable_reason"]
 
 # "widen" keeps bf16 products on the fp32 sequence where the bf16 dot path could run (to match
 # a machine without FMA); "auto" (default) takes the dot path wherever it passes.
 BF16_ENV = "BIK_CPU_BF16"
+# "mul-add" keeps products off the bf16 dot path on the fp32 sequence that rounds the multiply
+# and the add apart (the CUDA SIMT fp32 kernel's, and a CPU's without FMA); "auto" (default)
+# takes the fma sequence wherever its kernel passes.
+FP32_ENV = "BIK_CPU_FP32"
 
 
 def available() -> bool:
@@ -97,3 +102,33 @@ def bf16_contract() -> str | None:
     if _ext is None:
         return None
     return "dot" if bf16_dot() else "widen"
+
+
+def fp32_fma_refusal() -> str:
+    """Why contract.h's fp32 fma sequence cannot run here: the CPU has no FMA for the widest
+    ISA's vectors, or the start-up self-test found the kernel disagreeing with the
+    transcription (fma_reference.h) on a fixed probe. "" when it can run; the extension's
+    absence is its own reason."""
+    if _ext is None:
+        return unavailable_reason()
+    return str(_ext.fp32_fma_refusal())
+
+
+@cache
+def fp32_fma() -> bool:
+    """Whether this process's CPU products off the bf16 dot path (fp32, fp16, bf16 widened)
+    run the fp32 fma sequence (else the mul-add one). Decided once, at first use: the kernel
+    must pass here and ``BIK_CPU_FP32`` must not be "mul-add". Every route asks this one
+    function, so they agree."""
+    want = os.environ.get(FP32_ENV, "auto").strip().lower() or "auto"
+    if want not in ("auto", "mul-add"):
+        raise ValueError(f"bik: {FP32_ENV}={want!r}; expected 'auto' or 'mul-add'")
+    return want == "auto" and fp32_fma_refusal() == ""
+
+
+def fp32_contract() -> str | None:
+    """The fp32 sequence this process's CPU products run: "fma" or "mul-add" (contract.h). It
+    decides bits, so bik.fingerprint() hashes it. None when the extension is unavailable."""
+    if _ext is None:
+        return None
+    return "fma" if fp32_fma() else "mul-add"

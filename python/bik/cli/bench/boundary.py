@@ -39,7 +39,7 @@ def _kernel_call(a, b, out):
     args = (a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1), 0,
             out.data_ptr(), out.shape[1], a.shape[0], b.shape[1], a.shape[1],
             matmul_split(a.dtype, b.shape[1], a.shape[1]).split, torch.get_num_threads(),
-            "auto", 0, 0)
+            "auto", 0, 0, False, 1, 0, 0, 0, 0, False, "fma", cpu_ext.fp32_fma())
 
     def call(keep=(a, b, out)):  # the raw pointers are only valid while the tensors live
         return ext.matmul_f32(*args)

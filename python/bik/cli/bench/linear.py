@@ -4,7 +4,9 @@ The shapes a decode and a short prefill see: SmolLM2-135M's MLP (1536 x 576, 576
 Llama-3-8B's (4096 x 4096, 14336 x 4096), at M = 1, 8, 64 (``--ms``), in ``--dtype`` (bf16 by
 default: the bf16 dot path when this CPU takes it, ``versions["cpu_bf16"]`` in the record's
 meta). On the bf16 dot path it also times the product alone on each kernel of the sequence
-(``kernel fma``, bik's, and ``kernel vdpbf16ps`` where the CPU has it; unpacked weight). The
+(``kernel fma``, bik's, and ``kernel vdpbf16ps`` where the CPU has it; unpacked weight); in fp32
+on each of contract.h's two fp32 sequences (``kernel fma``, the default where the CPU has FMA,
+and ``kernel mul-add``; the streamed rows add ``packed mul-add``). The
 calls are timed in ROUNDS interleaved rounds (the order rotates each round), so a slow spell
 of a shared machine lands on all of them; each round's sample is the median of a few calls. A record keeps every call's median, p20 and p80 across rounds, its time relative to
 F.linear's, a noise flag, and whether bik's rows alone equal its batch. At M <= 8 (decode) the
@@ -54,7 +56,7 @@ def _one(n: int, k: int, m: int, dtype, rounds: int) -> dict:
     packed = bik.PackedWeight(weight)
     fns = {"stock": lambda: F.linear(x, weight), "bik.linear": lambda: bik.linear(x, weight),
            "packed": lambda: packed(x)}
-    fns |= _dot_kernels(x, weight)
+    fns |= _kernels(x, weight)
     for fn in fns.values():
         fn()  # warm-up
     samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -90,7 +92,7 @@ def _streamed(n: int, k: int, m: int, dtype, rounds: int, total_bytes: int) -> d
     packs = [bik.PackedWeight(w) for w in weights]
     x = torch.randn(m, k, generator=gen).to(dtype)
     fns = {"stock": lambda: [F.linear(x, w) for w in weights],
-           "packed": lambda: [p(x) for p in packs]}
+           "packed": lambda: [p(x) for p in packs]} | _packed_mul_add(packs, x)
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
         for i, name in enumerate(fns):
@@ -105,26 +107,53 @@ def _streamed(n: int, k: int, m: int, dtype, rounds: int, total_bytes: int) -> d
             } | _timings(times)
 
 
-def _dot_kernels(x, weight) -> dict:
-    """bf16 on the dot path: the product alone (the extension's call, packed panels of the
-    FMA kernel's ISA) on each kernel of the bf16 dot sequence this CPU runs, FMA (bik's) and
-    vdpbf16ps: the same bits, so only their speed tells them apart."""
+def _kernels(x, weight) -> dict:
+    """The product alone (the extension's call on the unpacked weight) on each kernel of the
+    sequences this CPU runs: bf16 on the dot path, its FMA kernel (bik's) and vdpbf16ps (the
+    same bits, so only their speed tells them apart); fp32, the fma and mul-add sequences (two
+    contracts: other bits)."""
     from bik.runtime import cpu_ext
 
-    if x.dtype != torch.bfloat16 or not cpu_ext.bf16_dot():
+    dot = x.dtype == torch.bfloat16 and cpu_ext.bf16_dot()
+    if not dot and (x.dtype != torch.float32 or not cpu_ext.fp32_fma()):
         return {}
     ext = cpu_ext.require()
     (m, k), n = x.shape, weight.shape[0]
-    split = bik.configs.matmul_split(torch.bfloat16, n, k).split
+    split = bik.configs.matmul_split(x.dtype, n, k).split
     out = torch.empty(m, n)
 
     def call(kernel):
         return lambda: ext.matmul_f32(
             x.data_ptr(), k, 1, weight.data_ptr(), 1, k, 0, out.data_ptr(), n, m, n, k, split,
-            torch.get_num_threads(), "auto", 0, 0, True, 1, 0, 0, 0, 0, True, kernel)
+            torch.get_num_threads(), "auto", 0, 0, dot, 1, 0, 0, 0, 0, dot,
+            kernel if dot else "fma", kernel == "fma")
 
+    if not dot:
+        return {"kernel fma": call("fma"), "kernel mul-add": call("mul-add")}
     kernels = ["fma"] + (["vdpbf16ps"] if cpu_ext.bf16_dot_refusal("vdpbf16ps") == "" else [])
     return {f"kernel {name}": call(name) for name in kernels}
+
+
+def _packed_mul_add(packs: list, x) -> dict:
+    """fp32 where the process runs the fma sequence: the packed layers' panels on the mul-add
+    one (the extension's call, as PackedWeight makes it), to time the two contracts."""
+    from bik.runtime import cpu_ext
+
+    if x.dtype != torch.float32 or not cpu_ext.fp32_fma():
+        return {}
+    ext = cpu_ext.require()
+    (m, k), n = x.shape, packs[0].shape[0]
+    split = bik.configs.matmul_split(x.dtype, n, k).split
+    out = torch.empty(m, n)
+    calls = [(p._panels_ptr, p._isa) for p in packs]
+
+    def run():
+        for panels, isa in calls:
+            ext.matmul_f32(x.data_ptr(), k, 1, 0, 0, 0, 0, out.data_ptr(), n, m, n, k, split,
+                           torch.get_num_threads(), isa, 0, 0, False, 1, 0, 0, 0, panels, False,
+                           "fma", False)
+
+    return {"packed mul-add": run}
 
 
 def run(device, dtype, args) -> list[dict]:
@@ -143,8 +172,9 @@ def run(device, dtype, args) -> list[dict]:
 def render(records: list[dict], console: Console) -> None:
     table = Table(title=f"linear on the CPU ({records[0]['dtype']}), median of "
                         f"{records[0]['rounds']} interleaved rounds, time vs F.linear")
-    kernels = [c.removesuffix("_ms") for c in records[0] if c.startswith("kernel ")
-               and c.endswith("_ms")]
+    kernels = list(dict.fromkeys(c.removesuffix("_vs_stock") for r in records for c in r
+                                 if c.endswith("_vs_stock")
+                                 and c not in ("bik.linear_vs_stock", "packed_vs_stock")))
     for col in ("weights", "N x K", "M", "F.linear ms", "bik.linear", "packed", *kernels,
                 "rows same", ""):
         table.add_column(col, justify="right")

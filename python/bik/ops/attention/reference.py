@@ -2,7 +2,7 @@
 
 bik/ops/attention/cpu.py runs the same sequence in C++ (csrc/cpu/attention.h) and gives its
 bits; the reference is built from bik's fixed-order CPU matmul. For a sequence, each split
-[j*SPLIT, (j+1)*SPLIT) of its keys is reduced from a fresh state: scores = q @ k^T (fixed-order matmul kernel, fp32), times
+[j*SPLIT, (j+1)*SPLIT) of its keys is reduced from a fresh state: scores = q @ k^T (fixed-order matmul kernel, fp32, mul-add), times
 scale*log2(e), masked to -inf where a row cannot see a key; m_j = row max (exact);
 p = exp2(s - m_j) (exp2f, a pure function of each value); l_j = p @ 1 and acc_j = p @ v
 (fixed-order matmul kernels). Splits are folded in ascending j by :func:`merge_partial` and
@@ -17,8 +17,9 @@ import math
 
 import torch
 
-from bik.configs import CPU_ATTENTION_SPLIT
+from bik.configs import CPU_ATTENTION_SPLIT, matmul_split
 from bik.ops._pointwise import LN2, LOG2E, unary_f32
+from bik.runtime import cpu_ext
 
 
 def _exp2(x: torch.Tensor) -> torch.Tensor:
@@ -26,8 +27,16 @@ def _exp2(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # bik's fixed-order CPU matmul (fp32 in, fp32 out: no rounding beyond the kernel's own)
-    return torch.ops.bik.matmul(a, b, None, torch.float32, "cpu")
+    # bik's fixed-order CPU matmul kernel on contract.h's mul-add sequence, which attention's
+    # dots run in every process (fp32 in, fp32 out: no rounding beyond the kernel's own)
+    (m, k), n = a.shape, b.shape[1]
+    out = torch.empty(m, n)
+    if m and n:
+        cpu_ext.require().matmul_f32(
+            a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1), 0,
+            out.data_ptr(), n, m, n, k, matmul_split(torch.float32, n, k).split, 1,
+            fp32_fma=False)
+    return out
 
 
 def merge_partial(m, l, acc, m_j, l_j, acc_j):

@@ -20,6 +20,7 @@ def matmul_f32(
     isa: str = "auto",
     block_k: int = 0,
     block_n: int = 0,
+    fp32_fma: bool | None = None,
 ) -> None:
     """out[M, N] = a[M, K] @ b[K, N] (+ bias[N]), fp32, in fixed k-ascending order.
 
@@ -27,11 +28,13 @@ def matmul_f32(
     ``weight.t()`` view and is read without a copy. bias: fp32 [N] contiguous or None.
     out: fp32 [M, N] contiguous, preallocated, not overlapping the inputs. Each out[m, n] is
     the contract's sequence (per K split of ``split`` elements, default
-    :func:`bik.configs.matmul_split`'s: acc = 0, acc = acc + a[m,k]*b[k,n] for k ascending,
-    no FMA; the splits folded in ascending order; then + bias[n]), so its bits do not
+    :func:`bik.configs.matmul_split`'s: acc = 0, acc = fma(a[m,k], b[k,n], acc) for k
+    ascending, or acc = acc + a[m,k]*b[k,n] with the multiply rounded on the mul-add sequence;
+    the splits folded in ascending order; then + bias[n]), so its bits do not
     depend on M, on m, on num_threads (default torch.get_num_threads()),
     on ``isa`` (SIMD path) or on ``block_k``/``block_n`` (cache blocking, 0 = auto): those
-    three knobs change speed only and exist for tests and tuning.
+    three knobs change speed only and exist for tests and tuning. ``fp32_fma``: which of
+    contract.h's two fp32 sequences (default this process's, :func:`cpu_ext.fp32_fma`).
     """
     ext = cpu_ext.require()
     fn = "bik.ops.matmul.cpu.matmul_f32"
@@ -57,7 +60,8 @@ def matmul_f32(
         0 if bias is None else bias.data_ptr(),
         out.data_ptr(), N, M, N, K, split,
         torch.get_num_threads() if num_threads is None else num_threads,
-        isa, block_k, block_n,
+        isa, block_k, block_n, False, 1, 0, 0, 0, 0, False, "fma",
+        cpu_ext.fp32_fma() if fp32_fma is None else fp32_fma,
     )  # fmt: skip
 
 
@@ -105,4 +109,4 @@ def _launch(a, b, bias32, out, split: int, dot: bool) -> None:
     cpu_ext.require().matmul_f32(
         a.data_ptr(), sa1, sa2, b.data_ptr(), sb1, sb2, pbias, out.data_ptr(), n, m, n, k, split,
         torch.get_num_threads(), "auto", 0, 0, _PACKED_B[b.dtype], n_batch, sa0, sb0, m * n,
-        0, dot)
+        0, dot, "fma", cpu_ext.fp32_fma())

@@ -6,13 +6,15 @@ For each output c[m, n] of a [M, K] @ b [K, N] (+ bias [N]) with plan (G, S) fro
 * K is cut into G equal groups of K / G; each group into splits of S elements from the
   group's start, the last one ragged;
 * split j of group g: ``p = 0; p = p + a[m, k] * b[k, n]`` for its k ascending, every multiply
-  and every add rounded to fp32 (no FMA, no reassociation);
+  and every add rounded to fp32 (no FMA, no reassociation): the *mul-add* sequence; or, the
+  *fma* one, ``p = fma(a[m, k], b[k, n], p)``, each step rounded once;
 * inside a group: ``t = p_0; t = t + p_j`` for j ascending;
 * across groups: ``T = t_0; T = T + t_g`` for g ascending; then ``T + bias[n]`` (so K == 0
   gives ``0.0f + bias[n]``).
 
-This is the CPU backend's fp32 sequence (csrc/cpu/contract.h) and the CUDA backend's SIMT fp32
-one (csrc/cuda/matmul.cu), bit for bit; 16-bit GPU kernels keep the same splits and folds with
+The mul-add sequence is the CUDA backend's SIMT fp32 one (csrc/cuda/matmul.cu) and the CPU
+backend's under ``BIK_CPU_FP32=mul-add``; the fma one is the CPU backend's default wherever its
+kernel passes (csrc/cpu/contract.h, :func:`bik.runtime.cpu_ext.fp32_fma`), bit for bit; 16-bit GPU kernels keep the same splits and folds with
 their dot instruction inside a split. Built from fp32 elementwise torch ops, which are
 correctly rounded and never fused, so it gives the contract's bits on any device; it is slow
 (one torch op per K step).
@@ -36,15 +38,41 @@ def split_ranges(k: int, plan: MatmulSplit) -> list[list[tuple[int, int]]]:
              for lo in range(0, max(glen, 1), plan.split)] for g in range(plan.groups)]
 
 
+def fma_step(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``p + a*b`` (fp32) rounded once to nearest even: C's fmaf, written out without an FMA.
+    In fp64 the product is exact (24 + 24 <= 53 bits) and so is the sum's error (TwoSum), but
+    rounding the fp64 sum to fp32 rounds twice, which goes wrong exactly where that sum lands on
+    the midpoint of two floats while the exact value does not: there the error's sign picks the
+    side."""
+    prod = a.double() * b.double()
+    s = prod + p.double()
+    r = s.float()
+    bb = s - prod
+    err = (prod - (s - bb)) + (p.double() - bb)
+    inf = torch.tensor(float("inf"))
+    other = torch.nextafter(r, torch.where(s > r.double(), inf, -inf))
+
+    def wide(f: torch.Tensor) -> torch.Tensor:  # 2^128 stands for the float past the largest
+        return torch.where(f.isinf(), torch.copysign(torch.tensor(2.0**128), f.double()),
+                           f.double())
+
+    at_mid = s.isfinite() & (r.double() != s) & (err != 0) & (s == (wide(r) + wide(other)) / 2)
+    upper = torch.where(wide(r) > wide(other), r, other)
+    lower = torch.where(wide(r) > wide(other), other, r)
+    return torch.where(at_mid, torch.where(err > 0, upper, lower), r)
+
+
 def matmul_contract_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                              plan: MatmulSplit) -> torch.Tensor:
-    """a [M, K] @ b [K, N] (+ bias [N]) in fp32 by the K-split contract with ``plan``."""
+                              plan: MatmulSplit, *, fma: bool = False) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N]) in fp32 by the K-split contract with ``plan``, on the
+    mul-add sequence, or the fma one (:func:`fma_step`) with ``fma``."""
     a, b = a.float(), b.float()
 
     def split_sum(lo: int, hi: int) -> torch.Tensor:
         p = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
         for kk in range(lo, hi):
-            p = p + a[:, kk:kk + 1] * b[kk:kk + 1, :]
+            ak, bk = a[:, kk:kk + 1], b[kk:kk + 1, :]
+            p = fma_step(p, ak, bk) if fma else p + ak * bk
         return p
 
     return _fold_splits(a.shape[1], plan, split_sum, bias)
