@@ -320,10 +320,12 @@ static void matmul_tile(const float* a, idx_t sam, idx_t sak, const TB* b, idx_t
         for (idx_t ic = m0; ic < m1; ic += MC) {
           const idx_t mc = m1 - ic < MC ? m1 - ic : MC;
           pack_a(a, sam, sak, ic, mc, pc, kc, bufa);
-          for (idx_t ir = 0; ir < mc; ir += MR) {
-            const int rows = int(mc - ir < MR ? mc - ir : MR);
-            for (idx_t jr = 0; jr < nc; jr += NRW) {
-              const idx_t cols = nc - jr < NRW ? nc - jr : NRW;
+          // Panel outside, row blocks inside: a B panel is read from memory once and reused
+          // from cache by every row block (a packed weight's panels stream past once per call).
+          for (idx_t jr = 0; jr < nc; jr += NRW) {
+            const idx_t cols = nc - jr < NRW ? nc - jr : NRW;
+            for (idx_t ir = 0; ir < mc; ir += MR) {
+              const int rows = int(mc - ir < MR ? mc - ir : MR);
               // One split: the bias rides in the last K block's registers (same rounding).
               const float* bb = (one_split && last && bias) ? bias + jc + jr : nullptr;
               float* cc = in_c ? c + (ic + ir) * ldc + jc + jr

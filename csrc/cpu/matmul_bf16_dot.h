@@ -293,10 +293,11 @@ static void matmul_tile(const u16* a, idx_t sam, idx_t sak, const u16* b, idx_t 
           for (idx_t ic = m0; ic < m1; ic += MC) {
             const idx_t mc = m1 - ic < MC ? m1 - ic : MC;
             Kern::pack_a(a, sam, sak, ic, mc, pc, kc, bufa);
-            for (idx_t ir = 0; ir < mc; ir += DMR) {
-              const int rows = int(mc - ir < DMR ? mc - ir : DMR);
-              for (idx_t jr = 0; jr < nc; jr += NRW) {
-                const idx_t cols = nc - jr < NRW ? nc - jr : NRW;
+            // panel outside, row blocks inside (kernels_isa.h's matmul_tile says why)
+            for (idx_t jr = 0; jr < nc; jr += NRW) {
+              const idx_t cols = nc - jr < NRW ? nc - jr : NRW;
+              for (idx_t ir = 0; ir < mc; ir += DMR) {
+                const int rows = int(mc - ir < DMR ? mc - ir : DMR);
                 float* cc = in_c ? c + (ic + ir) * ldc + jc + jr
                                  : part + (ic + ir - m0) * NC + jr;
                 micro_rows<Kern>(rows, std::make_integer_sequence<int, DMR>{},
