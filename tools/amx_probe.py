@@ -7,8 +7,9 @@ element checked, K = 32 bf16 terms), and compares each result bit for bit with M
 
     E = +0, then E = E + a[2i]*b[2i] for i ascending; O the same for the odd terms
     a[2i+1]*b[2i+1]; result = acc + (E + O). Each product exact; each add's exact sum
-    rounded once to fp32 (nearest even), overflowing to inf, and flushed to zero below 2^-126
-    (judged after rounding); bf16 inputs and acc with a zero exponent field read as zero.
+    rounded once to fp32 (nearest even), overflowing to inf, and flushed to a zero of its sign
+    below 2^-126 (judged after rounding); bf16 inputs and acc with a zero exponent field read as
+    zeros of their sign.
 
 Usage: python tools/amx_probe.py [--random N]. Prints the hand-made cases (each chosen so that
 a plainer model fails it), then N random cases over wide exponents; exit status 1 on any
@@ -77,7 +78,7 @@ def _value(bits: int, width: int) -> Fraction | float:
     if e == 255:
         return float("nan") if m else sign * float("inf")
     if e == 0:
-        return Fraction(0)
+        return Fraction(0) if sign > 0 else -0.0  # -0.0 (a float) stands for a negative zero
     return sign * Fraction((1 << man_bits) | m) * Fraction(2) ** (e - 127 - man_bits)
 
 
@@ -94,20 +95,39 @@ def _fp32(x):
     r = Fraction(round(x / Fraction(2) ** (e - 23))) * Fraction(2) ** (e - 23)  # ties to even
     if abs(r) >= Fraction(2) ** 128:
         return math.copysign(math.inf, r)
-    return Fraction(0) if abs(r) < Fraction(2) ** -126 else r
+    if abs(r) < Fraction(2) ** -126:
+        return Fraction(0) if r > 0 else -0.0  # flushed to a zero of its sign
+    return r
+
+
+def _is_zero(x) -> bool:
+    return x == 0  # Fraction(0), or the float -0.0
+
+
+def _neg(x) -> bool:
+    return (isinstance(x, float) and math.copysign(1.0, x) < 0) or (not isinstance(x, float)
+                                                                    and x < 0)
 
 
 def model(acc: int, a: list[int], b: list[int]) -> int:
     """MODEL (module docstring) on bit patterns: acc fp32, a and b 32 bf16 words each."""
+    def exact(x):  # a finite value as a Fraction (a -0.0 as 0)
+        return Fraction(0) if _is_zero(x) else x
+
     def add(x, y):
-        if isinstance(x, float) or isinstance(y, float):
-            return float(x) + float(y)
-        return _fp32(x + y)
+        if _is_zero(x) and _is_zero(y):  # IEEE: -0 only from -0 + -0
+            return -0.0 if _neg(x) and _neg(y) else Fraction(0)
+        if (isinstance(x, float) and not _is_zero(x)) or (isinstance(y, float)
+                                                          and not _is_zero(y)):
+            return float(x) + float(y)  # inf or NaN involved
+        return _fp32(exact(x) + exact(y))
 
     def mul(x, y):
-        if isinstance(x, float) or isinstance(y, float):
-            return float(x) * float(y) if x != 0 and y != 0 else (
-                math.nan if math.isinf(float(x)) or math.isinf(float(y)) else x * y)
+        if (isinstance(x, float) and not _is_zero(x)) or (isinstance(y, float)
+                                                          and not _is_zero(y)):
+            return float(x) * float(y)  # inf or NaN involved (inf * 0 is NaN)
+        if _is_zero(x) or _is_zero(y):
+            return -0.0 if _neg(x) != _neg(y) else Fraction(0)
         return x * y
 
     prods = [mul(_value(x, 16), _value(y, 16)) for x, y in zip(a, b)]
@@ -120,7 +140,7 @@ def model(acc: int, a: list[int], b: list[int]) -> int:
     out = add(_value(acc, 32), add(chains[0], chains[1]))
     if isinstance(out, float):
         return _bits(out) if not math.isnan(out) else 0x7FC00000
-    return 0 if out == 0 else _bits(float(out))
+    return _bits(float(out))
 
 
 def cases() -> dict[str, tuple[float, dict[int, tuple[float, float]]]]:
@@ -136,6 +156,7 @@ def cases() -> dict[str, tuple[float, dict[int, tuple[float, float]]]]:
         "a denormal acc reads as zero": (2.0**-140, {}),
         "results below 2^-126 flush": (0.0, {0: (2.0**-64, 2.0**-63)}),
         "-0 acc plus -0 terms is +0": (-0.0, {0: (-1.0, 0.0)}),
+        "a flushed result keeps its sign": (-2.0**-125, {0: (1.5 * 2.0**-63, 2.0**-63)}),
     }
 
 
