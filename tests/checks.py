@@ -10,7 +10,7 @@ import torch
 
 __all__ = ["ACCURACY_FLOOR", "ACCURACY_RATIO", "DTYPES", "EVERY_M", "FULL", "GPU_M_MAX",
            "accuracy_bound", "alone_rows", "assert_invariant", "bits_equal",
-           "check_grads_against_stock", "cpu_flags", "cpu_mul_add", "first_bad_m", "grad_rows",
+           "check_grads_against_stock", "child_with", "cpu_flags", "cpu_mul_add", "first_bad_m", "grad_rows",
            "grads_of", "max_err", "randn", "sequential_row_sum"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -146,3 +146,19 @@ def bits_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
     payloads)."""
     same = x.view(torch.int32) == y.view(torch.int32)
     return bool((same | (x.isnan() & y.isnan())).all())
+
+
+def child_with(env_var: str, value: str, code: str, case, tmp_path) -> list[str]:
+    """Runs ``code`` in a fresh Python with ``env_var=value`` (read at import, so it needs a
+    process of its own), ``case`` saved with torch.save to the file it gets as argv[1]; returns
+    its stdout's words (asserting it exited 0)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / f"case-{env_var}-{value}.pt"
+    torch.save(case, path)
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                          text=True, env=dict(os.environ, **{env_var: value}), timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()

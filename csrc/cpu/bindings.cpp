@@ -1,6 +1,10 @@
 // bik._cpu_kernels: pybind11 glue for the fixed-order CPU kernels (contract: contract.h).
 // No torch headers: the Python side passes data pointers and strides in elements.
 #include <pthread.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -17,6 +21,7 @@
 #include "contract.h"
 #include "dot_reference.h"
 #include "fma_reference.h"
+#include "amx_reference.h"
 #include "reductions.h"
 #include "sampling.h"
 
@@ -66,6 +71,7 @@
 #endif
 #define BIK_DOT_VW 16
 #define BIK_DOT_VDPBF16 1
+#define BIK_DOT_AMX 1
 namespace bik_cpu {
 namespace avx512 {
 #include "matmul_bf16_dot.h"
@@ -73,6 +79,7 @@ namespace avx512 {
 }  // namespace bik_cpu
 #undef BIK_DOT_VW
 #undef BIK_DOT_VDPBF16
+#undef BIK_DOT_AMX
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -136,6 +143,10 @@ namespace avx2 {
 namespace bik_cpu {
 namespace {
 
+// The bf16 kernels matmul_run can take (a_bf16): the dot sequence's FMA and vdpbf16ps ones, and
+// the AMX sequence's.
+enum DotKernel { kDotFma = 0, kDotVdp = 1, kDotAmx = 2 };
+
 struct Isa {
   const char* name;
   idx_t nrw, mr;
@@ -165,6 +176,8 @@ struct Isa {
                            idx_t, const float*, float*, idx_t, idx_t, idx_t, idx_t, idx_t, idx_t,
                            idx_t, idx_t, idx_t, float*, const std::uint32_t*);
   TileDot tile_dot = nullptr, tile_vdp = nullptr;
+  // contract.h's bf16 AMX sequence (matmul_bf16_amx.h): another sequence, same arguments.
+  TileDot tile_amx = nullptr;
   void (*pack_dot)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t,
                    std::uint32_t*) = nullptr;
 };
@@ -200,6 +213,24 @@ bool vdpbf16_cpu() {
 #endif
 }
 
+// The CPU has AMX's bf16 tiles and the kernel granted this process their state (Linux:
+// arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once; a forked child keeps the grant).
+bool amx_cpu() {
+#if BIK_X86 && defined(__linux__)
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("amx-tile") ||
+        !__builtin_cpu_supports("amx-bf16"))
+      return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                   18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // "auto" picks the widest supported ISA; bits do not depend on the choice (tests check this).
 Isa select_isa(const std::string& want) {
   std::string name = want;
@@ -215,6 +246,7 @@ Isa select_isa(const std::string& want) {
     isa.tile_dot = &avx512::dot::matmul_tile<avx512::dot::Fma>;  // AVX-512F CPUs have FMA
     isa.pack_dot = &avx512::dot::pack_b_all;
     if (vdpbf16_cpu()) isa.tile_vdp = &avx512::dot::matmul_tile<avx512::dot::Vdp>;
+    if (amx_cpu()) isa.tile_amx = &avx512::dot::matmul_tile<avx512::dot::Amx>;
     return isa;
   }
   if (name == "avx2") {
@@ -238,7 +270,7 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
                 idx_t sbk, idx_t sbn, std::uintptr_t bias, std::uintptr_t c, idx_t ldc, idx_t M,
                 idx_t N, idx_t K, idx_t split, int num_threads, idx_t block_k, idx_t block_n,
                 bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb,
-                std::uintptr_t packed = 0, bool a_bf16 = false, bool vdp = false,
+                std::uintptr_t packed = 0, bool a_bf16 = false, int dot = 0,
                 bool fp32_fma = false) {
   if (M == 0 || N == 0 || batch == 0) return;
   if (split <= 0 || split >= K) split = K;  // one split
@@ -253,6 +285,8 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
   if (block_k > 0) kcb = block_k;
   if (block_n > 0) ncb = block_n;
   kcb = std::max<idx_t>(1, std::min(kcb, K));
+  // AMX: K blocks of whole 32-term instruction blocks (the tile rounds down, never below 32)
+  if (a_bf16 && dot == kDotAmx) kcb = (kcb + 31) / 32 * 32;
   ncb = (std::max<idx_t>(1, std::min(ncb, N)) + isa.nrw - 1) / isa.nrw * isa.nrw;
   // Thread policy (never affects bits): one thread for small work; whole batch entries per
   // thread when there are enough of them (attention's many small products: one call, not a
@@ -283,7 +317,7 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
     for (idx_t r0 = m0; r0 < m1; r0 += step) {
       const idx_t r1 = std::min(m1, r0 + step);
       if (a_bf16)
-        (vdp ? isa.tile_vdp : isa.tile_dot)(reinterpret_cast<const std::uint16_t*>(a) + e * sab,
+        (dot == kDotAmx ? isa.tile_amx : dot == kDotVdp ? isa.tile_vdp : isa.tile_dot)(reinterpret_cast<const std::uint16_t*>(a) + e * sab,
                                             sam, sak,
                      reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p, C, ldc, r0,
                      r1, n0, n1, K, split, kcb, ncb, mine,
@@ -315,11 +349,11 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
   }
 }
 
-// Why a bf16 dot kernel cannot run here ("" when it can): the CPU lacks it, or the start-up
-// self-test found its bits differing from the contract's transcription (dot_reference.h) on a
-// fixed probe. Decided once per process. vdp: the vdpbf16ps kernel, else the FMA one of the
-// widest ISA.
-const std::string& bf16_dot_refusal(bool vdp = false);
+// Why a bf16 kernel cannot run here ("" when it can): the CPU lacks it, or the start-up
+// self-test found its bits differing from its sequence's transcription (dot_reference.h,
+// amx_reference.h) on a fixed probe. Decided once per process per kernel (DotKernel: the FMA
+// one of the widest ISA, vdpbf16ps, AMX).
+const std::string& bf16_dot_refusal(int kernel = kDotFma);
 // Why the fp32 fma sequence's kernel of the widest ISA cannot run here ("" when it can): the
 // CPU has no FMA for its vectors, or the start-up self-test found its bits differing from the
 // transcription (fma_reference.h) on a fixed probe. Decided once per process.
@@ -336,15 +370,16 @@ void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t 
   if (split < 0) throw std::invalid_argument("bik: negative matmul split");
   if (packed && batch != 1) throw std::invalid_argument("bik: a packed B serves one entry");
   const Isa isa = select_isa(isa_name);
-  if (dot_kernel != "fma" && dot_kernel != "vdpbf16ps")
-    throw std::invalid_argument("bik: dot_kernel '" + dot_kernel + "' (fma, vdpbf16ps)");
-  const bool vdp = dot_kernel == "vdpbf16ps";
+  if (dot_kernel != "fma" && dot_kernel != "vdpbf16ps" && dot_kernel != "amx")
+    throw std::invalid_argument("bik: dot_kernel '" + dot_kernel + "' (fma, vdpbf16ps, amx)");
+  const int dot = dot_kernel == "amx" ? kDotAmx : dot_kernel == "vdpbf16ps" ? kDotVdp : kDotFma;
   if (a_bf16) {
     if (!b_bf16) throw std::invalid_argument("bik: the bf16 dot path takes a and b both bf16");
-    if (!bf16_dot_refusal(vdp).empty())
+    if (!bf16_dot_refusal(dot).empty())
       throw std::invalid_argument("bik: the bf16 dot kernel " + dot_kernel +
-                                  " is unavailable: " + bf16_dot_refusal(vdp));
-    if ((vdp ? isa.tile_vdp : isa.tile_dot) == nullptr)
+                                  " is unavailable: " + bf16_dot_refusal(dot));
+    if ((dot == kDotAmx ? isa.tile_amx : dot == kDotVdp ? isa.tile_vdp : isa.tile_dot) ==
+        nullptr)
       throw std::invalid_argument("bik: isa '" + std::string(isa.name) + "' has no " +
                                   dot_kernel + " bf16 dot kernel on this CPU");
   }
@@ -358,7 +393,7 @@ void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t 
   }
   pybind11::gil_scoped_release nogil;
   matmul_run(isa, a, sam, sak, b, sbk, sbn, bias, c, ldc, M, N, K, split, num_threads, block_k,
-             block_n, b_bf16, batch, sab, sbb, scb, packed, a_bf16, vdp, fp32_fma);
+             block_n, b_bf16, batch, sab, sbb, scb, packed, a_bf16, dot, fp32_fma);
 }
 
 // The self-test's probes: bf16 words whose exponents reach the denormals, products near the
@@ -404,21 +439,23 @@ struct DotProbe {
 std::string bf16_dot_probe_check(const Isa& isa, Isa::TileDot tile, const char* name, idx_t K) {
   const DotProbe probe(K);
   constexpr idx_t M = DotProbe::M, N = DotProbe::N;
+  const bool amx = tile == isa.tile_amx;
+  const idx_t kc = amx ? 32 : 16;  // K blocks: AMX's are whole instruction blocks
   std::vector<float> got(M * N), want(M * N);
-  float* scratch = scratch_floats(isa.scratch_per_thread(16, 64, M));
+  float* scratch = scratch_floats(isa.scratch_per_thread(kc, 64, M));
   std::vector<std::uint32_t> panels(size_t((N + isa.nrw - 1) / isa.nrw) * K * isa.nrw);
   std::vector<std::uint16_t> bt(K * N);  // [N, K]: b = bt.t() reads K with unit stride
   for (idx_t k = 0; k < K; ++k)
     for (idx_t n = 0; n < N; ++n) bt[n * K + k] = probe.b[k * N + n];
   FenvGuard g;
   for (const idx_t split : probe.splits()) {
-    dot_ref::matmul(probe.a.data(), K, 1, probe.b.data(), N, 1, nullptr, want.data(), N, M, N, K,
-                    split);
+    (amx ? amx_ref::matmul : dot_ref::matmul)(probe.a.data(), K, 1, probe.b.data(), N, 1,
+                                              nullptr, want.data(), N, M, N, K, split);
     for (int layout = 0; layout < 3; ++layout) {
       const std::uint16_t* bp = layout == 1 ? bt.data() : probe.b.data();
       const idx_t sbk = layout == 1 ? 1 : N, sbn = layout == 1 ? K : 1;
       if (layout == 2) isa.pack_dot(probe.b.data(), N, 1, K, N, split, panels.data());
-      tile(probe.a.data(), K, 1, bp, sbk, sbn, nullptr, got.data(), N, 0, M, 0, N, K, split, 16,
+      tile(probe.a.data(), K, 1, bp, sbk, sbn, nullptr, got.data(), N, 0, M, 0, N, K, split, kc,
            64, scratch, layout == 2 ? panels.data() : nullptr);
       for (idx_t i = 0; i < M * N; ++i) {
         const bool both_nan = std::isnan(got[i]) && std::isnan(want[i]);
@@ -433,23 +470,27 @@ std::string bf16_dot_probe_check(const Isa& isa, Isa::TileDot tile, const char* 
   return "";
 }
 
-// The self-test of a bf16 dot kernel of the widest ISA: vdp, the vdpbf16ps one, else FMA.
-std::string bf16_dot_self_test(bool vdp) {
+// The self-test of a bf16 kernel of the widest ISA (DotKernel).
+std::string bf16_dot_self_test(int kernel) {
   const Isa isa = select_isa("auto");
-  const Isa::TileDot tile = vdp ? isa.tile_vdp : isa.tile_dot;
+  const Isa::TileDot tile =
+      kernel == kDotAmx ? isa.tile_amx : kernel == kDotVdp ? isa.tile_vdp : isa.tile_dot;
   if (tile == nullptr)
-    return vdp ? "this CPU has no AVX512_BF16 (vdpbf16ps)" : "this CPU has no FMA";
+    return kernel == kDotAmx   ? "this CPU or its kernel grants no AMX bf16 tiles"
+           : kernel == kDotVdp ? "this CPU has no AVX512_BF16 (vdpbf16ps)"
+                               : "this CPU has no FMA";
+  const char* name = kernel == kDotAmx ? "amx" : kernel == kDotVdp ? "vdpbf16ps" : isa.name;
   for (const idx_t K : DotProbe::kKs) {
-    std::string why = bf16_dot_probe_check(isa, tile, vdp ? "vdpbf16ps" : isa.name, K);
+    std::string why = bf16_dot_probe_check(isa, tile, name, K);
     if (!why.empty()) return why;
   }
   return "";
 }
 
-const std::string& bf16_dot_refusal(bool vdp) {
-  static const std::string fma_why = bf16_dot_self_test(false);
-  static const std::string vdp_why = bf16_dot_self_test(true);
-  return vdp ? vdp_why : fma_why;
+const std::string& bf16_dot_refusal(int kernel) {
+  static const std::string why[3] = {bf16_dot_self_test(kDotFma), bf16_dot_self_test(kDotVdp),
+                                     bf16_dot_self_test(kDotAmx)};
+  return why[kernel == kDotAmx ? 2 : kernel == kDotVdp ? 1 : 0];
 }
 
 // The fp32 fma self-test's probes: floats whose exponents reach the denormals, the overflow
@@ -925,7 +966,8 @@ extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
       (p->packed != nullptr && p->batch != 1))
     return 1;
   static const bik_cpu::Isa isa = bik_cpu::select_isa("auto");
-  if (p->a_bf16 && (!p->b_bf16 || !bik_cpu::bf16_dot_refusal().empty())) return 3;
+  const int dot = p->bf16_amx ? bik_cpu::kDotAmx : bik_cpu::kDotFma;
+  if (p->a_bf16 && (!p->b_bf16 || !bik_cpu::bf16_dot_refusal(dot).empty())) return 3;
   if (p->fp32_fma && !p->a_bf16 && !bik_cpu::fp32_fma_refusal().empty()) return 3;
   try {  // a thread that cannot start (std::system_error) must not cross the C boundary
     bik_cpu::matmul_run(isa, reinterpret_cast<std::uintptr_t>(p->a), p->sam, p->sak,
@@ -934,7 +976,7 @@ extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
                         reinterpret_cast<std::uintptr_t>(p->c), p->ldc, p->M, p->N, p->K,
                         p->split, p->num_threads, 0, 0, p->b_bf16 != 0, p->batch, p->sab,
                         p->sbb, p->scb, reinterpret_cast<std::uintptr_t>(p->packed),
-                        p->a_bf16 != 0, false, p->fp32_fma != 0);
+                        p->a_bf16 != 0, dot, p->fp32_fma != 0);
   } catch (...) {
     return 2;
   }
@@ -1110,10 +1152,24 @@ PYBIND11_MODULE(_cpu_kernels, m) {
       "bf16_dot_probe",
       &probe_list<bik_cpu::DotProbe>,
       "The self-test's probes: M, N, K, splits and the bf16 words of a [M, K] and b [K, N].");
-  m.def("bf16_dot_refusal", &bik_cpu::bf16_dot_refusal, py::arg("vdp") = false,
-        "Why the bf16 dot path (its FMA kernel; vdp: its vdpbf16ps one) cannot run in this\n"
-        "process ('' when it can): the CPU lacks it, or the start-up self-test disagreed with\n"
-        "the transcription.");
+  m.def(
+      "bf16_dot_refusal",
+      [](const std::string& kernel) {
+        if (kernel != "fma" && kernel != "vdpbf16ps" && kernel != "amx")
+          throw std::invalid_argument("bik: bf16 kernel '" + kernel + "' (fma, vdpbf16ps, amx)");
+        return bik_cpu::bf16_dot_refusal(kernel == "amx"         ? bik_cpu::kDotAmx
+                                         : kernel == "vdpbf16ps" ? bik_cpu::kDotVdp
+                                                                 : bik_cpu::kDotFma);
+      },
+      py::arg("kernel") = "fma",
+      "Why a bf16 kernel (the dot sequence's 'fma' or 'vdpbf16ps', the AMX sequence's 'amx')\n"
+      "cannot run in this process ('' when it can): the CPU lacks it, or the start-up\n"
+      "self-test disagreed with its sequence's transcription.");
+  m.def("matmul_bf16_amx_reference",
+        &bik_cpu::matmul_reference<std::uint16_t, &bik_cpu::amx_ref::matmul>, py::arg("a"),
+        py::arg("sam"), py::arg("sak"), py::arg("b"), py::arg("sbk"), py::arg("sbn"),
+        py::arg("bias"), py::arg("c"), py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"),
+        py::arg("split"), "contract.h's bf16 AMX sequence in scalar C++ (any CPU; tests).");
   m.def("matmul_bf16_dot_reference",
         &bik_cpu::matmul_reference<std::uint16_t, &bik_cpu::dot_ref::matmul>, py::arg("a"),
         py::arg("sam"), py::arg("sak"), py::arg("b"), py::arg("sbk"), py::arg("sbn"),

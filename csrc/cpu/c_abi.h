@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 // 2: + split; 3: + a_bf16; 4: + packed, rms_norm, attention_paged, write_kv_rows, reduce_rows;
-// 5: + fp32_fma
+// 5: + fp32_fma, bf16_amx
 #define BIK_C_ABI_VERSION 5
 
 #ifdef __cplusplus
@@ -39,6 +39,9 @@ typedef struct {
   // Off the bf16 dot path: fp32_fma != 0 runs contract.h's fp32 fma sequence (refused with code
   // 3 where it is unavailable), else its mul-add one.
   int32_t fp32_fma;
+  // With a_bf16: bf16_amx != 0 runs contract.h's bf16 AMX sequence (refused with code 3 where
+  // it is unavailable), else its bf16 dot sequence.
+  int32_t bf16_amx;
 } BikMatmulF32Args;
 
 // The K-split rule of bik.configs.matmul_split, for C++ callers that pick a split themselves

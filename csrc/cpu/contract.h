@@ -42,6 +42,25 @@
 //   the fp32 sequence's add does: the two sequences differ only near the flush threshold (and
 //   in that -0), which is why they are two contracts (versions["cpu_bf16"] in the
 //   fingerprint). Transcriptions: dot_reference.h (scalar C++), bik/ops/matmul/reference.py.
+//
+// matmul, bf16 AMX sequence (a and b bf16, fp32 out), on x86 CPUs whose AMX bf16 tiles the
+// kernel grants and whose start-up self-test passed, when the process asks (BIK_CPU_BF16=amx).
+// Not the default: its blocks are cut from the split's start, so a product whose K begins with
+// exact zeros (a left-padded attention product p @ v) changes bits with the padding, which the
+// dot sequence's one chain from +0 does not. The splits, folds and bias are the ones above;
+// inside a split:
+//         acc = +0;  for each block of 32 k from the split's start (the last one shorter):
+//             e = +0;  o = +0;  for k in the block, ascending:
+//                 e = step(e, a[m,k], b[k,n]) if k's offset in the block is even, else o = ...
+//             acc = flush(acc + (e + o))      (each of the two adds rounded once)
+//     step: the dot sequence's; flush(x + y): x + y rounded once to nearest even, a result below
+//     2^-126 (after rounding) a zero of its sign, inf past the largest.
+//   That is one tdpbf16ps per block as measured on the CI machine (tools/amx_probe.py: two
+//   fp32 chains per instruction, then the accumulator), so the bits differ from the dot
+//   sequence's almost everywhere. Transcription: amx_reference.h. How (matmul_bf16_amx.h):
+//   the dot path's pair panels read in place as B tiles, A pair words as rows of A tiles, 16 x 16
+//   fp32 accumulator tiles; a split's last block zero-padded (+0 terms leave e and o as they
+//   are: they start at +0); K blocks whole 32-term blocks.
 //   How (matmul_bf16_dot.h): B packed into pair words (panels [pairs][NRW columns], each
 //   split's pairs from its own start, so a packed weight keeps 2 bytes per element), A widened;
 //   the ISA's register blocks; K blocks even, inside a split; DAZ / FTZ set around a split's
@@ -194,10 +213,10 @@ constexpr idx_t kRmsMinElemsPerThread = idx_t(1) << 18;
 // fma_reference.h): c[m, n] for a[M, K], b[K, N] (element strides) and split length `split`
 // (0 or >= K: one split): each split p = 0.0f, p = step(p, a[m,k], b[k,n]) for k ascending,
 // then p = split_end(p, its length); t = p_0, t = t + p_s; then + bias[n] when bias is given.
-template <class T, class Step, class SplitEnd>
-inline void matmul_loops(const T* a, idx_t sam, idx_t sak, const T* b, idx_t sbk, idx_t sbn,
-                         const float* bias, float* c, idx_t ldc, idx_t M, idx_t N, idx_t K,
-                         idx_t split, Step step, SplitEnd split_end) {
+// The splits' fold around split_sum(m, n, lo, hi), a split's partial: t = p_0, t = t + p_s.
+template <class SplitSum>
+inline void matmul_splits(const float* bias, float* c, idx_t ldc, idx_t M, idx_t N, idx_t K,
+                          idx_t split, SplitSum split_sum) {
   if (split <= 0 || split >= K) split = K > 0 ? K : 1;
   for (idx_t m = 0; m < M; ++m) {
     for (idx_t n = 0; n < N; ++n) {
@@ -205,15 +224,24 @@ inline void matmul_loops(const T* a, idx_t sam, idx_t sak, const T* b, idx_t sbk
       idx_t lo = 0;
       do {
         const idx_t hi = K - lo < split ? K : lo + split;
-        float p = 0.0f;
-        for (idx_t k = lo; k < hi; ++k) p = step(p, a[m * sam + k * sak], b[k * sbk + n * sbn]);
-        p = split_end(p, hi - lo);
+        const float p = split_sum(m, n, lo, hi);
         t = lo == 0 ? p : t + p;
         lo = hi;
       } while (lo < K);
       c[m * ldc + n] = bias ? t + bias[n] : t;
     }
   }
+}
+
+template <class T, class Step, class SplitEnd>
+inline void matmul_loops(const T* a, idx_t sam, idx_t sak, const T* b, idx_t sbk, idx_t sbn,
+                         const float* bias, float* c, idx_t ldc, idx_t M, idx_t N, idx_t K,
+                         idx_t split, Step step, SplitEnd split_end) {
+  matmul_splits(bias, c, ldc, M, N, K, split, [&](idx_t m, idx_t n, idx_t lo, idx_t hi) {
+    float p = 0.0f;
+    for (idx_t k = lo; k < hi; ++k) p = step(p, a[m * sam + k * sak], b[k * sbk + n * sbn]);
+    return split_end(p, hi - lo);
+  });
 }
 
 }  // namespace bik_cpu

@@ -29,14 +29,20 @@ inline float daz(std::uint16_t h) {
 // an unbounded exponent, then a result below 2^-126 in magnitude flushed to a zero of its sign.
 // In double: the product of two bf16 values is exact, and rounding p + a*b to double and then
 // to 24 bits equals rounding it once (53 >= 2 * 24 + 2).
-inline float step(float p, std::uint16_t a, std::uint16_t b) {
-  const double s = double(p) + double(daz(a)) * double(daz(b));
+// s (a double holding a sum of two values of at most 24 significant bits, or rounded from one:
+// the same, since 53 >= 2 * 24 + 2) rounded once to nearest even at 24 bits with an unbounded
+// exponent, then flushed to a zero of its sign below 2^-126.
+inline float round_flush(double s) {
   if (!(std::fabs(s) < 0x1p-100)) return float(s);  // normal, inf or NaN: float() rounds once
   if (s == 0.0) return float(s);
   // Round to 24 bits with room below fp32's exponent range: scaling by 2^200 is exact.
   const double r = double(float(s * 0x1p200)) * 0x1p-200;
   if (std::fabs(r) < 0x1p-126) return s < 0 ? -0.0f : 0.0f;
   return float(r);
+}
+
+inline float step(float p, std::uint16_t a, std::uint16_t b) {
+  return round_flush(double(p) + double(daz(a)) * double(daz(b)));
 }
 
 // c[m, n] of contract.h's bf16 dot sequence for a[M, K], b[K, N] (bf16 bits, element strides),

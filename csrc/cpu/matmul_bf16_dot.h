@@ -120,6 +120,8 @@ static_assert(MC % DMR == 0, "blocking must tile");
 // b[k], then with b[k+1]: the contract's two steps under DAZ / FTZ, which the tile sets.
 struct Fma {
   using PackedA = float;
+  static constexpr int kRows = DMR;  // rows per register block
+  static constexpr idx_t kKAlign = 2;  // K blocks hold whole pairs
   static constexpr idx_t a_words(idx_t np) { return 2 * np; }
 
   static void pack_a(const u16* a, idx_t sam, idx_t sak, idx_t ic, idx_t mc, idx_t pc,
@@ -182,6 +184,8 @@ struct Fma {
 // The Vdp kernel: A packed as pair words [blk][pair][DMR]; one vdpbf16ps per pair and vector.
 struct Vdp {
   using PackedA = u32;
+  static constexpr int kRows = DMR;
+  static constexpr idx_t kKAlign = 2;
   static constexpr idx_t a_words(idx_t np) { return np; }
 
   static void pack_a(const u16* a, idx_t sam, idx_t sak, idx_t ic, idx_t mc, idx_t pc,
@@ -266,7 +270,8 @@ static void matmul_tile(const u16* a, idx_t sam, idx_t sak, const u16* b, idx_t 
   PA* bufa = reinterpret_cast<PA*>(scratch + b_floats);
   float* part = scratch + b_floats + size_t(MC) * size_t(KC) + 16;
   if (split <= 0 || split >= K) split = K > 0 ? K : 1;
-  KC = KC < 2 ? 2 : KC & ~idx_t(1);
+  // K blocks of whole pairs (and, for Amx, of whole instructions' blocks from the split start)
+  KC = KC < Kern::kKAlign ? Kern::kKAlign : KC / Kern::kKAlign * Kern::kKAlign;
   const idx_t panel_pairs = pair_index(K, split);
   for (idx_t jc = n0; jc < n1; jc += NC) {
     const idx_t nc = n1 - jc < NC ? n1 - jc : NC;
@@ -296,11 +301,11 @@ static void matmul_tile(const u16* a, idx_t sam, idx_t sak, const u16* b, idx_t 
             // panel outside, row blocks inside (kernels_isa.h's matmul_tile says why)
             for (idx_t jr = 0; jr < nc; jr += NRW) {
               const idx_t cols = nc - jr < NRW ? nc - jr : NRW;
-              for (idx_t ir = 0; ir < mc; ir += DMR) {
-                const int rows = int(mc - ir < DMR ? mc - ir : DMR);
+              for (idx_t ir = 0; ir < mc; ir += Kern::kRows) {
+                const int rows = int(mc - ir < Kern::kRows ? mc - ir : Kern::kRows);
                 float* cc = in_c ? c + (ic + ir) * ldc + jc + jr
                                  : part + (ic + ir - m0) * NC + jr;
-                micro_rows<Kern>(rows, std::make_integer_sequence<int, DMR>{},
+                micro_rows<Kern>(rows, std::make_integer_sequence<int, Kern::kRows>{},
                                  bufa + ir * Kern::a_words(np), pb + (jr / NRW) * panel_stride,
                                  np, cc, ldd, cols, first);
               }
@@ -329,4 +334,7 @@ static void pack_b_all(const u16* b, idx_t sbk, idx_t sbn, idx_t K, idx_t N, idx
   }
 }
 
+#if BIK_DOT_AMX
+#include "matmul_bf16_amx.h"
+#endif
 }  // namespace dot

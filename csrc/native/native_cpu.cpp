@@ -48,6 +48,7 @@ BikMatmulF32Fn g_matmul = nullptr;
 BikReduceRowsFn g_reduce_rows = nullptr;  // set with g_matmul
 BikMatmulSplitRule g_split_rule{};  // set with g_matmul
 bool g_bf16_dot = false;  // bf16 products on contract.h's bf16 dot sequence (set with g_matmul)
+bool g_bf16_amx = false;  // those on its bf16 AMX sequence instead (set with g_matmul)
 bool g_fp32_fma = false;  // the other products on its fp32 fma sequence (set with g_matmul)
 std::mutex g_switch;
 std::unique_ptr<torch::Library> g_library;  // while installed: the aten overrides
@@ -131,6 +132,7 @@ Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
   args.num_threads = at::get_num_threads();
   args.b_bf16 = b_bf16;
   args.a_bf16 = dot;
+  args.bf16_amx = dot && g_bf16_amx;
   args.fp32_fma = g_fp32_fma;
   TORCH_CHECK(g_matmul != nullptr, "bik: its CPU matmul kernel was not handed over "
               "(torch.ops.bik_native.set_cpu_kernels; bik.mode._native does it)");
@@ -403,6 +405,7 @@ std::optional<Tensor> packed_linear(const Tensor& x, const std::optional<Tensor>
   args.num_threads = at::get_num_threads();
   args.b_bf16 = dot;
   args.a_bf16 = dot;
+  args.bf16_amx = dot && g_bf16_amx;
   args.fp32_fma = g_fp32_fma;
   args.packed = reinterpret_cast<const void*>(panels);
   const int rc = g_matmul(&args);
@@ -421,12 +424,13 @@ std::optional<Tensor> packed_linear(const Tensor& x, const std::optional<Tensor>
 // split_rule: bik.configs.matmul_split's constants (tp_max, group_align, split,
 // one_split_max_k, none), so these kernels pick the splits bik's Python launcher picks;
 // attention_split: bik.configs.CPU_ATTENTION_SPLIT; bf16_dot: bik.runtime.cpu_ext.bf16_dot(), so
-// they take the bf16 path it takes; fp32_fma: bik.runtime.cpu_ext.fp32_fma(), the fp32
+// they take the bf16 path it takes, and bf16_amx: its kernel is AMX's (cpu_ext.bf16_kernel());
+// fp32_fma: bik.runtime.cpu_ext.fp32_fma(), the fp32
 // sequence the other products take; debug_checks: BIK_DEBUG_CHECKS as bik read it (attention
 // then leaves every call to bik's op, which reads the lengths).
 void set_cpu_kernels(c10::ArrayRef<int64_t> entries, int64_t abi_version,
                      c10::ArrayRef<int64_t> split_rule, int64_t attention_split, bool bf16_dot,
-                     bool fp32_fma, bool debug_checks) {
+                     bool bf16_amx, bool fp32_fma, bool debug_checks) {
   TORCH_CHECK(abi_version == BIK_C_ABI_VERSION, "bik: bik._cpu_kernels has C ABI ", abi_version,
               ", its dispatcher kernels expect ", BIK_C_ABI_VERSION, " (rebuild bik)");
   TORCH_CHECK(entries.size() == 5 &&
@@ -438,6 +442,7 @@ void set_cpu_kernels(c10::ArrayRef<int64_t> entries, int64_t abi_version,
   TORCH_CHECK(attention_split > 0, "bik: set_cpu_kernels needs attention_split > 0");
   g_split_rule = {split_rule[0], split_rule[1], split_rule[2], split_rule[3], split_rule[4]};
   g_bf16_dot = bf16_dot;
+  g_bf16_amx = bf16_amx;
   g_fp32_fma = fp32_fma;
   bik_layers::g_attention_split = attention_split;
   bik_layers::g_debug_checks = debug_checks;
@@ -494,7 +499,7 @@ void reset_served() {
 // Control ops, and the compiled mode's products. Nothing is overridden until install().
 TORCH_LIBRARY(bik_native, m) {
   m.def("set_cpu_kernels(int[] entries, int abi_version, int[] split_rule, int attention_split, "
-        "bool bf16_dot, bool fp32_fma, bool debug_checks) -> ()",
+        "bool bf16_dot, bool bf16_amx, bool fp32_fma, bool debug_checks) -> ()",
         &set_cpu_kernels);
   m.def("install() -> ()", &install);
   m.def("uninstall() -> ()", &uninstall);

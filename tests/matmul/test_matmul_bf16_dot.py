@@ -39,8 +39,8 @@ def dot():
     if "fma" not in FLAGS:
         pytest.skip("this CPU has no FMA")
     assert cpu_ext.bf16_dot_refusal() == "", cpu_ext.bf16_dot_refusal()
-    assert cpu_ext.bf16_dot() and cpu_ext.bf16_contract() == "dot", \
-        f"{cpu_ext.BF16_ENV}={os.environ.get(cpu_ext.BF16_ENV)} turned the path off"
+    assert cpu_ext.bf16_dot() and cpu_ext.bf16_contract() in ("dot", "amx"), \
+        f"{cpu_ext.BF16_ENV}={os.environ.get(cpu_ext.BF16_ENV)} turned the pair path off"
     return cpu_ext.require()
 
 
@@ -71,13 +71,14 @@ def _normal(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(torch.bfloat16)
 
 
-def _scalar_reference(a, b, bias, split: int) -> torch.Tensor:
-    """dot_reference.h (g++ scalar code) on a [M, K] and b [K, N] with any strides."""
+def _scalar_reference(a, b, bias, split: int, *, sequence: str = "dot") -> torch.Tensor:
+    """dot_reference.h (or, ``sequence`` "amx", amx_reference.h; g++ scalar code) on a [M, K]
+    and b [K, N] with any strides."""
     m, k = a.shape
     n = b.shape[1]
     out = torch.empty(m, n)
     bias32 = None if bias is None else bias.float().contiguous()
-    cpu_ext.require().matmul_bf16_dot_reference(
+    getattr(cpu_ext.require(), f"matmul_bf16_{sequence}_reference")(
         a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1),
         0 if bias32 is None else bias32.data_ptr(), out.data_ptr(), n, m, n, k, split)
     return out
@@ -268,14 +269,22 @@ def _probe_case(probe: dict, change: str) -> list[bool]:
 # ---- routes ---------------------------------------------------------------------------------------
 
 
+def _process_reference(a, b, bias, split: int) -> torch.Tensor:
+    """The transcription of this process's bf16 sequence (dot, or AMX where it runs)."""
+    return _scalar_reference(a, b, bias, split, sequence=cpu_ext.bf16_contract())
+
+
 def _contract_bf16(x2d, w, bias=None) -> torch.Tensor:
-    """bik.linear's bits on the dot path: the transcription, rounded once to bf16."""
+    """bik.linear's bits on this process's pair path: its transcription, rounded once to
+    bf16."""
     n, k = w.shape
     split = matmul_split(torch.bfloat16, n, k).split
-    return _scalar_reference(x2d, w.t(), bias, split).to(torch.bfloat16)
+    return _process_reference(x2d, w.t(), bias, split).to(torch.bfloat16)
 
 
-def test_every_route_takes_the_dot_path(dot):
+def test_every_route_takes_the_process_bf16_sequence(dot):
+    """Every route on this process's sequence: AMX's where it runs (the default), else the dot
+    one (tests/matmul/test_matmul_bf16_amx.py runs the routes on the dot one in a child)."""
     g = torch.Generator().manual_seed(11)
     x, w, bias = _normal(g, 5, 4096), _normal(g, 40, 4096), _normal(g, 40)  # 8 splits of 512
     want = _contract_bf16(x, w, bias)
@@ -286,7 +295,7 @@ def test_every_route_takes_the_dot_path(dot):
     xb, wb = _normal(g, 3, 6, 64), _normal(g, 3, 64, 9)
     bmm = bik.bmm(xb, wb)
     for e in range(3):
-        assert torch.equal(bmm[e], _scalar_reference(xb[e], wb[e], None, 64).to(torch.bfloat16))
+        assert torch.equal(bmm[e], _process_reference(xb[e], wb[e], None, 64).to(torch.bfloat16))
     bik.enable()
     try:
         assert torch.equal(F.linear(x, w, bias), want)  # addmm
@@ -298,7 +307,7 @@ def test_every_route_takes_the_dot_path(dot):
     finally:
         bik.disable()
     ones = torch.ones(5, 40, dtype=torch.bfloat16)
-    assert torch.equal(grad, _scalar_reference(ones, w, None, matmul_split(
+    assert torch.equal(grad, _process_reference(ones, w, None, matmul_split(
         torch.bfloat16, 4096, 40).split).to(torch.bfloat16))  # grad_x = grad @ W
 
 
@@ -354,8 +363,8 @@ def test_widen_keeps_the_fp32_sequence_and_the_fingerprint_says_so(dot):
     same, same_packed, contract, digest = res.stdout.split()
     assert (same, same_packed, contract) == ("True", "True", "widen")
     assert digest != bik.fingerprint("cpu").digest
-    assert bik.fingerprint("cpu").versions["cpu_bf16"] == "dot"
-    assert "BIK_CPU_BF16='fp8'; expected 'auto' or 'widen'" in bad.stderr
+    assert bik.fingerprint("cpu").versions["cpu_bf16"] in ("dot", "amx")
+    assert "BIK_CPU_BF16='fp8'; expected 'auto', 'amx' or 'widen'" in bad.stderr
 
 
 def test_ordinary_values_give_the_fp32_sequences_bits():

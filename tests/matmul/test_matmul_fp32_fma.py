@@ -24,7 +24,7 @@ from bik.configs import MatmulSplit, matmul_split
 from bik.ops.matmul.cpu import matmul_f32
 from bik.ops.matmul.reference import fma_step, matmul_contract_reference
 from bik.runtime import cpu_ext
-from checks import alone_rows, bits_equal as _bits_equal, cpu_flags, first_bad_m
+from checks import alone_rows, bits_equal as _bits_equal, child_with, cpu_flags, first_bad_m
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason=cpu_ext.unavailable_reason())
 
@@ -254,18 +254,13 @@ def test_mul_add_keeps_the_other_sequence_and_the_fingerprint_says_so(fma, tmp_p
     x, w = torch.randn(6, 1536, generator=g), torch.randn(50, 1536, generator=g)
     want = matmul_contract_reference(x, w.t(), None, matmul_split(torch.float32, 50, 1536))
     assert not torch.equal(bik.linear(x, w), want)  # this process's fma bits differ
-    path = tmp_path / "case.pt"
-    torch.save((x, w, want), path)
-    env = dict(os.environ, **{cpu_ext.FP32_ENV: "mul-add"})
-    res = subprocess.run([sys.executable, "-c", _CHILD, str(path)], capture_output=True,
-                         text=True, env=env, timeout=300, check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    *same, contract, digest = res.stdout.split()
+    *same, contract, digest = child_with(cpu_ext.FP32_ENV, "mul-add", _CHILD, (x, w, want),
+                                         tmp_path)
     assert same == ["True"] * 3 and contract == "mul-add"
     assert digest != bik.fingerprint("cpu").digest
     assert bik.fingerprint("cpu").versions["cpu_fp32"] == "fma"
     bad = subprocess.run([sys.executable, "-c", "import bik; bik.fingerprint('cpu')"],
                          capture_output=True, text=True, timeout=300, check=False,
-                         env=dict(env, **{cpu_ext.FP32_ENV: "tf32"}))
+                         env=dict(os.environ, **{cpu_ext.FP32_ENV: "tf32"}))
     assert bad.returncode != 0
     assert "BIK_CPU_FP32='tf32'; expected 'auto' or 'mul-add'" in bad.stderr

@@ -52,7 +52,8 @@ def _load() -> bool:
                                                      "write_kv_rows", "reduce_rows")]
             torch.ops.bik_native.set_cpu_kernels(
                 addresses, entries["abi_version"], list(rule), configs.CPU_ATTENTION_SPLIT,
-                cpu_ext.bf16_dot(), cpu_ext.fp32_fma(), debug_checks())
+                cpu_ext.bf16_dot(), cpu_ext.bf16_kernel() == "amx", cpu_ext.fp32_fma(),
+                debug_checks())
             _register_fakes()
             _define_bound()
             global _loaded_rule

@@ -11,6 +11,7 @@ It never raises at import; callers check ``available()`` or call ``require()``.
 from __future__ import annotations
 
 import os
+import warnings
 from functools import cache
 
 try:
@@ -22,11 +23,16 @@ except Exception as exc:  # noqa: BLE001 - missing .so, ABI mismatch, anything
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 __all__ = ["BF16_ENV", "FP32_ENV", "available", "bf16_contract", "bf16_dot", "bf16_dot_refusal",
+           "bf16_kernel",
            "contract_version", "fp32_contract", "fp32_fma", "fp32_fma_refusal", "isa",
            "require", "source_hash", "unavailable_reason"]
 
-# "widen" keeps bf16 products on the fp32 sequence where the bf16 dot path could run (to match
-# a machine without FMA); "auto" (default) takes the dot path wherever it passes.
+# bf16 products' sequence: "auto" (default) takes contract.h's dot sequence wherever its kernel
+# passes, else the fp32 one; "amx" (opt-in) takes its AMX sequence wherever that kernel passes,
+# else as auto (with a warning); "widen" keeps the fp32 sequence (to match a machine without
+# FMA). AMX is not the default: its blocks of 32 terms make a product's bits depend on where
+# its leading zeros end (left padding in a K-long attention product), which the dot sequence's
+# one chain does not (docs/design.md).
 BF16_ENV = "BIK_CPU_BF16"
 # "mul-add" keeps products off the bf16 dot path on the fp32 sequence that rounds the multiply
 # and the add apart (the CUDA SIMT fp32 kernel's, and a CPU's without FMA); "auto" (default)
@@ -74,34 +80,48 @@ def source_hash() -> str | None:
 
 
 def bf16_dot_refusal(kernel: str = "fma") -> str:
-    """Why the bf16 dot path (contract.h's bf16 dot sequence) cannot run here on ``kernel``
-    ("fma", the one bik runs, or "vdpbf16ps"): the CPU lacks the instructions, or the start-up
-    self-test found the kernel disagreeing with the contract's transcription on a fixed probe.
-    "" when it can run; the extension's absence is its own reason."""
+    """Why a bf16 kernel cannot run here: ``kernel`` "fma" (the dot sequence's, which bik runs
+    for it) or "vdpbf16ps" (the same sequence), or "amx" (contract.h's AMX sequence). The CPU
+    lacks the instructions (or the OS the AMX tile state), or the start-up self-test found the
+    kernel disagreeing with its sequence's transcription on a fixed probe. "" when it can run;
+    the extension's absence is its own reason."""
     if _ext is None:
         return unavailable_reason()
-    return str(_ext.bf16_dot_refusal(vdp=kernel == "vdpbf16ps"))
+    return str(_ext.bf16_dot_refusal(kernel))
 
 
 @cache
-def bf16_dot() -> bool:
-    """Whether this process's CPU bf16 products (a and b both bf16) take the bf16 dot path.
-    Decided once, at first use: the path must run here and ``BIK_CPU_BF16`` must not be
-    "widen". Every route (the public functions, PackedWeight, bik.enable()'s kernels, the
-    distributed layers) asks this one function, so they agree."""
+def bf16_kernel() -> str | None:
+    """The kernel this process's CPU bf16 products (a and b both bf16) run on pair words:
+    "amx" (contract.h's AMX sequence) or "fma" (its dot sequence), None when they widen to the
+    fp32 sequence. Decided once, at first use, from ``BIK_CPU_BF16`` and the kernels that pass
+    here. Every route (the public functions, PackedWeight, bik.enable()'s kernels, the
+    distributed layers, the vLLM plugin) asks this one function, so they agree."""
     want = os.environ.get(BF16_ENV, "auto").strip().lower() or "auto"
-    if want not in ("auto", "widen"):
-        raise ValueError(f"bik: {BF16_ENV}={want!r}; expected 'auto' or 'widen'")
-    return want == "auto" and bf16_dot_refusal() == ""
+    if want not in ("auto", "amx", "widen"):
+        raise ValueError(f"bik: {BF16_ENV}={want!r}; expected 'auto', 'amx' or 'widen'")
+    if want == "amx":
+        if bf16_dot_refusal("amx") == "":
+            return "amx"
+        warnings.warn(f"bik: {BF16_ENV}=amx, but the AMX kernel cannot run here "
+                      f"({bf16_dot_refusal('amx')}); bf16 products take the dot sequence "
+                      f"(bik.fingerprint() says which)", RuntimeWarning, stacklevel=2)
+    return "fma" if want != "widen" and bf16_dot_refusal() == "" else None
+
+
+def bf16_dot() -> bool:
+    """Whether this process's CPU bf16 products take pair words (the AMX or the dot sequence,
+    :func:`bf16_kernel`), rather than widening to the fp32 sequence."""
+    return bf16_kernel() is not None
 
 
 def bf16_contract() -> str | None:
-    """The sequence this process's CPU bf16 products run: "dot" (contract.h's bf16 dot
-    sequence) or "widen" (upcast to fp32, the fp32 sequence). It decides bits, so
+    """The sequence this process's CPU bf16 products run: "amx" or "dot" (contract.h's bf16
+    AMX and dot sequences) or "widen" (upcast to fp32, the fp32 sequence). It decides bits, so
     bik.fingerprint() hashes it. None when the extension is unavailable."""
     if _ext is None:
         return None
-    return "dot" if bf16_dot() else "widen"
+    return {"amx": "amx", "fma": "dot", None: "widen"}[bf16_kernel()]
 
 
 def fp32_fma_refusal() -> str:

@@ -3,8 +3,9 @@
 The shapes a decode and a short prefill see: SmolLM2-135M's MLP (1536 x 576, 576 x 1536) and
 Llama-3-8B's (4096 x 4096, 14336 x 4096), at M = 1, 8, 64 (``--ms``), in ``--dtype`` (bf16 by
 default: the bf16 dot path when this CPU takes it, ``versions["cpu_bf16"]`` in the record's
-meta). On the bf16 dot path it also times the product alone on each kernel of the sequence
-(``kernel fma``, bik's, and ``kernel vdpbf16ps`` where the CPU has it; unpacked weight); in fp32
+meta). In bf16 it also times the product alone on each pair kernel this CPU has (unpacked
+weight): the dot sequence's ``kernel fma`` and ``kernel vdpbf16ps`` (the same bits), and the
+AMX sequence's ``kernel amx`` (other bits; the default where it runs); in fp32
 on each of contract.h's two fp32 sequences (``kernel fma``, the default where the CPU has FMA,
 and ``kernel mul-add``; the streamed rows add ``packed mul-add``). The
 calls are timed in ROUNDS interleaved rounds (the order rotates each round), so a slow spell
@@ -109,9 +110,9 @@ def _streamed(n: int, k: int, m: int, dtype, rounds: int, total_bytes: int) -> d
 
 def _kernels(x, weight) -> dict:
     """The product alone (the extension's call on the unpacked weight) on each kernel of the
-    sequences this CPU runs: bf16 on the dot path, its FMA kernel (bik's) and vdpbf16ps (the
-    same bits, so only their speed tells them apart); fp32, the fma and mul-add sequences (two
-    contracts: other bits)."""
+    sequences this CPU runs: bf16 on pair words, the dot sequence's FMA kernel and vdpbf16ps
+    (the same bits, so only their speed tells them apart) and the AMX sequence's; fp32, the fma
+    and mul-add sequences (two contracts: other bits)."""
     from bik.runtime import cpu_ext
 
     dot = x.dtype == torch.bfloat16 and cpu_ext.bf16_dot()
@@ -130,7 +131,7 @@ def _kernels(x, weight) -> dict:
 
     if not dot:
         return {"kernel fma": call("fma"), "kernel mul-add": call("mul-add")}
-    kernels = ["fma"] + (["vdpbf16ps"] if cpu_ext.bf16_dot_refusal("vdpbf16ps") == "" else [])
+    kernels = ["fma"] + [k for k in ("vdpbf16ps", "amx") if cpu_ext.bf16_dot_refusal(k) == ""]
     return {f"kernel {name}": call(name) for name in kernels}
 
 

@@ -109,4 +109,4 @@ def _launch(a, b, bias32, out, split: int, dot: bool) -> None:
     cpu_ext.require().matmul_f32(
         a.data_ptr(), sa1, sa2, b.data_ptr(), sb1, sb2, pbias, out.data_ptr(), n, m, n, k, split,
         torch.get_num_threads(), "auto", 0, 0, _PACKED_B[b.dtype], n_batch, sa0, sb0, m * n,
-        0, dot, "fma", cpu_ext.fp32_fma())
+        0, dot, cpu_ext.bf16_kernel() or "fma", cpu_ext.fp32_fma())

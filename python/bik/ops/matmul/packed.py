@@ -58,6 +58,7 @@ class PackedWeight:
         self._split = matmul_split(self.dtype, n, k).split
         self._ext = ext
         self._dot = weight.dtype == torch.bfloat16 and cpu_ext.bf16_dot()
+        self._kernel = cpu_ext.bf16_kernel() or "fma"  # the AMX and dot kernels share panels
         self._source = weakref.ref(weight)
         self._version = _version(weight)
         if self._dot:  # pair words (int32 storage), each split's pairs from its start
@@ -124,7 +125,7 @@ class PackedWeight:
                 a.data_ptr(), a.stride(0), a.stride(1), 0, 0, 0,
                 0 if b32 is None else b32.data_ptr(), out.data_ptr(), n, rows, n, k,
                 self._split, torch.get_num_threads(), self._isa, 0, 0, self._dot, 1, 0, 0, 0,
-                self._panels_ptr, self._dot, "fma", cpu_ext.fp32_fma())
+                self._panels_ptr, self._dot, self._kernel, cpu_ext.fp32_fma())
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
