@@ -40,25 +40,44 @@ struct Amx {
     }
   }
 
-  // c[0:R, 0:cols] += the block's product (first: from +0), tiles 0 and 1 the two 16-column
-  // halves of the panel, 2 the A rows, 3 and 4 the B halves.
+  // Once per tile call (matmul_tile's begin / end): tiles 0 and 1 the two 16-column halves of
+  // a panel's accumulators, 2 the A rows, 3 and 4 the B halves, all 16 rows; the call's micro
+  // kernels run no other AMX code in between.
+  __attribute__((target("amx-tile,amx-bf16"))) static void begin() {
+    // A static: GCC 12 drops stores to a local that only ldtilecfg reads (seen in the object
+    // code: the rows and widths never written).
+    static const AmxConfig cfg = [] {
+      AmxConfig c;
+      for (int t = 0; t < 5; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+      return c;
+    }();
+    _tile_loadconfig(&cfg);
+  }
+  __attribute__((target("amx-tile,amx-bf16"))) static void end() { _tile_release(); }
+
+  // c[0:R, 0:cols] += the block's product (first: from +0). A block of fewer than 16 rows
+  // computes rows past R from whatever A holds there (rows are independent) and keeps only R.
   template <int R>
   __attribute__((target("amx-tile,amx-bf16"))) static void micro(
       const u32* __restrict pa, const u32* __restrict pb, idx_t np, float* __restrict c,
       idx_t ldc, idx_t cols, bool first) {
-    static_assert(NRW == 2 * 16 && R <= 16, "two 16-column tiles per panel");
-    AmxConfig cfg;
-    for (int t = 0; t < 5; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = t < 3 ? std::uint8_t(R) : std::uint8_t(kAmxPairs);
+    static_assert(NRW == 2 * 16 && R <= kRows, "two 16-column tiles per panel");
+    // A whole block's accumulators live in c (row pitch ldc); a tail block's in acc.
+    alignas(64) float acc[kRows][NRW];
+    const bool whole = cols == NRW && R == kRows;
+    if (first) {
+      _tile_zero(0);
+      _tile_zero(1);
+    } else if (whole) {
+      _tile_loadd(0, c, ldc * 4);
+      _tile_loadd(1, c + 16, ldc * 4);
+    } else {
+      for (int r = 0; r < kRows; ++r)
+        for (idx_t j = 0; j < NRW; ++j) acc[r][j] = r < R && j < cols ? c[r * ldc + j] : 0.0f;
+      _tile_loadd(0, acc, NRW * 4);
+      _tile_loadd(1, &acc[0][16], NRW * 4);
     }
-    _tile_loadconfig(&cfg);  // every call: another library's AMX code may have changed it
-    alignas(64) float acc[R][NRW];
-    for (int r = 0; r < R; ++r)
-      for (idx_t j = 0; j < NRW; ++j) acc[r][j] = !first && j < cols ? c[r * ldc + j] : 0.0f;
-    _tile_loadd(0, acc, NRW * 4);
-    _tile_loadd(1, &acc[0][16], NRW * 4);
-    alignas(64) u32 ta[R][kAmxPairs];
+    alignas(64) u32 ta[kRows][kAmxPairs];
     alignas(64) u32 tb[kAmxPairs][NRW];
     for (idx_t j0 = 0; j0 < np; j0 += kAmxPairs) {
       const idx_t n = np - j0 < kAmxPairs ? np - j0 : kAmxPairs;
@@ -67,7 +86,7 @@ struct Amx {
         _tile_loadd(3, pb + j0 * NRW, NRW * 4);
         _tile_loadd(4, pb + j0 * NRW + 16, NRW * 4);
       } else {  // the split's last block: zero pairs after its end
-        for (int r = 0; r < R; ++r)
+        for (int r = 0; r < kRows; ++r)
           for (idx_t j = 0; j < kAmxPairs; ++j) ta[r][j] = j < n ? pa[r * np + j0 + j] : 0u;
         for (idx_t j = 0; j < kAmxPairs; ++j)
           for (idx_t t = 0; t < NRW; ++t) tb[j][t] = j < n ? pb[(j0 + j) * NRW + t] : 0u;
@@ -78,9 +97,13 @@ struct Amx {
       _tile_dpbf16ps(0, 2, 3);
       _tile_dpbf16ps(1, 2, 4);
     }
+    if (whole) {
+      _tile_stored(0, c, ldc * 4);
+      _tile_stored(1, c + 16, ldc * 4);
+      return;
+    }
     _tile_stored(0, acc, NRW * 4);
     _tile_stored(1, &acc[0][16], NRW * 4);
-    _tile_release();
     for (int r = 0; r < R; ++r)
       for (idx_t j = 0; j < cols; ++j) c[r * ldc + j] = acc[r][j];
   }

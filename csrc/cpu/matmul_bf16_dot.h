@@ -122,6 +122,8 @@ struct Fma {
   using PackedA = float;
   static constexpr int kRows = DMR;  // rows per register block
   static constexpr idx_t kKAlign = 2;  // K blocks hold whole pairs
+  static void begin() {}  // around a tile call's micro kernels (AMX configures its tiles)
+  static void end() {}
   static constexpr idx_t a_words(idx_t np) { return 2 * np; }
 
   static void pack_a(const u16* a, idx_t sam, idx_t sak, idx_t ic, idx_t mc, idx_t pc,
@@ -186,6 +188,8 @@ struct Vdp {
   using PackedA = u32;
   static constexpr int kRows = DMR;
   static constexpr idx_t kKAlign = 2;
+  static void begin() {}
+  static void end() {}
   static constexpr idx_t a_words(idx_t np) { return np; }
 
   static void pack_a(const u16* a, idx_t sam, idx_t sak, idx_t ic, idx_t mc, idx_t pc,
@@ -282,6 +286,7 @@ static void matmul_tile(const u16* a, idx_t sam, idx_t sak, const u16* b, idx_t 
       const idx_t ldd = in_c ? ldc : NC;
       {
         FlushGuard flush;
+        Kern::begin();
         idx_t pc = lo;
         do {
           const idx_t kc = hi - pc < KC ? hi - pc : KC;
@@ -313,6 +318,7 @@ static void matmul_tile(const u16* a, idx_t sam, idx_t sak, const u16* b, idx_t 
           }
           pc += kc;
         } while (pc < hi);
+        Kern::end();
       }
       const float* tail_bias = (hi >= K && bias) ? bias + jc : nullptr;
       if (!in_c || tail_bias)
