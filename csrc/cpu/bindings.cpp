@@ -180,6 +180,10 @@ struct Isa {
   TileDot tile_amx = nullptr;
   void (*pack_dot)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t,
                    std::uint32_t*) = nullptr;
+  // The bf16 tile of a DotKernel (null where this ISA or CPU has none).
+  TileDot dot_tile(int kernel) const {
+    return kernel == kDotAmx ? tile_amx : kernel == kDotVdp ? tile_vdp : tile_dot;
+  }
 };
 
 #define BIK_ISA_ENTRY(ns)                                                                    \
@@ -213,18 +217,24 @@ bool vdpbf16_cpu() {
 #endif
 }
 
-// The CPU has AMX's bf16 tiles and the kernel granted this process their state (Linux:
-// arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once; a forked child keeps the grant).
+// The CPU has AMX's bf16 tiles (with the AVX-512 the kernel's packing uses).
 bool amx_cpu() {
 #if BIK_X86 && defined(__linux__)
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("amx-tile") ||
-        !__builtin_cpu_supports("amx-bf16"))
-      return false;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                   18 /* XFEATURE_XTILEDATA */) == 0;
-  }();
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("amx-tile") &&
+         __builtin_cpu_supports("amx-bf16");
+#else
+  return false;
+#endif
+}
+
+// Linux granted this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA),
+// asked once, when the AMX kernel is first wanted (its self-test), so a process that never
+// asks for AMX never holds the larger signal frames; a forked child keeps the grant.
+bool amx_granted() {
+#if BIK_X86 && defined(__linux__)
+  static const bool ok = amx_cpu() && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                              18 /* XFEATURE_XTILEDATA */) == 0;
   return ok;
 #else
   return false;
@@ -251,10 +261,12 @@ Isa select_isa(const std::string& want) {
   }
   if (name == "avx2") {
     Isa isa = BIK_ISA_ENTRY(avx2);
-    if (!__builtin_cpu_supports("fma")) isa.tile_fma = nullptr, isa.tile_bf16_fma = nullptr;
     if (__builtin_cpu_supports("fma")) {
       isa.tile_dot = &avx2::dot::matmul_tile<avx2::dot::Fma>;
       isa.pack_dot = &avx2::dot::pack_b_all;
+    } else {  // the fp32 fma sequence's tiles need the instruction too
+      isa.tile_fma = nullptr;
+      isa.tile_bf16_fma = nullptr;
     }
     return isa;
   }
@@ -317,17 +329,17 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
     for (idx_t r0 = m0; r0 < m1; r0 += step) {
       const idx_t r1 = std::min(m1, r0 + step);
       if (a_bf16)
-        (dot == kDotAmx ? isa.tile_amx : dot == kDotVdp ? isa.tile_vdp : isa.tile_dot)(reinterpret_cast<const std::uint16_t*>(a) + e * sab,
-                                            sam, sak,
-                     reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p, C, ldc, r0,
-                     r1, n0, n1, K, split, kcb, ncb, mine,
-                     reinterpret_cast<const std::uint32_t*>(packed));
+        isa.dot_tile(dot)(reinterpret_cast<const std::uint16_t*>(a) + e * sab, sam, sak,
+                          reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p, C, ldc,
+                          r0, r1, n0, n1, K, split, kcb, ncb, mine,
+                          reinterpret_cast<const std::uint32_t*>(packed));
       else if (b_bf16)
-        (fp32_fma ? isa.tile_bf16_fma : isa.tile_bf16)(A, sam, sak, reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p,
-                      C, ldc, r0, r1, n0, n1, K, split, kcb, ncb, mine, P);
+        (fp32_fma ? isa.tile_bf16_fma : isa.tile_bf16)(
+            A, sam, sak, reinterpret_cast<const std::uint16_t*>(B), sbk, sbn, bias_p, C, ldc, r0,
+            r1, n0, n1, K, split, kcb, ncb, mine, P);
       else
-        (fp32_fma ? isa.tile_fma : isa.tile)(A, sam, sak, fptr(B), sbk, sbn, bias_p, C, ldc, r0, r1, n0, n1, K, split, kcb,
-                 ncb, mine, P);
+        (fp32_fma ? isa.tile_fma : isa.tile)(A, sam, sak, fptr(B), sbk, sbn, bias_p, C, ldc, r0,
+                                             r1, n0, n1, K, split, kcb, ncb, mine, P);
     }
   };
   if (by_entry) {
@@ -378,8 +390,7 @@ void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t 
     if (!bf16_dot_refusal(dot).empty())
       throw std::invalid_argument("bik: the bf16 dot kernel " + dot_kernel +
                                   " is unavailable: " + bf16_dot_refusal(dot));
-    if ((dot == kDotAmx ? isa.tile_amx : dot == kDotVdp ? isa.tile_vdp : isa.tile_dot) ==
-        nullptr)
+    if (isa.dot_tile(dot) == nullptr)
       throw std::invalid_argument("bik: isa '" + std::string(isa.name) + "' has no " +
                                   dot_kernel + " bf16 dot kernel on this CPU");
   }
@@ -434,6 +445,21 @@ struct DotProbe {
   std::vector<idx_t> splits() const { return {K, 16}; }
 };
 
+// A self-test's verdict on one run: "" when got equals want bit for bit (any NaN equal to any
+// NaN), else which element of the [*, N] result differs and under which probe settings.
+std::string first_difference(const std::vector<float>& got, const std::vector<float>& want,
+                             idx_t N, const char* name, idx_t K, idx_t split, int layout) {
+  for (size_t i = 0; i < got.size(); ++i) {
+    const bool both_nan = std::isnan(got[i]) && std::isnan(want[i]);
+    if (!both_nan && std::memcmp(&got[i], &want[i], sizeof(float)) != 0)
+      return std::string("self-test (") + name + "): c[" + std::to_string(idx_t(i) / N) + ", " +
+             std::to_string(idx_t(i) % N) + "] differs from the transcription (K " +
+             std::to_string(K) + ", split " + std::to_string(split) + ", B layout " +
+             std::to_string(layout) + ")";
+  }
+  return "";
+}
+
 // Runs probe K through `tile` (B row-major, B as a weight's transpose, B packed once) and
 // returns "" when its bits equal the transcription's everywhere (NaN where it is NaN).
 std::string bf16_dot_probe_check(const Isa& isa, Isa::TileDot tile, const char* name, idx_t K) {
@@ -457,14 +483,8 @@ std::string bf16_dot_probe_check(const Isa& isa, Isa::TileDot tile, const char* 
       if (layout == 2) isa.pack_dot(probe.b.data(), N, 1, K, N, split, panels.data());
       tile(probe.a.data(), K, 1, bp, sbk, sbn, nullptr, got.data(), N, 0, M, 0, N, K, split, kc,
            64, scratch, layout == 2 ? panels.data() : nullptr);
-      for (idx_t i = 0; i < M * N; ++i) {
-        const bool both_nan = std::isnan(got[i]) && std::isnan(want[i]);
-        if (!both_nan && std::memcmp(&got[i], &want[i], sizeof(float)) != 0)
-          return std::string("self-test (") + name + "): c[" + std::to_string(i / N) + ", " +
-                 std::to_string(i % N) + "] differs from the transcription (K " +
-                 std::to_string(K) + ", split " + std::to_string(split) + ", B layout " +
-                 std::to_string(layout) + ")";
-      }
+      std::string why = first_difference(got, want, N, name, K, split, layout);
+      if (!why.empty()) return why;
     }
   }
   return "";
@@ -473,9 +493,8 @@ std::string bf16_dot_probe_check(const Isa& isa, Isa::TileDot tile, const char* 
 // The self-test of a bf16 kernel of the widest ISA (DotKernel).
 std::string bf16_dot_self_test(int kernel) {
   const Isa isa = select_isa("auto");
-  const Isa::TileDot tile =
-      kernel == kDotAmx ? isa.tile_amx : kernel == kDotVdp ? isa.tile_vdp : isa.tile_dot;
-  if (tile == nullptr)
+  const Isa::TileDot tile = isa.dot_tile(kernel);
+  if (tile == nullptr || (kernel == kDotAmx && !amx_granted()))
     return kernel == kDotAmx   ? "this CPU or its kernel grants no AMX bf16 tiles"
            : kernel == kDotVdp ? "this CPU has no AVX512_BF16 (vdpbf16ps)"
                                : "this CPU has no FMA";
@@ -488,9 +507,17 @@ std::string bf16_dot_self_test(int kernel) {
 }
 
 const std::string& bf16_dot_refusal(int kernel) {
-  static const std::string why[3] = {bf16_dot_self_test(kDotFma), bf16_dot_self_test(kDotVdp),
-                                     bf16_dot_self_test(kDotAmx)};
-  return why[kernel == kDotAmx ? 2 : kernel == kDotVdp ? 1 : 0];
+  // each kernel's self-test runs when it is first asked about
+  if (kernel == kDotAmx) {
+    static const std::string why = bf16_dot_self_test(kDotAmx);
+    return why;
+  }
+  if (kernel == kDotVdp) {
+    static const std::string why = bf16_dot_self_test(kDotVdp);
+    return why;
+  }
+  static const std::string why = bf16_dot_self_test(kDotFma);
+  return why;
 }
 
 // The fp32 fma self-test's probes: floats whose exponents reach the denormals, the overflow
@@ -537,6 +564,7 @@ std::string fp32_fma_probe_check(const Isa& isa, Isa::Tile tile, idx_t K) {
   for (idx_t k = 0; k < K; ++k)
     for (idx_t n = 0; n < N; ++n) bt[n * K + k] = probe.b[k * N + n];
   isa.pack(probe.b.data(), N, 1, 0, K, 0, N, panels.data());
+  const std::string name = std::string(isa.name) + " fp32 fma";
   FenvGuard g;
   for (const idx_t split : probe.splits()) {
     fma_ref::matmul(probe.a.data(), K, 1, probe.b.data(), N, 1, nullptr, want.data(), N, M, N, K,
@@ -546,14 +574,8 @@ std::string fp32_fma_probe_check(const Isa& isa, Isa::Tile tile, idx_t K) {
       const idx_t sbk = layout == 1 ? 1 : N, sbn = layout == 1 ? K : 1;
       tile(probe.a.data(), K, 1, bp, sbk, sbn, nullptr, got.data(), N, 0, M, 0, N, K, split, 16,
            64, scratch, layout == 2 ? panels.data() : nullptr);
-      for (idx_t i = 0; i < M * N; ++i) {
-        const bool both_nan = std::isnan(got[i]) && std::isnan(want[i]);
-        if (!both_nan && std::memcmp(&got[i], &want[i], sizeof(float)) != 0)
-          return std::string("self-test (") + isa.name + " fp32 fma): c[" +
-                 std::to_string(i / N) + ", " + std::to_string(i % N) +
-                 "] differs from the transcription (K " + std::to_string(K) + ", split " +
-                 std::to_string(split) + ", B layout " + std::to_string(layout) + ")";
-      }
+      std::string why = first_difference(got, want, N, name.c_str(), K, split, layout);
+      if (!why.empty()) return why;
     }
   }
   return "";
