@@ -178,6 +178,11 @@ struct Isa {
   TileDot tile_dot = nullptr, tile_vdp = nullptr;
   // contract.h's bf16 AMX sequence (matmul_bf16_amx.h): another sequence, same arguments.
   TileDot tile_amx = nullptr;
+  // The AMX sequence for b = W.t() unpacked and few rows (amx_rows_product: c^T = W x^T with W
+  // read in place; the same bits as tile_amx).
+  void (*amx_rows)(const std::uint16_t*, idx_t, idx_t, const std::uint16_t*, idx_t,
+                   const float*, float*, idx_t, idx_t, idx_t, idx_t, int) = nullptr;
+  idx_t amx_rows_max = 0;
   void (*pack_dot)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t,
                    std::uint32_t*) = nullptr;
   // The bf16 tile of a DotKernel (null where this ISA or CPU has none).
@@ -256,7 +261,11 @@ Isa select_isa(const std::string& want) {
     isa.tile_dot = &avx512::dot::matmul_tile<avx512::dot::Fma>;  // AVX-512F CPUs have FMA
     isa.pack_dot = &avx512::dot::pack_b_all;
     if (vdpbf16_cpu()) isa.tile_vdp = &avx512::dot::matmul_tile<avx512::dot::Vdp>;
-    if (amx_cpu()) isa.tile_amx = &avx512::dot::matmul_tile<avx512::dot::Amx>;
+    if (amx_cpu()) {
+      isa.tile_amx = &avx512::dot::matmul_tile<avx512::dot::Amx>;
+      isa.amx_rows = &avx512::dot::amx_rows_product;
+      isa.amx_rows_max = avx512::dot::kAmxRowsMax;
+    }
     return isa;
   }
   if (name == "avx2") {
@@ -286,6 +295,14 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
                 bool fp32_fma = false) {
   if (M == 0 || N == 0 || batch == 0) return;
   if (split <= 0 || split >= K) split = K;  // one split
+  // AMX, b an unpacked weight's transpose, few rows: the weight read in place (same bits).
+  if (a_bf16 && dot == kDotAmx && isa.amx_rows && !packed && batch == 1 && sbk == 1 &&
+      sak == 1 && K > 0 && M <= isa.amx_rows_max) {
+    isa.amx_rows(reinterpret_cast<const std::uint16_t*>(a), sam, M,
+                 reinterpret_cast<const std::uint16_t*>(b), sbn, bias ? fptr(bias) : nullptr,
+                 reinterpret_cast<float*>(c), ldc, N, K, split, num_threads);
+    return;
+  }
   // Blocking (speed only; K blocks store/reload the fp32 acc in order, so bits never change).
   // Few rows: memory bound on B, so read B in long runs: whole weight rows when b = w.t(),
   // wide row segments when b is row-major. Many rows: cache-sized blocks for reuse.
@@ -460,8 +477,9 @@ std::string first_difference(const std::vector<float>& got, const std::vector<fl
   return "";
 }
 
-// Runs probe K through `tile` (B row-major, B as a weight's transpose, B packed once) and
-// returns "" when its bits equal the transcription's everywhere (NaN where it is NaN).
+// Runs probe K through `tile` (B row-major, B as a weight's transpose, B packed once; for AMX
+// also the weight's rows as A tiles) and returns "" when its bits equal the transcription's
+// everywhere (NaN where it is NaN).
 std::string bf16_dot_probe_check(const Isa& isa, Isa::TileDot tile, const char* name, idx_t K) {
   const DotProbe probe(K);
   constexpr idx_t M = DotProbe::M, N = DotProbe::N;
@@ -484,6 +502,11 @@ std::string bf16_dot_probe_check(const Isa& isa, Isa::TileDot tile, const char* 
       tile(probe.a.data(), K, 1, bp, sbk, sbn, nullptr, got.data(), N, 0, M, 0, N, K, split, kc,
            64, scratch, layout == 2 ? panels.data() : nullptr);
       std::string why = first_difference(got, want, N, name, K, split, layout);
+      if (!why.empty()) return why;
+    }
+    if (amx && isa.amx_rows) {  // layout 3: the weight's rows as A tiles (amx_rows_product)
+      isa.amx_rows(probe.a.data(), K, M, bt.data(), K, nullptr, got.data(), N, N, K, split, 1);
+      std::string why = first_difference(got, want, N, name, K, split, 3);
       if (!why.empty()) return why;
     }
   }
@@ -1141,7 +1164,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.attr("SOURCE_HASH") = BIK_CPU_SOURCE_HASH;  // of csrc/cpu, computed by setup.py
   // The numerics contract's revision (in bik.fingerprint): raised whenever a kernel's bits
   // change or a kernel is added, so fingerprints of different contracts never match.
-  m.attr("CONTRACT_VERSION") = 9;
+  m.attr("CONTRACT_VERSION") = 10;
   m.def("matmul_f32", &bik_cpu::matmul_f32, py::arg("a"), py::arg("sam"), py::arg("sak"),
         py::arg("b"), py::arg("sbk"), py::arg("sbn"), py::arg("bias"), py::arg("c"),
         py::arg("ldc"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("split"),

@@ -44,8 +44,9 @@
 //   fingerprint). Transcriptions: dot_reference.h (scalar C++), bik/ops/matmul/reference.py.
 //
 // matmul, bf16 AMX sequence (a and b bf16, fp32 out), on x86 CPUs whose AMX bf16 tiles the
-// kernel grants and whose start-up self-test passed, when the process asks (BIK_CPU_BF16=amx).
-// Not the default: its blocks are cut from the split's start, so a product whose K begins with
+// kernel grants and whose start-up self-test passed (and the dot sequence's too): the default
+// for 2-D products (bik.runtime.cpu_ext.bf16_kernel; BIK_CPU_BF16=dot turns it off). bmm keeps
+// the dot sequence: the blocks are cut from the split's start, so a product whose K begins with
 // exact zeros (a left-padded attention product p @ v) changes bits with the padding, which the
 // dot sequence's one chain from +0 does not. The splits, folds and bias are the ones above;
 // inside a split:

@@ -48,7 +48,8 @@ BikMatmulF32Fn g_matmul = nullptr;
 BikReduceRowsFn g_reduce_rows = nullptr;  // set with g_matmul
 BikMatmulSplitRule g_split_rule{};  // set with g_matmul
 bool g_bf16_dot = false;  // bf16 products on contract.h's bf16 dot sequence (set with g_matmul)
-bool g_bf16_amx = false;  // those on its bf16 AMX sequence instead (set with g_matmul)
+// mm / addmm on its bf16 AMX sequence instead, bmm never (set with g_matmul)
+bool g_bf16_amx = false;
 bool g_fp32_fma = false;  // the other products on its fp32 fma sequence (set with g_matmul)
 std::mutex g_switch;
 std::unique_ptr<torch::Library> g_library;  // while installed: the aten overrides
@@ -132,7 +133,8 @@ Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
   args.num_threads = at::get_num_threads();
   args.b_bf16 = b_bf16;
   args.a_bf16 = dot;
-  args.bf16_amx = dot && g_bf16_amx;
+  // bmm stays on the dot sequence (cpu_ext.bf16_bmm_kernel says why), 2-D products take AMX
+  args.bf16_amx = dot && g_bf16_amx && !batched;
   args.fp32_fma = g_fp32_fma;
   TORCH_CHECK(g_matmul != nullptr, "bik: its CPU matmul kernel was not handed over "
               "(torch.ops.bik_native.set_cpu_kernels; bik.mode._native does it)");
@@ -424,7 +426,8 @@ std::optional<Tensor> packed_linear(const Tensor& x, const std::optional<Tensor>
 // split_rule: bik.configs.matmul_split's constants (tp_max, group_align, split,
 // one_split_max_k, none), so these kernels pick the splits bik's Python launcher picks;
 // attention_split: bik.configs.CPU_ATTENTION_SPLIT; bf16_dot: bik.runtime.cpu_ext.bf16_dot(), so
-// they take the bf16 path it takes, and bf16_amx: its kernel is AMX's (cpu_ext.bf16_kernel());
+// they take the bf16 path it takes, and bf16_amx: its 2-D products' kernel is AMX's
+// (cpu_ext.bf16_kernel(); bmm keeps the dot sequence, cpu_ext.bf16_bmm_kernel());
 // fp32_fma: bik.runtime.cpu_ext.fp32_fma(), the fp32
 // sequence the other products take; debug_checks: BIK_DEBUG_CHECKS as bik read it (attention
 // then leaves every call to bik's op, which reads the lengths).

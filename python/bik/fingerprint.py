@@ -8,13 +8,14 @@ Pin it in RL and evaluation runs: when it changes, re-baseline.
 
 ``variants`` reports each backend's code path in this process (the CPU's SIMD path) outside the
 digest: the CPU contract gives every path the same bits, so a trainer on an AVX-512 machine and
-an engine on an AVX2 one compare equal digests, as their bits are. The one CPU choice that
-changes bits, whether the CPU has FMA, is in the digest as two fields: whether bf16 products
-run the bf16 dot sequence or the fp32 one (``versions["cpu_bf16"]``; ``"amx"`` where a process
-asked for AMX tiles with ``BIK_CPU_BF16=amx``), and whether the fp32
-sequence fuses its multiply-add (``versions["cpu_fp32"]``; x86 CPUs with FMA whose start-up
-self-tests passed take both). Such a machine and one without FMA compare different digests
-(set ``BIK_CPU_BF16=widen`` and ``BIK_CPU_FP32=mul-add`` on the first to match the second).
+an engine on an AVX2 one compare equal digests, as their bits are. The CPU choices that
+change bits, whether the CPU has FMA and AMX, are in the digest as two fields: which
+sequences bf16 products run (``versions["cpu_bf16"]``: ``"amx+dot"`` where AMX tiles serve
+the 2-D products, ``"dot"`` for the bf16 dot sequence alone, ``"widen"`` for the fp32 one),
+and whether the fp32 sequence fuses its multiply-add (``versions["cpu_fp32"]``; x86 CPUs with
+FMA whose start-up self-tests passed take it). Machines that differ there compare different
+digests (``BIK_CPU_BF16=dot`` on an AMX machine matches an AVX-512 one without AMX;
+``BIK_CPU_BF16=widen`` and ``BIK_CPU_FP32=mul-add`` match one without FMA).
 """
 
 from __future__ import annotations

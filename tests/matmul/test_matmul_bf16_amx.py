@@ -1,7 +1,10 @@
 """The CPU's bf16 AMX sequence (contract.h; csrc/cpu/matmul_bf16_amx.h): what tdpbf16ps
-computes, its scalar transcription (amx_reference.h), the kernel against it, the start-up
-self-test, and the opt-in (``BIK_CPU_BF16=amx``) that puts every route on it; why it is not the
-default (a product's bits move with where its leading zeros end).
+computes, its scalar transcription (amx_reference.h), the kernel against it (both ways it
+reads an unpacked weight: pair panels as B tiles, or the weight's rows in place as A tiles),
+the start-up self-test, and the default it is: every 2-D product route takes it where it
+passes, bmm keeps the dot sequence (a product's AMX bits move with where its leading zeros
+end, which left padding changes), and ``BIK_CPU_BF16=dot`` puts every route back on the dot
+sequence.
 
 The judge of the transcription is tools/amx_probe.py's model, in exact rational arithmetic,
 which that tool checks against the instruction itself. Where the CPU has AMX these tests fail
@@ -124,6 +127,29 @@ def test_kernel_equals_the_transcription(amx, m, n, k):
                 assert bits_equal(got, want), (b.stride(), split, threads, block_k)
 
 
+@pytest.mark.parametrize("m", [1, 8, 33, 64, 128, 129])
+def test_weight_rows_in_place_equal_the_transcription(amx, m):
+    """b = W.t() with up to 128 rows of x runs the product transposed, W's rows read in place as
+    A tiles (amx_rows_product); past that the pair panels. Both equal the transcription and a
+    PackedWeight's call: weight rows and x rows with strides past K, a row tail (N = 70), an odd
+    K, splits that end mid-block, odd and of 192 (a bf16 layer's, 8 of them), words reaching the
+    denormals, the flush and the overflow. Past K the rows hold inf and NaN: a block that read
+    them against its zero padding would turn the sum into NaN."""
+    g = torch.Generator().manual_seed(m)
+    for n, k, splits in ((70, 577, (577, 45, 100)), (48, 1536, (192,))):
+        x, w = _words(g, m, k + 3), _words(g, n, k + 5)
+        x[:, k:], w[:, k:] = float("inf"), float("nan")
+        x, w = x[:, :k], w[:, :k]
+        bias = torch.randn(n, generator=g)
+        for split in splits:
+            want = _amx_reference(x, w.t(), bias, split)
+            assert bits_equal(_kernel(x, w.t(), bias, split), want), (n, k, split)
+    w = _normal(g, 48, 1536)
+    x = _normal(g, m, 1536)
+    packed = bik.PackedWeight(w)
+    assert torch.equal(bik.linear(x, w), packed(x))
+
+
 def test_packed_panels_and_batch_entries(amx):
     g = torch.Generator().manual_seed(7)
     x, w = _normal(g, 20, 1536), _normal(g, 70, 1536)
@@ -177,10 +203,10 @@ def _linear_bits(x, w, bias=None, sequence: str = "amx") -> torch.Tensor:
 
 
 def test_a_leading_zero_moves_the_amx_bits_not_the_dot_ones(amx):
-    """Why AMX is opt-in: a row whose K starts with exact zeros (a left-padded sequence's keys
-    in an attention product p @ v) keeps the dot sequence's bits, whose one chain from +0 adds
-    those zeros exactly, but not the AMX sequence's, whose 32-term blocks and two chains are cut
-    where the zeros end."""
+    """Why bmm keeps the dot sequence: a row whose K starts with exact zeros (a left-padded
+    sequence's keys in an attention product p @ v) keeps the dot sequence's bits, whose one
+    chain from +0 adds those zeros exactly, but not the AMX sequence's, whose 32-term blocks and
+    two chains are cut where the zeros end."""
     g = torch.Generator().manual_seed(5)
     p, v = _normal(g, 4, 40), _normal(g, 40, 64)
     pad = torch.zeros(4, 3, dtype=torch.bfloat16)
@@ -191,19 +217,38 @@ def test_a_leading_zero_moves_the_amx_bits_not_the_dot_ones(amx):
         assert torch.equal(alone, shifted) == stays, kernel
 
 
-def test_every_route_takes_the_amx_sequence_when_asked(amx, tmp_path):
-    """``BIK_CPU_BF16=amx`` (before the process starts): bik.linear, PackedWeight and
-    bik.enable()'s addmm give the AMX sequence's bits, rows alone equal batched, the
-    fingerprint says "amx" and its digest differs from this (default, dot) process's."""
+def test_bmm_keeps_left_padding_exact_where_2d_products_take_amx(amx):
+    """This process's routes (AMX the default for 2-D products): bik.bmm and torch.bmm under
+    bik.enable() give a left-padded attention product p @ v the bits of the unpadded one; the
+    same product as a 2-D bik.matmul (AMX) does not, so the bmm check could fail."""
+    assert cpu_ext.bf16_contract() == "amx+dot", cpu_ext.bf16_contract()
+    g = torch.Generator().manual_seed(5)
+    p, v = _normal(g, 2, 4, 40), _normal(g, 2, 40, 64)
+    pad = torch.zeros(2, 4, 3, dtype=torch.bfloat16)
+    padded_p, padded_v = torch.cat([pad, p], 2), torch.cat([_normal(g, 2, 3, 64), v], 1)
+    alone = bik.bmm(p, v, out_dtype=torch.float32)
+    assert torch.equal(bik.bmm(padded_p, padded_v, out_dtype=torch.float32), alone)
+    with bik.enabled():
+        assert torch.equal(torch.bmm(padded_p, padded_v), torch.bmm(p, v))
+    flat = [bik.matmul(x[0], y[0], out_dtype=torch.float32)
+            for x, y in ((p, v), (padded_p, padded_v))]
+    assert not torch.equal(*flat)
+
+
+def test_dot_puts_every_route_on_the_dot_sequence(amx, tmp_path):
+    """``BIK_CPU_BF16=dot`` (before the process starts): bik.linear, PackedWeight and
+    bik.enable()'s addmm give the dot sequence's bits, rows alone equal batched, the
+    fingerprint says "dot" and its digest differs from this (default, AMX) process's."""
     g = torch.Generator().manual_seed(11)
     x, w, bias = _normal(g, 5, 4096), _normal(g, 40, 4096), _normal(g, 40)
-    want = _linear_bits(x, w, bias)
-    assert not torch.equal(want, _linear_bits(x, w, bias, "dot"))  # the routes could fail
-    *same, contract, digest = child_with(cpu_ext.BF16_ENV, "amx", _CHILD, (x, w, bias, want),
+    want = _linear_bits(x, w, bias, "dot")
+    assert not torch.equal(want, _linear_bits(x, w, bias))  # the routes could fail
+    assert torch.equal(bik.linear(x, w, bias, out_dtype=torch.float32), _linear_bits(x, w, bias))
+    *same, contract, digest = child_with(cpu_ext.BF16_ENV, "dot", _CHILD, (x, w, bias, want),
                                          tmp_path)
-    assert same == ["True"] * 4 and contract == "amx"
+    assert same == ["True"] * 4 and contract == "dot"
     assert digest != bik.fingerprint("cpu").digest
-    assert bik.fingerprint("cpu").versions["cpu_bf16"] == "dot"
+    assert bik.fingerprint("cpu").versions["cpu_bf16"] == "amx+dot"
 
 
 _CHILD = """

@@ -39,7 +39,7 @@ def dot():
     if "fma" not in FLAGS:
         pytest.skip("this CPU has no FMA")
     assert cpu_ext.bf16_dot_refusal() == "", cpu_ext.bf16_dot_refusal()
-    assert cpu_ext.bf16_dot() and cpu_ext.bf16_contract() in ("dot", "amx"), \
+    assert cpu_ext.bf16_dot() and cpu_ext.bf16_contract() in ("dot", "amx+dot"), \
         f"{cpu_ext.BF16_ENV}={os.environ.get(cpu_ext.BF16_ENV)} turned the pair path off"
     return cpu_ext.require()
 
@@ -269,9 +269,11 @@ def _probe_case(probe: dict, change: str) -> list[bool]:
 # ---- routes ---------------------------------------------------------------------------------------
 
 
-def _process_reference(a, b, bias, split: int) -> torch.Tensor:
-    """The transcription of this process's bf16 sequence (dot, or AMX where it runs)."""
-    return _scalar_reference(a, b, bias, split, sequence=cpu_ext.bf16_contract())
+def _process_reference(a, b, bias, split: int, *, bmm: bool = False) -> torch.Tensor:
+    """The transcription of this process's bf16 sequence for a 2-D product (AMX's where it
+    runs, the default; else the dot one) or, ``bmm``, for a bmm (always the dot one)."""
+    amx = cpu_ext.bf16_contract() == "amx+dot" and not bmm
+    return _scalar_reference(a, b, bias, split, sequence="amx" if amx else "dot")
 
 
 def _contract_bf16(x2d, w, bias=None) -> torch.Tensor:
@@ -283,8 +285,9 @@ def _contract_bf16(x2d, w, bias=None) -> torch.Tensor:
 
 
 def test_every_route_takes_the_process_bf16_sequence(dot):
-    """Every route on this process's sequence: AMX's where it runs (the default), else the dot
-    one (tests/matmul/test_matmul_bf16_amx.py runs the routes on the dot one in a child)."""
+    """Every route on this process's sequences: 2-D products on AMX's where it runs (the
+    default), else the dot one, and bmm on the dot one
+    (tests/matmul/test_matmul_bf16_amx.py runs the routes with BIK_CPU_BF16=dot in a child)."""
     g = torch.Generator().manual_seed(11)
     x, w, bias = _normal(g, 5, 4096), _normal(g, 40, 4096), _normal(g, 40)  # 8 splits of 512
     want = _contract_bf16(x, w, bias)
@@ -295,7 +298,8 @@ def test_every_route_takes_the_process_bf16_sequence(dot):
     xb, wb = _normal(g, 3, 6, 64), _normal(g, 3, 64, 9)
     bmm = bik.bmm(xb, wb)
     for e in range(3):
-        assert torch.equal(bmm[e], _process_reference(xb[e], wb[e], None, 64).to(torch.bfloat16))
+        assert torch.equal(bmm[e], _process_reference(xb[e], wb[e], None, 64, bmm=True)
+                           .to(torch.bfloat16))
     bik.enable()
     try:
         assert torch.equal(F.linear(x, w, bias), want)  # addmm
@@ -363,8 +367,8 @@ def test_widen_keeps_the_fp32_sequence_and_the_fingerprint_says_so(dot):
     same, same_packed, contract, digest = res.stdout.split()
     assert (same, same_packed, contract) == ("True", "True", "widen")
     assert digest != bik.fingerprint("cpu").digest
-    assert bik.fingerprint("cpu").versions["cpu_bf16"] in ("dot", "amx")
-    assert "BIK_CPU_BF16='fp8'; expected 'auto', 'amx' or 'widen'" in bad.stderr
+    assert bik.fingerprint("cpu").versions["cpu_bf16"] in ("dot", "amx+dot")
+    assert "BIK_CPU_BF16='fp8'; expected 'auto', 'amx', 'dot' or 'widen'" in bad.stderr
 
 
 def test_ordinary_values_give_the_fp32_sequences_bits():

@@ -144,7 +144,8 @@ def _python_launchers_refuse(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the Python launcher ran")
 
-    monkeypatch.setattr(cpu, "launch_matmul", refuse)  # bik::matmul's and bik::bmm's entry
+    monkeypatch.setattr(cpu, "launch_matmul", refuse)  # bik::matmul's entry
+    monkeypatch.setattr(cpu, "launch_bmm", refuse)  # bik::bmm's
 
 
 @needs_native

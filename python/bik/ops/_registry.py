@@ -73,7 +73,7 @@ _NOT_DIFFERENTIABLE = "sampling is not differentiable"
 
 TABLE: dict[str, OpRow] = {
     "matmul": OpRow(_slice("matmul", *_ALL), "launch_matmul", backward=True),
-    "bmm": OpRow(_slice("matmul", *_ALL), "launch_matmul", backward=True),
+    "bmm": OpRow(_slice("matmul", *_ALL), "launch_bmm", backward=True),
     "rms_norm": OpRow(_slice("rms_norm", *_ALL), "launch_rms_norm", backward=True),
     "fused_add_rms_norm": OpRow(_slice("rms_norm", *_ALL), "launch_rms_norm", backward=True),
     "softmax": OpRow(_slice("reductions", "triton", "cpu"), "launch_softmax", backward=True),

@@ -23,7 +23,7 @@ except Exception as exc:  # noqa: BLE001 - missing .so, ABI mismatch, anything
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 __all__ = ["BF16_ENV", "FP32_ENV", "available", "bf16_contract", "bf16_dot", "bf16_dot_refusal",
-           "bf16_kernel",
+           "bf16_bmm_kernel", "bf16_kernel",
            "contract_version", "fp32_contract", "fp32_fma", "fp32_fma_refusal", "isa",
            "require", "source_hash", "unavailable_reason"]
 
@@ -92,21 +92,36 @@ def bf16_dot_refusal(kernel: str = "fma") -> str:
 
 @cache
 def bf16_kernel() -> str | None:
-    """The kernel this process's CPU bf16 products (a and b both bf16) run on pair words:
-    "amx" (contract.h's AMX sequence) or "fma" (its dot sequence), None when they widen to the
-    fp32 sequence. Decided once, at first use, from ``BIK_CPU_BF16`` and the kernels that pass
-    here. Every route (the public functions, PackedWeight, bik.enable()'s kernels, the
-    distributed layers, the vLLM plugin) asks this one function, so they agree."""
+    """The kernel this process's CPU bf16 2-D products (a and b both bf16: bik.matmul /
+    linear, PackedWeight, aten mm / addmm under bik.enable(), the distributed layers, the vLLM
+    plugin's linears) run: "amx" (contract.h's AMX sequence) or "fma" (its dot sequence), None
+    when they widen to the fp32 sequence. bmm products never take AMX (:func:`bf16_bmm_kernel`).
+
+    Decided once, at first use, from ``BIK_CPU_BF16`` and the kernels that pass here: "auto"
+    (the default) takes AMX where its kernel and the dot sequence's both pass their self-tests,
+    else the dot sequence; "amx" the same, warning where AMX is refused; "dot" the dot
+    sequence; "widen" the fp32 sequence. Every route asks this one function, so they agree."""
     want = os.environ.get(BF16_ENV, "auto").strip().lower() or "auto"
-    if want not in ("auto", "amx", "widen"):
-        raise ValueError(f"bik: {BF16_ENV}={want!r}; expected 'auto', 'amx' or 'widen'")
+    if want not in ("auto", "amx", "dot", "widen"):
+        raise ValueError(f"bik: {BF16_ENV}={want!r}; expected 'auto', 'amx', 'dot' or 'widen'")
+    dot = want != "widen" and bf16_dot_refusal() == ""
+    if want in ("auto", "amx") and dot and bf16_dot_refusal("amx") == "":
+        return "amx"
     if want == "amx":
-        if bf16_dot_refusal("amx") == "":
-            return "amx"
         warnings.warn(f"bik: {BF16_ENV}=amx, but the AMX kernel cannot run here "
-                      f"({bf16_dot_refusal('amx')}); bf16 products take the dot sequence "
-                      f"(bik.fingerprint() says which)", RuntimeWarning, stacklevel=2)
-    return "fma" if want != "widen" and bf16_dot_refusal() == "" else None
+                      f"({bf16_dot_refusal('amx') or bf16_dot_refusal()}); bf16 products take "
+                      f"the dot sequence (bik.fingerprint() says which)", RuntimeWarning,
+                      stacklevel=2)
+    return "fma" if dot else None
+
+
+def bf16_bmm_kernel() -> str | None:
+    """The kernel this process's CPU bf16 bmm products run: "fma" (the dot sequence) whenever
+    bf16 products take pair words at all, else None (widened). Never AMX: a bmm is where K is
+    a sequence (attention's p @ v), and AMX's 32-term blocks are cut from the split's start, so
+    left padding (exact zeros at K's start) would move its bits; the dot sequence's one chain
+    from +0 adds them exactly (contract.h)."""
+    return "fma" if bf16_kernel() is not None else None
 
 
 def bf16_dot() -> bool:
@@ -116,12 +131,13 @@ def bf16_dot() -> bool:
 
 
 def bf16_contract() -> str | None:
-    """The sequence this process's CPU bf16 products run: "amx" or "dot" (contract.h's bf16
-    AMX and dot sequences) or "widen" (upcast to fp32, the fp32 sequence). It decides bits, so
-    bik.fingerprint() hashes it. None when the extension is unavailable."""
+    """The sequences this process's CPU bf16 products run: "amx+dot" (2-D products on
+    contract.h's AMX sequence, bmm on its dot sequence), "dot" (both on the dot sequence) or
+    "widen" (upcast to fp32, the fp32 sequence). It decides bits, so bik.fingerprint() hashes
+    it. None when the extension is unavailable."""
     if _ext is None:
         return None
-    return {"amx": "amx", "fma": "dot", None: "widen"}[bf16_kernel()]
+    return {"amx": "amx+dot", "fma": "dot", None: "widen"}[bf16_kernel()]
 
 
 def fp32_fma_refusal() -> str:

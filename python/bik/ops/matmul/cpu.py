@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 
 from bik.configs import matmul_split
@@ -68,13 +71,30 @@ def matmul_f32(
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                   out: torch.Tensor, *, layer: tuple[int, int] | None = None,
                   split: int | None = None) -> None:
+    """bik::matmul's entry (2-D products): :func:`_launch_product` on this process's bf16
+    kernel for them (:func:`bik.runtime.cpu_ext.bf16_kernel`: AMX where it passes)."""
+    _launch_product(a, b, bias, out, layer=layer, split=split, kernel=cpu_ext.bf16_kernel())
+
+
+def launch_bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+               out: torch.Tensor, *, layer: tuple[int, int] | None = None,
+               split: int | None = None) -> None:
+    """bik::bmm's entry: :func:`_launch_product` on the dot sequence's kernel for bf16
+    (:func:`bik.runtime.cpu_ext.bf16_bmm_kernel` says why never AMX)."""
+    _launch_product(a, b, bias, out, layer=layer, split=split,
+                    kernel=cpu_ext.bf16_bmm_kernel())
+
+
+def _launch_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                    out: torch.Tensor, *, layer: tuple[int, int] | None, split: int | None,
+                    kernel: str | None) -> None:
     """out[B, M, N] = a[B, M, K] @ b[B, K, N] (+ bias[N]), validated by the op; the result is
     rounded once to out's dtype. ``layer``: the (N, K) of the whole layer the tables are
     looked up with (default this call's; a shard of a sharded layer passes the layer's).
     ``split``: an explicit K-split length (tests).
 
-    bf16 a and b take the bf16 dot sequence of contract.h where this process's
-    :func:`bik.runtime.cpu_ext.bf16_dot` says so; the kernel reads both as bf16. Otherwise
+    bf16 a and b take pair words on ``kernel`` ("amx": contract.h's AMX sequence, "fma": its
+    dot sequence) when it is not None; the kernel reads both as bf16. Otherwise
     upcasting to fp32 is exact, so the fp32 sequence of :func:`matmul_f32` is the whole
     contract: a bf16 b (a weight, usually) is read as bf16 and widened inside the kernel's
     packing, the same bits as upcasting it first without an fp32 copy on every call."""
@@ -82,22 +102,40 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         n, k = layer or (b.shape[2], a.shape[2])
         split = matmul_split(a.dtype, n, k).split
     bias32 = None if bias is None else bias.float().contiguous()
-    dot = a.dtype == b.dtype == torch.bfloat16 and cpu_ext.bf16_dot()
+    dot = a.dtype == b.dtype == torch.bfloat16 and kernel is not None
     if b.dtype not in _PACKED_B or a.dtype != b.dtype:
         b = b.float()  # fp16 or mixed operands: B upcast first (exact)
     out32 = out if out.dtype == torch.float32 and out.is_contiguous() else \
-        torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        _fp32_scratch(out.shape)
     # a: the rows, small next to a weight; widened first (exact) off the dot path
-    _launch(a if dot else a.float(), b, bias32, out32, split, dot)
+    _launch(a if dot else a.float(), b, bias32, out32, split, kernel if dot else None)
     if out32 is not out:
         out.copy_(out32)
 
 
 _PACKED_B = {torch.float32: False, torch.bfloat16: True}  # b dtype -> the kernel's b_bf16
 
+# fp32 results a thread keeps between calls for a product rounded to another dtype (floats).
+_SCRATCH_FLOATS = 1 << 20
+_scratch = threading.local()
 
-def _launch(a, b, bias32, out, split: int, dot: bool) -> None:
-    """fp32 (or, on the dot path, bf16) a, fp32 out, fp32 or bf16 b, every batch entry in one
+
+def _fp32_scratch(shape: torch.Size) -> torch.Tensor:
+    """An fp32 buffer of ``shape`` for the kernel's result before its one rounding, reused by
+    this thread up to 4 MiB: a fresh one of a few hundred KiB costs its page faults on every
+    call (bik.linear at 64 x 1536 in bf16: ~55 µs of a 135 µs call, measured), more than the
+    product's rounding. Read only until launch_matmul returns, so reuse never shows."""
+    numel = math.prod(shape)
+    if numel > _SCRATCH_FLOATS:
+        return torch.empty(shape, dtype=torch.float32)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32)
+    return buf[:numel].view(shape)
+
+
+def _launch(a, b, bias32, out, split: int, kernel: str | None) -> None:
+    """fp32 (or, with a bf16 ``kernel``, bf16) a, fp32 out, fp32 or bf16 b, every batch entry in one
     kernel call: the kernel takes pointers and element strides per entry (attention's bmm is
     dozens of tiny products; a call, or a view, per entry cost more than the product)."""
     n_batch, m, k = a.shape
@@ -109,4 +147,4 @@ def _launch(a, b, bias32, out, split: int, dot: bool) -> None:
     cpu_ext.require().matmul_f32(
         a.data_ptr(), sa1, sa2, b.data_ptr(), sb1, sb2, pbias, out.data_ptr(), n, m, n, k, split,
         torch.get_num_threads(), "auto", 0, 0, _PACKED_B[b.dtype], n_batch, sa0, sb0, m * n,
-        0, dot, cpu_ext.bf16_kernel() or "fma", cpu_ext.fp32_fma())
+        0, kernel is not None, kernel or "fma", cpu_ext.fp32_fma())

@@ -143,3 +143,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                                (_REDUCE_THREADS, 1, 1), 0, ws, bias32, out, nb, m, n,
                                plan.n_splits, *strides[6:], kind, device=a.device,
                                options=cuda_options("matmul"))
+
+
+# bik::bmm's entry: the same kernel (the CPU backend alone runs bmm on another bf16 sequence).
+launch_bmm = launch_matmul
