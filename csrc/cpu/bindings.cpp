@@ -181,7 +181,8 @@ struct Isa {
   // The AMX sequence for b = W.t() unpacked and few rows (amx_rows_product: c^T = W x^T with W
   // read in place; the same bits as tile_amx).
   void (*amx_rows)(const std::uint16_t*, idx_t, idx_t, const std::uint16_t*, idx_t,
-                   const float*, float*, idx_t, idx_t, idx_t, idx_t, int) = nullptr;
+                   const float*, float*, std::uint16_t*, idx_t, idx_t, idx_t, idx_t,
+                   int) = nullptr;
   idx_t amx_rows_max = 0;
   void (*pack_dot)(const std::uint16_t*, idx_t, idx_t, idx_t, idx_t, idx_t,
                    std::uint32_t*) = nullptr;
@@ -285,6 +286,30 @@ Isa select_isa(const std::string& want) {
 
 const float* fptr(std::uintptr_t p) { return reinterpret_cast<const float*>(p); }
 
+// Runs `product` into a [batch, M, N] fp32 buffer of its own (a thread's, kept between calls up
+// to 4 MiB; a fresh one costs its page faults on every call), then rounds it into the bf16 c
+// (row pitch ldc, entries scb apart) with round_bf16, rows shared among threads.
+template <class Product>
+void rounded_to_bf16(std::uintptr_t c, idx_t ldc, idx_t scb, idx_t M, idx_t N, idx_t batch,
+                     int num_threads, const Product& product) {
+  const size_t count = size_t(batch) * size_t(M) * size_t(N);
+  thread_local std::vector<float> kept;
+  std::vector<float> once;
+  std::vector<float>& buf = count <= (size_t(1) << 20) ? kept : once;
+  if (buf.size() < count) buf.resize(count);
+  product(buf.data());
+  const idx_t rows = batch * M;
+  const int nt = int(std::max<idx_t>(1, std::min<idx_t>(num_threads, rows * N >> 15)));
+  auto* out = reinterpret_cast<std::uint16_t*>(c);
+  parallel_run(nt, [&](int id) {
+    for (idx_t r = rows * id / nt; r < rows * (id + 1) / nt; ++r) {
+      const float* src = buf.data() + r * N;
+      std::uint16_t* dst = out + (r / M) * scb + (r % M) * ldc;
+      for (idx_t j = 0; j < N; ++j) dst[j] = round_bf16(src[j]);
+    }
+  });
+}
+
 // The product, for sizes checked by the caller; takes no GIL (the pybind entry releases it, the
 // C entry is called from torch's dispatcher, which holds none).
 void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b,
@@ -292,15 +317,25 @@ void matmul_run(const Isa& isa, std::uintptr_t a, idx_t sam, idx_t sak, std::uin
                 idx_t N, idx_t K, idx_t split, int num_threads, idx_t block_k, idx_t block_n,
                 bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb,
                 std::uintptr_t packed = 0, bool a_bf16 = false, int dot = 0,
-                bool fp32_fma = false) {
+                bool fp32_fma = false, bool c_bf16 = false) {
   if (M == 0 || N == 0 || batch == 0) return;
   if (split <= 0 || split >= K) split = K;  // one split
   // AMX, b an unpacked weight's transpose, few rows: the weight read in place (same bits).
   if (a_bf16 && dot == kDotAmx && isa.amx_rows && !packed && batch == 1 && sbk == 1 &&
       sak == 1 && K > 0 && M <= isa.amx_rows_max) {
+    float* c32 = c_bf16 ? nullptr : reinterpret_cast<float*>(c);
+    std::uint16_t* c16 = c_bf16 ? reinterpret_cast<std::uint16_t*>(c) : nullptr;
     isa.amx_rows(reinterpret_cast<const std::uint16_t*>(a), sam, M,
                  reinterpret_cast<const std::uint16_t*>(b), sbn, bias ? fptr(bias) : nullptr,
-                 reinterpret_cast<float*>(c), ldc, N, K, split, num_threads);
+                 c32, c16, ldc, N, K, split, num_threads);
+    return;
+  }
+  if (c_bf16) {  // every other path writes fp32: into a buffer of its own, then rounded
+    rounded_to_bf16(c, ldc, scb, M, N, batch, num_threads, [&](float* tmp) {
+      matmul_run(isa, a, sam, sak, b, sbk, sbn, bias, reinterpret_cast<std::uintptr_t>(tmp), N,
+                 M, N, K, split, num_threads, block_k, block_n, b_bf16, batch, sab, sbb, M * N,
+                 packed, a_bf16, dot, fp32_fma, false);
+    });
     return;
   }
   // Blocking (speed only; K blocks store/reload the fp32 acc in order, so bits never change).
@@ -393,7 +428,7 @@ void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t 
                 idx_t split, int num_threads, const std::string& isa_name, idx_t block_k,
                 idx_t block_n, bool b_bf16, idx_t batch, idx_t sab, idx_t sbb, idx_t scb,
                 std::uintptr_t packed, bool a_bf16, const std::string& dot_kernel,
-                bool fp32_fma) {
+                bool fp32_fma, bool c_bf16) {
   if (M < 0 || N < 0 || K < 0 || batch < 0)
     throw std::invalid_argument("bik: negative matmul size");
   if (split < 0) throw std::invalid_argument("bik: negative matmul split");
@@ -421,7 +456,7 @@ void matmul_f32(std::uintptr_t a, idx_t sam, idx_t sak, std::uintptr_t b, idx_t 
   }
   pybind11::gil_scoped_release nogil;
   matmul_run(isa, a, sam, sak, b, sbk, sbn, bias, c, ldc, M, N, K, split, num_threads, block_k,
-             block_n, b_bf16, batch, sab, sbb, scb, packed, a_bf16, dot, fp32_fma);
+             block_n, b_bf16, batch, sab, sbb, scb, packed, a_bf16, dot, fp32_fma, c_bf16);
 }
 
 // The self-test's probes: bf16 words whose exponents reach the denormals, products near the
@@ -505,7 +540,8 @@ std::string bf16_dot_probe_check(const Isa& isa, Isa::TileDot tile, const char* 
       if (!why.empty()) return why;
     }
     if (amx && isa.amx_rows) {  // layout 3: the weight's rows as A tiles (amx_rows_product)
-      isa.amx_rows(probe.a.data(), K, M, bt.data(), K, nullptr, got.data(), N, N, K, split, 1);
+      isa.amx_rows(probe.a.data(), K, M, bt.data(), K, nullptr, got.data(), nullptr, N, N, K,
+                   split, 1);
       std::string why = first_difference(got, want, N, name, K, split, 3);
       if (!why.empty()) return why;
     }
@@ -1021,7 +1057,7 @@ extern "C" int bik_cpu_matmul_f32(const BikMatmulF32Args* p) {
                         reinterpret_cast<std::uintptr_t>(p->c), p->ldc, p->M, p->N, p->K,
                         p->split, p->num_threads, 0, 0, p->b_bf16 != 0, p->batch, p->sab,
                         p->sbb, p->scb, reinterpret_cast<std::uintptr_t>(p->packed),
-                        p->a_bf16 != 0, dot, p->fp32_fma != 0);
+                        p->a_bf16 != 0, dot, p->fp32_fma != 0, p->c_bf16 != 0);
   } catch (...) {
     return 2;
   }
@@ -1171,7 +1207,7 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         py::arg("num_threads"), py::arg("isa") = "auto", py::arg("block_k") = 0,
         py::arg("block_n") = 0, py::arg("b_bf16") = false, py::arg("batch") = 1, py::arg("sab") = 0, py::arg("sbb") = 0,
         py::arg("scb") = 0, py::arg("packed") = 0, py::arg("a_bf16") = false,
-        py::arg("dot_kernel") = "fma", py::arg("fp32_fma") = false,
+        py::arg("dot_kernel") = "fma", py::arg("fp32_fma") = false, py::arg("c_bf16") = false,
         "c[M,N] (row pitch ldc) = a[M,K] @ b[K,N] (+ bias[N]); raw pointers, element strides.\n"
         "split: the K-split length S of contract.h (0 or >= K: one split).\n"
         "isa/block_k/block_n (0 = auto) change speed only, never bits (tests check this).\n"
@@ -1180,7 +1216,8 @@ PYBIND11_MODULE(_cpu_kernels, m) {
         "packed: b as matmul_pack_b wrote it for the same isa (b unread; batch 1), same bits.\n"
         "a_bf16: a and b hold bf16 bit patterns: the bf16 dot sequence of contract.h (packed:\n"
         "as matmul_pack_b_pairs wrote it), on dot_kernel 'fma' or 'vdpbf16ps' (same bits).\n"
-        "fp32_fma (off the bf16 dot path): contract.h's fp32 fma sequence, else the mul-add one.");
+        "fp32_fma (off the bf16 dot path): contract.h's fp32 fma sequence, else the mul-add one.\n"
+        "c_bf16: c holds bf16, each result rounded as torch's .to(torch.bfloat16) rounds it.");
   m.def(
       "fp32_fma_probe",
       &probe_list<bik_cpu::FmaProbe>,

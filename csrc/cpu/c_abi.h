@@ -7,8 +7,8 @@
 #include <stdint.h>
 
 // 2: + split; 3: + a_bf16; 4: + packed, rms_norm, attention_paged, write_kv_rows, reduce_rows;
-// 5: + fp32_fma, bf16_amx
-#define BIK_C_ABI_VERSION 5
+// 5: + fp32_fma, bf16_amx; 6: + c_bf16
+#define BIK_C_ABI_VERSION 6
 
 #ifdef __cplusplus
 extern "C" {
@@ -42,6 +42,9 @@ typedef struct {
   // With a_bf16: bf16_amx != 0 runs contract.h's bf16 AMX sequence (refused with code 3 where
   // it is unavailable), else its bf16 dot sequence.
   int32_t bf16_amx;
+  // c_bf16 != 0: c holds bf16 bit patterns (uint16), each result rounded as torch's
+  // .to(torch.bfloat16) rounds it (contract.h's round_bf16), without an fp32 pass.
+  int32_t c_bf16;
 } BikMatmulF32Args;
 
 // The K-split rule of bik.configs.matmul_split, for C++ callers that pick a split themselves

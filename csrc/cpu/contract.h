@@ -203,6 +203,16 @@ inline float* scratch_floats(size_t count) {
   return reinterpret_cast<float*>(p);
 }
 
+// An fp32 result rounded to bf16 as torch's vectorized CPU conversion rounds it (ATen's
+// cvtfp32_bf16: nearest even on the bits, every NaN 0xffff), so a product that writes bf16
+// itself has the bits of writing fp32 and calling .to(torch.bfloat16).
+inline std::uint16_t round_bf16(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffu;
+  return std::uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 // Thread-count policy: below these sizes one thread does the work (no spawn), because starting
 // a thread (~20-50 us) would cost more than it saves. Never affects bits.
 constexpr idx_t kMatmulMinMacsPerThread = idx_t(1) << 18;

@@ -247,9 +247,19 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows_split(
   amx_rows_store<T>(part);
 }
 
-// c[m0:m1, n:n+R] = total's transpose (+ bias): 8 x 8 tiles where whole, else word by word.
+// TW floats rounded to bf16 as contract.h's round_bf16 rounds one.
+static inline __attribute__((always_inline)) vth round_bf16_v(vt v) {
+  vtu u;
+  std::memcpy(&u, &v, sizeof u);
+  const vtu nan = (u & 0x7fffffffu) > 0x7f800000u;  // all ones where NaN
+  const vtu r = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) | nan;
+  return __builtin_convertvector(r, vth);
+}
+
+// c[m0:m1, n:n+R] = total's transpose (+ bias), fp32 into c or, c16 not null, rounded to bf16
+// into c16 (same pitch ldc): 8 x 8 tiles where whole, else word by word.
 static void amx_rows_write(const float* total, idx_t m0, idx_t m1, idx_t n, idx_t R,
-                           const float* bias, float* c, idx_t ldc) {
+                           const float* bias, float* c, u16* c16, idx_t ldc) {
   for (idx_t r0 = 0; r0 < R; r0 += TW) {
     for (idx_t i0 = m0; i0 < m1; i0 += TW) {
       if (r0 + TW <= R && i0 + TW <= m1) {
@@ -261,26 +271,35 @@ static void amx_rows_write(const float* total, idx_t m0, idx_t m1, idx_t n, idx_
 #pragma GCC unroll 8
         for (int t = 0; t < TW; ++t) {
           const vt o = bias ? v[t] + b : v[t];
-          std::memcpy(c + (i0 + t) * ldc + n + r0, &o, sizeof o);
+          if (c16) {
+            const vth h = round_bf16_v(o);
+            std::memcpy(c16 + (i0 + t) * ldc + n + r0, &h, sizeof h);
+          } else {
+            std::memcpy(c + (i0 + t) * ldc + n + r0, &o, sizeof o);
+          }
         }
         continue;
       }
       for (idx_t m = i0; m < (i0 + TW < m1 ? i0 + TW : m1); ++m)
         for (idx_t r = r0; r < (r0 + TW < R ? r0 + TW : R); ++r) {
           const float t = total[r * 64 + (m - m0)];
-          c[m * ldc + n + r] = bias ? t + bias[n + r] : t;
+          const float o = bias ? t + bias[n + r] : t;
+          if (c16)
+            c16[m * ldc + n + r] = round_bf16(o);
+          else
+            c[m * ldc + n + r] = o;
         }
     }
   }
 }
 
-// c[m, n] for m in [0, M), weight rows n in [n0, n1) (n0 a multiple of 16): x as packed by
-// amx_pack_rows (xp), W [N, K] row stride swn. The splits are folded (t = t + p, in order) in
+// c[m, n] (or c16's, bf16) for m in [0, M), weight rows n in [n0, n1) (n0 a multiple of 16): x
+// as packed by amx_pack_rows (xp), W [N, K] row stride swn. The splits are folded (t = t + p, in order) in
 // the tiles' own layout and the bias added while writing c: plain fp32 adds as every
 // matmul_tile does (tdpbf16ps ignores MXCSR).
 __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows_tile(
-    const u32* xp, idx_t M, const u16* w, idx_t swn, const float* bias, float* c, idx_t ldc,
-    idx_t n0, idx_t n1, idx_t K, idx_t split) {
+    const u32* xp, idx_t M, const u16* w, idx_t swn, const float* bias, float* c, u16* c16,
+    idx_t ldc, idx_t n0, idx_t n1, idx_t K, idx_t split) {
   const idx_t groups = (M + 15) / 16;
   alignas(64) float total[16 * 64], part[16 * 64];
   amx_rows_begin();
@@ -307,17 +326,18 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows_tile(
               total[r * 64 + i] = total[r * 64 + i] + part[r * 64 + i];
         }
       }
-      amx_rows_write(total, m0, m1, n, R, bias, c, ldc);
+      amx_rows_write(total, m0, m1, n, R, bias, c, c16, ldc);
     }
   }
   _tile_release();
 }
 
-// The whole product this way (matmul_run's entry for b = W.t() and at most kAmxRowsMax rows):
+// The whole product this way (matmul_run's entry for b = W.t() and at most kAmxRowsMax rows;
+// c16 not null: the result rounded to bf16 there instead of c):
 // x packed once on the calling thread, then 16-row blocks of W shared among threads (which
 // thread takes a block never affects the bits).
 static void amx_rows_product(const u16* x, idx_t sxm, idx_t M, const u16* w, idx_t swn,
-                             const float* bias, float* c, idx_t ldc, idx_t N, idx_t K,
+                             const float* bias, float* c, u16* c16, idx_t ldc, idx_t N, idx_t K,
                              idx_t split, int num_threads) {
   if (split <= 0 || split >= K) split = K;
   const idx_t groups = (M + 15) / 16;
@@ -329,6 +349,6 @@ static void amx_rows_product(const u16* x, idx_t sxm, idx_t M, const u16* w, idx
   parallel_run(nt, [&](int id) {
     const idx_t b0 = row_blocks * id / nt, b1 = row_blocks * (id + 1) / nt;
     if (b0 < b1)
-      amx_rows_tile(xp, M, w, swn, bias, c, ldc, b0 * 16, std::min(N, b1 * 16), K, split);
+      amx_rows_tile(xp, M, w, swn, bias, c, c16, ldc, b0 * 16, std::min(N, b1 * 16), K, split);
   });
 }

@@ -111,8 +111,10 @@ Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
     if (!f32) bias32 = bias32.to(at::kFloat);
     if (!bias32.is_contiguous()) bias32 = bias32.contiguous();
   }
-  Tensor out(batched ? at::detail::empty_cpu({B, M, N}, at::kFloat)
-                     : at::detail::empty_cpu({M, N}, at::kFloat));
+  // bf16 results are rounded by the kernel as .to() rounds them (c_bf16), fp16 ones after
+  const auto out_dtype = b_bf16 ? at::kBFloat16 : at::kFloat;
+  Tensor out(batched ? at::detail::empty_cpu({B, M, N}, out_dtype)
+                     : at::detail::empty_cpu({M, N}, out_dtype));
   BikMatmulF32Args args{};
   args.a = a32.const_data_ptr();
   args.sam = a32.stride(-2);
@@ -121,7 +123,8 @@ Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
   args.sbk = bk.stride(-2);
   args.sbn = bk.stride(-1);
   args.bias = bias != nullptr ? bias32.const_data_ptr<float>() : nullptr;
-  args.c = out.mutable_data_ptr<float>();
+  args.c = static_cast<float*>(out.mutable_data_ptr());
+  args.c_bf16 = b_bf16;
   args.ldc = N;
   args.M = M;
   args.N = N;
@@ -141,7 +144,7 @@ Tensor product(const Tensor& a, const Tensor& b, const Tensor* bias) {
   args.split = bik_matmul_split_len(K, &g_split_rule);  // set with g_matmul (nonzero)
   const int rc = g_matmul(&args);
   TORCH_CHECK(rc == 0, "bik.enable(): bik's CPU matmul kernel failed (code ", rc, ")");
-  return f32 ? out : out.to(dtype);
+  return out.scalar_type() == dtype ? out : out.to(dtype);
 }
 
 template <class Signature>
@@ -391,13 +394,14 @@ std::optional<Tensor> packed_linear(const Tensor& x, const std::optional<Tensor>
   const Tensor a = x.dim() == 2 ? x : x.reshape({rows, k});
   Tensor bias32;
   if (bias) bias32 = bias->to(at::kFloat).contiguous();
-  Tensor out = at::detail::empty_cpu({rows, n}, at::kFloat);
+  Tensor out = at::detail::empty_cpu({rows, n}, dtype);  // bf16: rounded by the kernel
   BikMatmulF32Args args{};
   args.a = a.const_data_ptr();
   args.sam = a.stride(0);
   args.sak = a.stride(1);
   args.bias = bias ? bias32.const_data_ptr<float>() : nullptr;
-  args.c = out.mutable_data_ptr<float>();
+  args.c = static_cast<float*>(out.mutable_data_ptr());
+  args.c_bf16 = dtype == at::kBFloat16;
   args.ldc = n;
   args.M = rows;
   args.N = n;
@@ -412,7 +416,7 @@ std::optional<Tensor> packed_linear(const Tensor& x, const std::optional<Tensor>
   args.packed = reinterpret_cast<const void*>(panels);
   const int rc = g_matmul(&args);
   TORCH_CHECK(rc == 0, "bik.PackedWeight: bik's CPU matmul kernel failed (code ", rc, ")");
-  Tensor result = dtype == at::kFloat ? out : out.to(dtype);
+  const Tensor& result = out;
   if (x.dim() == 2) return result;
   auto shape = x.sizes().vec();
   shape.back() = n;

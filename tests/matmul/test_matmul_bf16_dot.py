@@ -381,3 +381,33 @@ def test_ordinary_values_give_the_fp32_sequences_bits():
     plan = matmul_split(torch.float32, *w.shape)
     assert torch.equal(_scalar_reference(x, w.t(), None, plan.split),
                        matmul_contract_reference(x, w.t(), None, plan))
+
+
+def test_a_bf16_result_is_rounded_as_torch_rounds_it(dot):
+    """The kernel rounds a bf16 result itself (no fp32 pass over it): the bits are the fp32
+    result's (``out_dtype=torch.float32``) rounded by torch's ``.to(torch.bfloat16)``, NaN's
+    pattern included. K = 2 products of words with few exponents put many results on a tie or
+    next to one, a bias moves them off, inf and NaN rows give inf and NaN results; on each way
+    the kernel writes: AMX's weight rows (up to 128 rows where AMX runs), the pair panels
+    (129 rows; a PackedWeight's at every M), bmm's batch entries (the dot sequence), and
+    through bik.enable()'s dispatcher kernels and PackedWeight's C++ route (C ABI 6's c_bf16)."""
+    g = torch.Generator().manual_seed(8)
+    narrow = (125, 126, 127, 128, 129, 254)
+    w, bias = _words(g, 80, 2, exponents=narrow), torch.randn(80, generator=g).bfloat16()
+    for m in (5, 129):
+        x = _words(g, m, 2, exponents=narrow)
+        x[0, 0], x[1, 1], x[2] = float("inf"), float("nan"), 0.0
+        for b in (None, bias):
+            got = bik.linear(x, w, b)
+            want = bik.linear(x, w, b, out_dtype=torch.float32).to(torch.bfloat16)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (m, b is None)
+            packed = bik.PackedWeight(w)
+            assert torch.equal(packed(x, b).view(torch.int16), want.view(torch.int16))
+            with bik.enabled():  # the dispatcher's addmm / mm and PackedWeight's C++ route
+                mode = F.linear(x, w, b)
+                assert torch.equal(packed(x, b).view(torch.int16), want.view(torch.int16))
+            assert torch.equal(mode.view(torch.int16), want.view(torch.int16)), (m, b is None)
+            assert got.isnan().any() and got.isinf().any()
+    xb, wb = _words(g, 3, 6, 2, exponents=narrow), _words(g, 3, 2, 40, exponents=narrow)
+    assert torch.equal(bik.bmm(xb, wb).view(torch.int16),
+                       bik.bmm(xb, wb, out_dtype=torch.float32).bfloat16().view(torch.int16))

@@ -105,12 +105,13 @@ def _launch_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     dot = a.dtype == b.dtype == torch.bfloat16 and kernel is not None
     if b.dtype not in _PACKED_B or a.dtype != b.dtype:
         b = b.float()  # fp16 or mixed operands: B upcast first (exact)
-    out32 = out if out.dtype == torch.float32 and out.is_contiguous() else \
-        _fp32_scratch(out.shape)
+    # the kernel writes fp32, or bf16 rounded as .to(torch.bfloat16) rounds (no second pass)
+    direct = out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()
+    res = out if direct else _fp32_scratch(out.shape)
     # a: the rows, small next to a weight; widened first (exact) off the dot path
-    _launch(a if dot else a.float(), b, bias32, out32, split, kernel if dot else None)
-    if out32 is not out:
-        out.copy_(out32)
+    _launch(a if dot else a.float(), b, bias32, res, split, kernel if dot else None)
+    if res is not out:
+        out.copy_(res)
 
 
 _PACKED_B = {torch.float32: False, torch.bfloat16: True}  # b dtype -> the kernel's b_bf16
@@ -123,8 +124,8 @@ _scratch = threading.local()
 def _fp32_scratch(shape: torch.Size) -> torch.Tensor:
     """An fp32 buffer of ``shape`` for the kernel's result before its one rounding, reused by
     this thread up to 4 MiB: a fresh one of a few hundred KiB costs its page faults on every
-    call (bik.linear at 64 x 1536 in bf16: ~55 µs of a 135 µs call, measured), more than the
-    product's rounding. Read only until launch_matmul returns, so reuse never shows."""
+    call, more than the product's rounding. Read only until launch_matmul returns, so reuse
+    never shows. (fp16 results; fp32 and bf16 ones the kernel writes in place.)"""
     numel = math.prod(shape)
     if numel > _SCRATCH_FLOATS:
         return torch.empty(shape, dtype=torch.float32)
@@ -135,8 +136,8 @@ def _fp32_scratch(shape: torch.Size) -> torch.Tensor:
 
 
 def _launch(a, b, bias32, out, split: int, kernel: str | None) -> None:
-    """fp32 (or, with a bf16 ``kernel``, bf16) a, fp32 out, fp32 or bf16 b, every batch entry in one
-    kernel call: the kernel takes pointers and element strides per entry (attention's bmm is
+    """fp32 (or, with a bf16 ``kernel``, bf16) a, fp32 or bf16 out, fp32 or bf16 b, every batch
+    entry in one kernel call: the kernel takes pointers and element strides per entry (attention's bmm is
     dozens of tiny products; a call, or a view, per entry cost more than the product)."""
     n_batch, m, k = a.shape
     n = b.shape[2]
@@ -147,4 +148,5 @@ def _launch(a, b, bias32, out, split: int, kernel: str | None) -> None:
     cpu_ext.require().matmul_f32(
         a.data_ptr(), sa1, sa2, b.data_ptr(), sb1, sb2, pbias, out.data_ptr(), n, m, n, k, split,
         torch.get_num_threads(), "auto", 0, 0, _PACKED_B[b.dtype], n_batch, sa0, sb0, m * n,
-        0, kernel is not None, kernel or "fma", cpu_ext.fp32_fma())
+        0, kernel is not None, kernel or "fma", cpu_ext.fp32_fma(),
+        out.dtype == torch.bfloat16)

@@ -119,14 +119,16 @@ class PackedWeight:
             a = x if x.dim() == 2 else x.reshape(rows, k)  # an engine's rows: already 2-D
             a = a if self._dot else a.float()
             b32 = None if bias is None else bias.float().contiguous()
-            out = torch.empty(rows, n, dtype=torch.float32)  # the kernel writes every element
+            # the kernel writes every element: fp32, or bf16 rounded as .to() rounds
+            bf16 = x.dtype == torch.bfloat16
+            out = torch.empty(rows, n, dtype=torch.bfloat16 if bf16 else torch.float32)
             # positional: pybind11's keyword matching costs several µs on a decode-sized call
             self._ext.matmul_f32(
                 a.data_ptr(), a.stride(0), a.stride(1), 0, 0, 0,
                 0 if b32 is None else b32.data_ptr(), out.data_ptr(), n, rows, n, k,
                 self._split, torch.get_num_threads(), self._isa, 0, 0, self._dot, 1, 0, 0, 0,
-                self._panels_ptr, self._dot, self._kernel, cpu_ext.fp32_fma())
-        out = out if x.dtype == torch.float32 else out.to(x.dtype)
+                self._panels_ptr, self._dot, self._kernel, cpu_ext.fp32_fma(), bf16)
+        out = out if x.dtype == out.dtype else out.to(x.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
