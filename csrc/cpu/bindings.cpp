@@ -521,7 +521,6 @@ std::string bf16_dot_probe_check(const Isa& isa, Isa::TileDot tile, const char* 
   const bool amx = tile == isa.tile_amx;
   const idx_t kc = amx ? 32 : 16;  // K blocks: AMX's are whole instruction blocks
   std::vector<float> got(M * N), want(M * N);
-  float* scratch = scratch_floats(isa.scratch_per_thread(kc, 64, M));
   std::vector<std::uint32_t> panels(size_t((N + isa.nrw - 1) / isa.nrw) * K * isa.nrw);
   std::vector<std::uint16_t> bt(K * N);  // [N, K]: b = bt.t() reads K with unit stride
   for (idx_t k = 0; k < K; ++k)
@@ -534,12 +533,16 @@ std::string bf16_dot_probe_check(const Isa& isa, Isa::TileDot tile, const char* 
       const std::uint16_t* bp = layout == 1 ? bt.data() : probe.b.data();
       const idx_t sbk = layout == 1 ? 1 : N, sbn = layout == 1 ? K : 1;
       if (layout == 2) isa.pack_dot(probe.b.data(), N, 1, K, N, split, panels.data());
+      std::fill(got.begin(), got.end(), 12345.0f);  // an element left unwritten differs
+      // asked for on each call: amx_rows takes this thread's arena too, and may move it
+      float* scratch = scratch_floats(isa.scratch_per_thread(kc, 64, M));
       tile(probe.a.data(), K, 1, bp, sbk, sbn, nullptr, got.data(), N, 0, M, 0, N, K, split, kc,
            64, scratch, layout == 2 ? panels.data() : nullptr);
       std::string why = first_difference(got, want, N, name, K, split, layout);
       if (!why.empty()) return why;
     }
     if (amx && isa.amx_rows) {  // layout 3: the weight's rows as A tiles (amx_rows_product)
+      std::fill(got.begin(), got.end(), 12345.0f);
       isa.amx_rows(probe.a.data(), K, M, bt.data(), K, nullptr, got.data(), nullptr, N, N, K,
                    split, 1);
       std::string why = first_difference(got, want, N, name, K, split, 3);
