@@ -411,3 +411,15 @@ def test_a_bf16_result_is_rounded_as_torch_rounds_it(dot):
     xb, wb = _words(g, 3, 6, 2, exponents=narrow), _words(g, 3, 2, 40, exponents=narrow)
     assert torch.equal(bik.bmm(xb, wb).view(torch.int16),
                        bik.bmm(xb, wb, out_dtype=torch.float32).bfloat16().view(torch.int16))
+    # A strided bf16 out (a tensor-parallel shard's columns): the same bits, where torch's
+    # strided copy from fp32 would write NaN otherwise (measured here, so this could fail).
+    from bik.ops.matmul.op import matmul_shard
+
+    want = bik.linear(x, w, out_dtype=torch.float32)
+    wide = torch.zeros(x.shape[0], 2 * w.shape[0], dtype=torch.bfloat16)
+    matmul_shard(x[None], w.t()[None], None, wide[None, :, ::2], layer=tuple(w.shape),
+                 backend="cpu")
+    assert torch.equal(wide[:, ::2].view(torch.int16), want.bfloat16().view(torch.int16))
+    torch_copy = torch.zeros_like(wide)
+    torch_copy[:, ::2].copy_(want)
+    assert not torch.equal(torch_copy[:, ::2].view(torch.int16), want.bfloat16().view(torch.int16))

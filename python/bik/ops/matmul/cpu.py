@@ -105,9 +105,13 @@ def _launch_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     dot = a.dtype == b.dtype == torch.bfloat16 and kernel is not None
     if b.dtype not in _PACKED_B or a.dtype != b.dtype:
         b = b.float()  # fp16 or mixed operands: B upcast first (exact)
-    # the kernel writes fp32, or bf16 rounded as .to(torch.bfloat16) rounds (no second pass)
-    direct = out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()
-    res = out if direct else _fp32_scratch(out.shape)
+    # the kernel writes fp32, or bf16 rounded as .to(torch.bfloat16) rounds (no second pass);
+    # a strided bf16 out gets the kernel's bf16 copied in (torch's strided fp32 -> bf16 copy
+    # writes NaN as 0x7fc0, its vectorized one and the kernel 0xffff)
+    if out.dtype in (torch.float32, torch.bfloat16):
+        res = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+    else:
+        res = _fp32_scratch(out.shape)
     # a: the rows, small next to a weight; widened first (exact) off the dot path
     _launch(a if dot else a.float(), b, bias32, res, split, kernel if dot else None)
     if res is not out:
@@ -125,7 +129,7 @@ def _fp32_scratch(shape: torch.Size) -> torch.Tensor:
     """An fp32 buffer of ``shape`` for the kernel's result before its one rounding, reused by
     this thread up to 4 MiB: a fresh one of a few hundred KiB costs its page faults on every
     call, more than the product's rounding. Read only until launch_matmul returns, so reuse
-    never shows. (fp16 results; fp32 and bf16 ones the kernel writes in place.)"""
+    never shows. (fp16 results; fp32 and bf16 ones the kernel writes itself.)"""
     numel = math.prod(shape)
     if numel > _SCRATCH_FLOATS:
         return torch.empty(shape, dtype=torch.float32)
