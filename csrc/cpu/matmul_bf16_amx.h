@@ -21,6 +21,18 @@ struct alignas(64) AmxConfig {
 // Pairs per tdpbf16ps (a tile row of 64 bytes).
 constexpr idx_t kAmxPairs = 16;
 
+// Loads the one tile configuration every AMX kernel here uses: tiles 0-6, each 16 rows of 64
+// bytes (Amx uses 0-4, amx_rows_tile 0-6). From a static: GCC 12 drops stores to a local that
+// only ldtilecfg reads (seen in the object code: the rows and widths never written).
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_load_config() {
+  static const AmxConfig cfg = [] {
+    AmxConfig c;
+    for (int t = 0; t < 7; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    return c;
+  }();
+  _tile_loadconfig(&cfg);
+}
+
 struct Amx {
   using PackedA = u32;
   static constexpr int kRows = 16;  // an accumulator tile's rows
@@ -43,16 +55,7 @@ struct Amx {
   // Once per tile call (matmul_tile's begin / end): tiles 0 and 1 the two 16-column halves of
   // a panel's accumulators, 2 the A rows, 3 and 4 the B halves, all 16 rows; the call's micro
   // kernels run no other AMX code in between.
-  __attribute__((target("amx-tile,amx-bf16"))) static void begin() {
-    // A static: GCC 12 drops stores to a local that only ldtilecfg reads (seen in the object
-    // code: the rows and widths never written).
-    static const AmxConfig cfg = [] {
-      AmxConfig c;
-      for (int t = 0; t < 5; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-      return c;
-    }();
-    _tile_loadconfig(&cfg);
-  }
+  static void begin() { amx_load_config(); }
   __attribute__((target("amx-tile,amx-bf16"))) static void end() { _tile_release(); }
 
   // c[0:R, 0:cols] += the block's product (first: from +0). A block of fewer than 16 rows
@@ -175,17 +178,6 @@ static void amx_pack_rows(const u16* x, idx_t sxm, idx_t M, idx_t K, idx_t split
   }
 }
 
-// The tile configuration of amx_rows_tile: tiles 0-3 accumulators (16 weight rows x 16 rows of
-// x each), 4 the A block (16 weight rows x 16 pairs), 5 and 6 B blocks (16 pairs x 16 rows).
-__attribute__((target("amx-tile,amx-bf16"))) static void amx_rows_begin() {
-  static const AmxConfig cfg = [] {  // a static: Amx::begin says why
-    AmxConfig c;
-    for (int t = 0; t < 7; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-    return c;
-  }();
-  _tile_loadconfig(&cfg);
-}
-
 // One block's T accumulator tiles += A (tile 4) x the block's B groups (B tiles alternate so a
 // load overlaps the previous product).
 template <int T>
@@ -294,15 +286,15 @@ static void amx_rows_write(const float* total, idx_t m0, idx_t m1, idx_t n, idx_
 }
 
 // c[m, n] (or c16's, bf16) for m in [0, M), weight rows n in [n0, n1) (n0 a multiple of 16): x
-// as packed by amx_pack_rows (xp), W [N, K] row stride swn. The splits are folded (t = t + p, in order) in
-// the tiles' own layout and the bias added while writing c: plain fp32 adds as every
-// matmul_tile does (tdpbf16ps ignores MXCSR).
+// as packed by amx_pack_rows (xp), W [N, K] row stride swn. The splits are folded (t = t + p,
+// in order) in the tiles' own layout and the bias added while writing c: plain fp32 adds as
+// every matmul_tile does (tdpbf16ps ignores MXCSR).
 __attribute__((target("amx-tile,amx-bf16"))) static void amx_rows_tile(
     const u32* xp, idx_t M, const u16* w, idx_t swn, const float* bias, float* c, u16* c16,
     idx_t ldc, idx_t n0, idx_t n1, idx_t K, idx_t split) {
   const idx_t groups = (M + 15) / 16;
   alignas(64) float total[16 * 64], part[16 * 64];
-  amx_rows_begin();
+  amx_load_config();  // tiles 0-3 accumulators, 4 a block of W, 5 and 6 blocks of x
   for (idx_t n = n0; n < n1; n += 16) {
     const idx_t R = n1 - n < 16 ? n1 - n : 16;
     for (idx_t g0 = 0; g0 < groups; g0 += 4) {

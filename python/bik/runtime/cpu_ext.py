@@ -27,12 +27,10 @@ __all__ = ["BF16_ENV", "FP32_ENV", "available", "bf16_contract", "bf16_dot", "bf
            "contract_version", "fp32_contract", "fp32_fma", "fp32_fma_refusal", "isa",
            "require", "source_hash", "unavailable_reason"]
 
-# bf16 products' sequence: "auto" (default) takes contract.h's dot sequence wherever its kernel
-# passes, else the fp32 one; "amx" (opt-in) takes its AMX sequence wherever that kernel passes,
-# else as auto (with a warning); "widen" keeps the fp32 sequence (to match a machine without
-# FMA). AMX is not the default: its blocks of 32 terms make a product's bits depend on where
-# its leading zeros end (left padding in a K-long attention product), which the dot sequence's
-# one chain does not (docs/design.md).
+# bf16 products' sequences (bf16_kernel): "auto" (default) puts 2-D products on contract.h's
+# AMX sequence wherever its kernel passes and bmm on the dot sequence, else everything on the
+# dot sequence, else the fp32 one; "amx" the same, warning where AMX is refused; "dot" the dot
+# sequence everywhere; "widen" the fp32 sequence (to match a machine without FMA).
 BF16_ENV = "BIK_CPU_BF16"
 # "mul-add" keeps products off the bf16 dot path on the fp32 sequence that rounds the multiply
 # and the add apart (the CUDA SIMT fp32 kernel's, and a CPU's without FMA); "auto" (default)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import threading
-
 import torch
 
 from bik.configs import matmul_split
@@ -108,10 +105,9 @@ def _launch_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     # the kernel writes fp32, or bf16 rounded as .to(torch.bfloat16) rounds (no second pass);
     # a strided bf16 out gets the kernel's bf16 copied in (torch's strided fp32 -> bf16 copy
     # writes NaN as 0x7fc0, its vectorized one and the kernel 0xffff)
-    if out.dtype in (torch.float32, torch.bfloat16):
-        res = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
-    else:
-        res = _fp32_scratch(out.shape)
+    same = out.dtype in (torch.float32, torch.bfloat16)
+    res = out if same and out.is_contiguous() else \
+        torch.empty(out.shape, dtype=out.dtype if same else torch.float32)
     # a: the rows, small next to a weight; widened first (exact) off the dot path
     _launch(a if dot else a.float(), b, bias32, res, split, kernel if dot else None)
     if res is not out:
@@ -120,29 +116,12 @@ def _launch_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
 _PACKED_B = {torch.float32: False, torch.bfloat16: True}  # b dtype -> the kernel's b_bf16
 
-# fp32 results a thread keeps between calls for a product rounded to another dtype (floats).
-_SCRATCH_FLOATS = 1 << 20
-_scratch = threading.local()
-
-
-def _fp32_scratch(shape: torch.Size) -> torch.Tensor:
-    """An fp32 buffer of ``shape`` for the kernel's result before its one rounding, reused by
-    this thread up to 4 MiB: a fresh one of a few hundred KiB costs its page faults on every
-    call, more than the product's rounding. Read only until launch_matmul returns, so reuse
-    never shows. (fp16 results; fp32 and bf16 ones the kernel writes itself.)"""
-    numel = math.prod(shape)
-    if numel > _SCRATCH_FLOATS:
-        return torch.empty(shape, dtype=torch.float32)
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < numel:
-        buf = _scratch.buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32)
-    return buf[:numel].view(shape)
-
 
 def _launch(a, b, bias32, out, split: int, kernel: str | None) -> None:
     """fp32 (or, with a bf16 ``kernel``, bf16) a, fp32 or bf16 out, fp32 or bf16 b, every batch
-    entry in one kernel call: the kernel takes pointers and element strides per entry (attention's bmm is
-    dozens of tiny products; a call, or a view, per entry cost more than the product)."""
+    entry in one kernel call: the kernel takes pointers and element strides per entry
+    (attention's bmm is dozens of tiny products; a call, or a view, per entry cost more than
+    the product)."""
     n_batch, m, k = a.shape
     n = b.shape[2]
     if m == 0 or n == 0 or n_batch == 0:
