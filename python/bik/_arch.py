@@ -10,7 +10,9 @@ import os
 
 import torch
 
-__all__ = ["device_arch", "interpreter_active"]
+__all__ = ["device_arch", "dry_run_arch", "interpreter_active", "set_dry_run_arch"]
+
+_dry_run_arch: str | None = None  # bik.runtime.triton_dry_run's target while one is active
 
 
 def interpreter_active() -> bool:
@@ -21,6 +23,17 @@ def interpreter_active() -> bool:
     whether CPU tensors may go to the Triton backend.
     """
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dry_run_arch() -> str | None:
+    """The GPU arch a dry run (``bik.runtime.triton_dry_run``) emulates on the host, or None:
+    while one is active, CPU tensors stand for that GPU's on the Triton route."""
+    return _dry_run_arch
+
+
+def set_dry_run_arch(arch: str | None) -> None:
+    global _dry_run_arch
+    _dry_run_arch = arch
 
 
 @functools.cache
@@ -37,4 +50,6 @@ def device_arch(device: torch.device) -> str:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return _cuda_arch(index)
+    if _dry_run_arch is not None:
+        return _dry_run_arch
     return "interpreter" if interpreter_active() else "cpu"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bik._arch import interpreter_active
+from bik._arch import dry_run_arch, interpreter_active
 
 __all__ = [
     "backend_variant",
@@ -137,7 +137,8 @@ def _triton_can_run(label: str, device: torch.device) -> None:
     err = _triton_import_error()
     if err is not None:
         raise BackendUnavailableError(f"{label}: backend='triton' needs triton ({err})")
-    if device.type == "cpu" and not interpreter_active():
+    # CUDA tensors first: no environment read on the GPU route's every call.
+    if device.type == "cpu" and dry_run_arch() is None and not interpreter_active():
         raise BackendUnavailableError(
             f"{label}: backend='triton' got CPU tensors; Triton runs CPU tensors only in its "
             f"interpreter (set TRITON_INTERPRET=1 before the process starts)")

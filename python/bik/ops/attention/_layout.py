@@ -67,6 +67,11 @@ class Problem(NamedTuple):
     causal: bool
 
 
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as int32, without an aten call when it is already (an engine's metadata is)."""
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
 def run_on_gpu(label: str, backend: str, head_dims: tuple[int, ...], launch: Callable,
                p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the outputs and call a GPU ``launch_attention`` (Triton or CUDA C++: the same
@@ -79,9 +84,8 @@ def run_on_gpu(label: str, backend: str, head_dims: tuple[int, ...], launch: Cal
     out = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((total_q, hq), dtype=torch.float32, device=q.device)
     lay = p.layout
-    launch(q, p.k, p.v, out, lse, cu_q=p.cu_q.to(torch.int32),
-           seqlens_k=p.seqlens_k.to(torch.int32),
-           table=None if lay.table is None else lay.table.to(torch.int32), base=lay.base,
+    launch(q, p.k, p.v, out, lse, cu_q=_int32(p.cu_q), seqlens_k=_int32(p.seqlens_k),
+           table=None if lay.table is None else _int32(lay.table), base=lay.base,
            block_size=lay.block_size, stride_page=lay.stride_page, stride_tok=lay.stride_tok,
            base_multiple=lay.base_multiple,
            max_q_len=p.max_q_len, max_k_len=p.max_k_len, scale=p.scale,

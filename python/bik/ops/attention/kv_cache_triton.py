@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from bik.runtime.triton_launch import launch
 
 
 @triton.jit
@@ -52,6 +53,6 @@ def write_rows_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Ten
     if tokens == 0 or hkv * d == 0:
         return
     n_slots = k_cache.shape[0] * k_cache.shape[1]
-    write_kv_kernel[(tokens,)](k_cache, v_cache, k, v, slots, n_slots, k_cache.shape[1],
-                               *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride(),
-                               *v.stride(), HKV=hkv, D=d, BLOCK=write_block(hkv, d))
+    launch(write_kv_kernel, (tokens,), k_cache, v_cache, k, v, slots, n_slots, k_cache.shape[1],
+           *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride(),
+           *v.stride(), HKV=hkv, D=d, BLOCK=write_block(hkv, d))

@@ -32,6 +32,7 @@ from bik._arch import device_arch
 from bik.configs import TRITON_ATTENTION_HEAD_DIMS, attention_config
 from bik.ops._pointwise import LOG2E
 from bik.ops.attention._layout import Problem, run_on_gpu, split_workspace, splits_per_program
+from bik.runtime.triton_launch import launch
 
 
 @triton.jit
@@ -58,7 +59,9 @@ def _kv_base(b, base_ptr, PAGED: tl.constexpr, BASE_MULTIPLE: tl.constexpr):
     program, before the key loop, so the loop's loads depend on nothing loaded in it."""
     if PAGED:
         return tl.full((), 0, tl.int64)
-    base = tl.load(base_ptr + b)
+    # int64 whatever the pointer: a paged call passes an int32 stand-in for base_ptr, and both
+    # returns must have one type (Triton 3.6 types both; found by the sm_90 dry run).
+    base = tl.load(base_ptr + b).to(tl.int64)
     if BASE_MULTIPLE > 1:
         # A loaded offset has no known alignment: without the host's divisor every K/V element
         # is loaded alone (head_dim 128 then spilled 1.4 KB; ptxas, sm_90).
@@ -307,19 +310,19 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
         tickets = seqlens_k  # unused
     grid = (n_seq * hkv * tiles, 1, runs)
     dummy = seqlens_k
-    attention_kernel[grid](
-        q, k, v, out, lse, pacc, pml, tickets,
-        cu_q, seqlens_k, table if paged else dummy, base if not paged else dummy,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        table.stride(0) if paged else 0,
-        stride_page, stride_tok, k.stride(-2),
-        block_size, total_q, hq, scale * LOG2E, n_seq * hkv, max_q_len, max_k_len,
-        HKV=hkv, G=g, D=d, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
-        SPLIT=cfg.split, PAGED=paged, CAUSAL=causal, FOLD=not split,
-        BASE_MULTIPLE=1 if paged else math.gcd(base_multiple, 16),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-    )
+    launch(attention_kernel, grid,
+           q, k, v, out, lse, pacc, pml, tickets,
+           cu_q, seqlens_k, table if paged else dummy, base if not paged else dummy,
+           q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+           table.stride(0) if paged else 0,
+           stride_page, stride_tok, k.stride(-2),
+           block_size, total_q, hq, scale * LOG2E, n_seq * hkv, max_q_len, max_k_len,
+           HKV=hkv, G=g, D=d, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
+           SPLIT=cfg.split, PAGED=paged, CAUSAL=causal, FOLD=not split,
+           BASE_MULTIPLE=1 if paged else math.gcd(base_multiple, 16),
+           DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+           )
 
 
 def run_attention(label: str, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:

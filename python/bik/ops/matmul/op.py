@@ -215,6 +215,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"{op}: x {list(x.shape)} and weight {list(weight.shape)} disagree on "
                          f"K (x's last dim must equal weight.shape[1])")
+    if x.dim() == 2:  # a decode step's shape: straight to the op, which checks the rest once
+        return call("matmul", x, weight.t(), bias, out_dtype,
+                    resolve_backend("matmul", backend, x.device, label=op))
     return matmul(x, weight.t(), bias, out_dtype=out_dtype, backend=backend)
 
 

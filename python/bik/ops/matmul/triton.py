@@ -22,14 +22,18 @@ instruction (checked on the PTX for every mode): same bits by construction.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from bik._arch import device_arch
-from bik.configs import matmul_config, matmul_split
+from bik.configs import matmul_config, matmul_split, matmul_split_mode
 from bik.ops.matmul.schedule import (persistent_programs, spread_bytes, use_persistent,
                                      use_spread)
+from bik.runtime.triton_launch import launch
 
 
 @triton.jit
@@ -295,6 +299,41 @@ def input_precision(dtype: torch.dtype) -> str:
 FOLD_BLOCK = (32, 128)  # fold kernel tile (elementwise: speed only)
 
 
+class _Plan(NamedTuple):
+    """What a launch of one (dtype, layer, K, arch, split rule, bias) needs besides M: found
+    once (``_plan``), so a call does only M's arithmetic before its launches."""
+
+    cfg: object  # MatmulConfig
+    split: int
+    n_splits: int
+    fold: dict  # matmul_kernel's constexprs and options, FOLD
+    spread: dict  # the same, SPREAD
+    fold_kernel: dict  # matmul_fold_kernel's
+    tma: dict  # matmul_tma_kernel's (B_NK added per call)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(dtype: torch.dtype, key_n: int, key_k: int, k: int, arch: str, split: int | None,
+          split_mode: str, has_bias: bool) -> _Plan:
+    del split_mode  # part of the key: matmul_split reads it
+    cfg = matmul_config(dtype, key_n, key_k, arch)
+    split = matmul_split(dtype, key_n, key_k).split if split is None else split
+    n_splits = max(1, -(-k // split))
+    if n_splits > 65535:
+        raise ValueError(f"bik: backend='triton' matmul: K = {k} gives {n_splits} splits "
+                         f"(max 65535)")
+    common = dict(HAS_BIAS=has_bias, INPUT_PRECISION=input_precision(dtype))
+    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                 GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    multi = n_splits > 1
+    return _Plan(cfg, split, n_splits,
+                 fold=common | dict(SPREAD=False, MULTI_SPLIT=multi) | tiles,
+                 spread=common | dict(SPREAD=True, MULTI_SPLIT=multi) | tiles,
+                 fold_kernel=dict(HAS_BIAS=has_bias, BLOCK_M=FOLD_BLOCK[0],
+                                  BLOCK_N=FOLD_BLOCK[1]),
+                 tma=common | dict(MULTI_SPLIT=multi) | tiles)
+
+
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                   out: torch.Tensor, *, layer: tuple[int, int] | None = None,
                   split: int | None = None, spread: bool | None = None,
@@ -311,52 +350,35 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     n = b.shape[2]
     if nb == 0 or m == 0 or n == 0:
         return
+    arch = device_arch(a.device)
     key_n, key_k = layer or (n, k)
-    cfg = matmul_config(a.dtype, key_n, key_k, device_arch(a.device))
-    split = matmul_split(a.dtype, key_n, key_k).split if split is None else split
-    n_splits = max(1, triton.cdiv(k, split))
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * nb
+    plan = _plan(a.dtype, key_n, key_k, k, arch, split, matmul_split_mode(), bias is not None)
+    cfg, n_splits = plan.cfg, plan.n_splits
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * nb
     spread = use_spread(tiles, n_splits, **spread_bytes(nb, m, n, k, n_splits, a.element_size())) \
         if spread is None else bool(spread) and n_splits > 1
-    if n_splits > 65535:
-        raise ValueError(f"bik: backend='triton' matmul: K = {k} gives {n_splits} splits "
-                         f"(max 65535)")
     bias_arg = bias.contiguous() if bias is not None else out
     if persistent is None:
-        persistent = use_persistent(device_arch(a.device), a.dtype, tiles)
-    descs = _tma_operands(a, b, cfg, split) if persistent else None
+        persistent = use_persistent(arch, a.dtype, tiles)
+    descs = _tma_operands(a, b, cfg, plan.split) if persistent else None
     if descs is not None:
         a_desc, b_desc, b_nk = descs
         programs = persistent_programs(a.device, tiles)
-        matmul_tma_kernel[(programs,)](
-            a_desc, b_desc, bias_arg, out, m, n, k, split, programs,
-            out.stride(1), out.stride(2),
-            HAS_BIAS=bias is not None, INPUT_PRECISION=input_precision(a.dtype),
-            MULTI_SPLIT=n_splits > 1, B_NK=b_nk,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        launch(matmul_tma_kernel, (programs,),
+               a_desc, b_desc, bias_arg, out, m, n, k, plan.split, programs,
+               out.stride(1), out.stride(2), B_NK=b_nk, **plan.tma)
         return
-    ws = torch.empty((nb, n_splits, m, n) if spread else (1,), dtype=torch.float32,
-                     device=a.device)
-    matmul_kernel[(tiles, n_splits if spread else 1)](
-        a, b, bias_arg, out, ws,
-        m, n, k, split,
-        a.stride(0), a.stride(1), a.stride(2),
-        b.stride(0), b.stride(1), b.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        HAS_BIAS=bias is not None,
-        INPUT_PRECISION=input_precision(a.dtype),
-        SPREAD=spread, MULTI_SPLIT=n_splits > 1,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    # SPREAD's fp32 partials [batch, n_splits, M, N]; FOLD reads none (out stands in).
+    ws = torch.empty((nb, n_splits, m, n), dtype=torch.float32, device=a.device) if spread \
+        else out
+    sa, sb, sc = a.stride(), b.stride(), out.stride()
+    launch(matmul_kernel, (tiles, n_splits if spread else 1),
+           a, b, bias_arg, out, ws, m, n, k, plan.split, *sa, *sb, *sc,
+           **(plan.spread if spread else plan.fold))
     if spread:
         bm, bn = FOLD_BLOCK
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn) * nb,)
-        matmul_fold_kernel[grid](ws, bias_arg, out, m, n, n_splits,
-                                 out.stride(0), out.stride(1), out.stride(2),
-                                 HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn)
+        launch(matmul_fold_kernel, (-(-m // bm) * -(-n // bn) * nb,),
+               ws, bias_arg, out, m, n, n_splits, *sc, **plan.fold_kernel)
 
 
 # bik::bmm's entry: the same kernel (the CPU backend alone runs bmm on another bf16 sequence).

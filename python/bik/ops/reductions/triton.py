@@ -35,6 +35,7 @@ import triton.language as tl
 from bik._arch import device_arch
 from bik.configs import reduction_config, sampler_chunks
 from bik.ops._normaliser_triton import NO_FUSION, add_chunk_sums, bik_exp, bik_log, chunk_sums
+from bik.runtime.triton_launch import launch
 
 
 @triton.jit
@@ -170,12 +171,12 @@ def launch_softmax(x: torch.Tensor, out: torch.Tensor, *, log: bool) -> None:
     arch = device_arch(x.device)
     if log:
         group_len, meta = log_softmax_launch_args(n, arch)
-        log_softmax_kernel[(m,)](x, out, n, group_len, x.stride(0), out.stride(0), **meta,
-                                 **NO_FUSION)
+        launch(log_softmax_kernel, (m,), x, out, n, group_len, x.stride(0), out.stride(0), **meta,
+               **NO_FUSION)
         return
     cfg = reduction_config(n, arch)
-    softmax_kernel[(m,)](x, out, n, x.stride(0), out.stride(0),
-                         BLOCK=cfg.block, ANCHOR=True, num_warps=cfg.num_warps)
+    launch(softmax_kernel, (m,), x, out, n, x.stride(0), out.stride(0),
+           BLOCK=cfg.block, ANCHOR=True, num_warps=cfg.num_warps)
 
 
 def launch_mean(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -184,5 +185,5 @@ def launch_mean(x: torch.Tensor, out: torch.Tensor) -> None:
     if m == 0:
         return
     cfg = reduction_config(n, device_arch(x.device))
-    mean_kernel[(m,)](x, out, n, float(n), x.stride(0), BLOCK=cfg.block,
-                      num_warps=cfg.num_warps)
+    launch(mean_kernel, (m,), x, out, n, float(n), x.stride(0), BLOCK=cfg.block,
+           num_warps=cfg.num_warps)

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from bik._arch import device_arch
 from bik.configs import rms_norm_config
+from bik.runtime.triton_launch import launch
 
 
 @triton.jit
@@ -77,10 +78,10 @@ def launch_rms_norm(args, out: torch.Tensor, h_out: torch.Tensor | None = None) 
     cfg = rms_norm_config(x.dtype, hidden, device_arch(x.device))
     has_res = h_out is not None
     residual = args.residual if has_res else None
-    rms_norm_kernel[(m,)](
-        x, residual if has_res else x, args.weight, out, h_out if has_res else out,
-        hidden, args.eps,
-        x.stride(0), residual.stride(0) if has_res else 0, out.stride(0),
-        h_out.stride(0) if has_res else 0,
-        HAS_RESIDUAL=has_res, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps,
-    )
+    launch(rms_norm_kernel, (m,),
+           x, residual if has_res else x, args.weight, out, h_out if has_res else out,
+           hidden, args.eps,
+           x.stride(0), residual.stride(0) if has_res else 0, out.stride(0),
+           h_out.stride(0) if has_res else 0,
+           HAS_RESIDUAL=has_res, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps,
+           )

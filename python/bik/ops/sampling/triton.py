@@ -52,6 +52,7 @@ from bik.ops.sampling.triton_common import (
 )
 from bik.ops.sampling.triton_groups import launch_group_mass, launch_group_max
 from bik.ops.sampling.triton_top_p import launch_top_p_stats
+from bik.runtime.triton_launch import launch
 
 STREAM = tl.constexpr(STREAM_SAMPLE)
 # The noise's exact extremes over all 2^23 u (fp32): a token with fl(z + G_MAX) < fl(m + G_MIN)
@@ -194,13 +195,13 @@ def launch_sample(x: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
     launch_group_mass(x, temperature, vk, ik, top_p, min_p, ws, plain=plain, **shape)
     if not plain:
         launch_top_p_stats(x, temperature, vk, ik, top_p, min_p, ws, **shape)
-    gumbel_pick_kernel[(b, n_splits)](x, x.stride(0), v, seed, position, temperature,
-                                      *topk_args(vk, ik, ws), *ws.args(), G=groups,
-                                      SPLIT=cfg.split, BLOCK=cfg.block, TOPK=vk is not None,
-                                      num_warps=cfg.num_warps, **NO_FUSION)
-    finish_kernel[(b,)](x, x.stride(0), temperature, top_p, *ws.args(), tokens, logprobs,
-                        n_splits, G=groups, SPLITS_P2=triton.next_power_of_2(n_splits),
-                        PLAIN=plain, num_warps=1, **NO_FUSION)
+    launch(gumbel_pick_kernel, (b, n_splits), x, x.stride(0), v, seed, position, temperature,
+           *topk_args(vk, ik, ws), *ws.args(), G=groups,
+           SPLIT=cfg.split, BLOCK=cfg.block, TOPK=vk is not None,
+           num_warps=cfg.num_warps, **NO_FUSION)
+    launch(finish_kernel, (b,), x, x.stride(0), temperature, top_p, *ws.args(), tokens, logprobs,
+           n_splits, G=groups, SPLITS_P2=triton.next_power_of_2(n_splits),
+           PLAIN=plain, num_warps=1, **NO_FUSION)
     return tokens, logprobs
 
 

@@ -32,6 +32,7 @@ from bik.ops.sampling.triton_common import (
     row_topk,
     topk_args,
 )
+from bik.runtime.triton_launch import launch
 
 
 @triton.jit
@@ -83,9 +84,9 @@ def launch_group_max(logits, temperature, vk, ik, ws, *, block: int, num_warps: 
     search start from them. vk / ik None: no row uses top-k."""
     b, v = logits.shape
     g = ws.groups
-    group_max_kernel[(b, g)](logits, logits.stride(0), v // g, temperature,
-                             *topk_args(vk, ik, ws), *ws.args(), G=g, BLOCK=block,
-                             TOPK=vk is not None, num_warps=num_warps, **options)
+    launch(group_max_kernel, (b, g), logits, logits.stride(0), v // g, temperature,
+           *topk_args(vk, ik, ws), *ws.args(), G=g, BLOCK=block,
+           TOPK=vk is not None, num_warps=num_warps, **options)
 
 
 def launch_group_mass(logits, temperature, vk, ik, top_p, min_p, ws, *, plain: bool,
@@ -95,8 +96,8 @@ def launch_group_mass(logits, temperature, vk, ik, top_p, min_p, ws, *, plain: b
     there are none)."""
     b, v = logits.shape
     g = ws.groups
-    group_mass_kernel[(b, g)](logits, logits.stride(0), v // g, temperature,
-                              *topk_args(vk, ik, ws), top_p, min_p, *ws.args(), G=g,
-                              CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, NCH=nch,
-                              TOPK=vk is not None, PLAIN=plain, num_warps=num_warps, **options)
+    launch(group_mass_kernel, (b, g), logits, logits.stride(0), v // g, temperature,
+           *topk_args(vk, ik, ws), top_p, min_p, *ws.args(), G=g,
+           CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, NCH=nch,
+           TOPK=vk is not None, PLAIN=plain, num_warps=num_warps, **options)
 

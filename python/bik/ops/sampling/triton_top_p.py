@@ -57,6 +57,7 @@ from bik.ops.sampling.triton_common import (
     row_topk,
     topk_args,
 )
+from bik.runtime.triton_launch import launch
 
 TOP_P_LANES = 16  # thresholds probed per pass
 TOP_P_CANDIDATES = 256  # tokens of the bracket a split pass keeps for the candidates pass
@@ -344,7 +345,7 @@ def launch_top_p_stats(logits, temperature, vk, ik, top_p, min_p, ws, *, chunk: 
               "LANES": TOP_P_LANES, "CANDIDATES": TOP_P_CANDIDATES, "TOPK": vk is not None,
               "num_warps": num_warps, **options}
     for it in range(min(spread, passes)):
-        top_p_pass_kernel[(b, g)](*common, it, *row_args, tickets, taken, **consts)
+        launch(top_p_pass_kernel, (b, g), *common, it, *row_args, tickets, taken, **consts)
     if passes > spread:
-        top_p_finish_kernel[(b,)](*common, spread, passes, *row_args, taken, **consts)
+        launch(top_p_finish_kernel, (b,), *common, spread, passes, *row_args, taken, **consts)
     return taken
