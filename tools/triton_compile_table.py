@@ -29,9 +29,10 @@ ATTENTION_HEADS = ((128, 32, 8), (128, 8, 1), (64, 16, 16))
 
 
 def _matmul_cases(arch: int) -> Iterator[tuple]:
-    """Each (dtype, N, K) in both launch modes (FOLD; SPREAD when K has several splits), and the
-    SPREAD fold kernel: tests/test_triton_compile.py checks every mode emits one MMA."""
-    from bik.ops.matmul.triton import FOLD_BLOCK, input_precision, matmul_fold_kernel, matmul_kernel
+    """Each (dtype, N, K) in both launch modes (FOLD; SPREAD, whose last program per tile folds
+    the partials, when K has several splits): tests/test_triton_compile.py checks every mode
+    emits one MMA."""
+    from bik.ops.matmul.triton import input_precision, matmul_kernel
 
     seen = set()
     for dtype in DTYPES:
@@ -48,7 +49,8 @@ def _matmul_cases(arch: int) -> Iterator[tuple]:
                     seen.add(key)
                     args = {"a_ptr": Ptr(dtype), "b_ptr": Ptr(dtype),
                             "bias_ptr": Ptr(torch.float32), "c_ptr": Ptr(dtype),
-                            "ws_ptr": Ptr(torch.float32), "M": 4096, "N": n, "K": k,
+                            "ws_ptr": Ptr(torch.float32), "ticket_ptr": Ptr(torch.int32),
+                            "M": 4096, "N": n, "K": k,
                             "SPLIT": plan.split, "stride_ab": 0, "stride_am": k,
                             "stride_ak": 1, "stride_bb": 0, "stride_bk": 1, "stride_bn": k,
                             "stride_cb": 0, "stride_cm": n, "stride_cn": 1}
@@ -58,12 +60,6 @@ def _matmul_cases(arch: int) -> Iterator[tuple]:
                               "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
                     yield matmul_kernel, args, consts, cfg.num_warps, cfg.num_stages
         yield from _persistent_cases(arch, dtype)
-        for has_bias in (False, True):
-            args = {"ws_ptr": Ptr(torch.float32), "bias_ptr": Ptr(torch.float32),
-                    "c_ptr": Ptr(dtype), "M": 4096, "N": 4096, "N_SPLITS": 8, "stride_cb": 0,
-                    "stride_cm": 4096, "stride_cn": 1}
-            consts = {"HAS_BIAS": has_bias, "BLOCK_M": FOLD_BLOCK[0], "BLOCK_N": FOLD_BLOCK[1]}
-            yield matmul_fold_kernel, args, consts, 4, 1
 
 
 def _persistent_cases(arch: int, dtype) -> Iterator[tuple]:

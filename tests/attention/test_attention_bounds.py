@@ -12,6 +12,8 @@ kernel runs the same bodies in tests/cuda/test_cuda_kernels_host.py.
 
 from __future__ import annotations
 
+import collections
+
 import bik
 import pytest
 import torch
@@ -82,8 +84,9 @@ def test_programs_with_work_follow_the_real_lengths(bound_splits, real_splits, i
 def test_the_kernel_spreads_the_real_splits_over_the_runs(target, monkeypatch):
     """8 decode rows of 160 keys (5 interpreter splits) launched with max_seqlen_k = 2048 (64
     splits): 16 (sequence, KV head) items get 16 runs of 4 bound splits, and the kernel gives
-    each tile's 5 real splits to 5 programs (their tickets count them), as busy_programs says;
-    the bits are the true bound's."""
+    each tile's 5 real splits to 5 programs (the ticket increments count them: the last
+    program returns its tile's ticket to zero), as busy_programs says; the bits are the true
+    bound's."""
     from bik import configs
     from bik.ops.attention._layout import busy_programs
 
@@ -101,19 +104,34 @@ def test_the_kernel_spreads_the_real_splits_over_the_runs(target, monkeypatch):
     right = bik.attention(q, k, v, **meta, max_seqlen_q=1, max_seqlen_k=5 * split,
                           backend="triton")
     launches, kernel = [], triton_attention.attention_kernel
+    increments = collections.Counter()  # ticket address -> atomic adds on it
+
+    def counting_rmw(builder, op, ptr, val, mask, sem, scope):
+        for address, on in zip(ptr.data.ravel().tolist(), mask.data.ravel().tolist()):
+            increments[address] += bool(on)
+        return atomic_rmw(builder, op, ptr, val, mask, sem, scope)
 
     class Spy:
         def __getitem__(self, grid):
             def run(*args, **kwargs):
                 kernel[grid](*args, **kwargs)
-                launches.append((grid, args[7].clone()))  # the tickets after the launch
+                tickets = args[7]
+                launches.append((grid, [increments[tickets.data_ptr() + 4 * i]
+                                        for i in range(grid[0])], tickets[:grid[0]].clone()))
             return run
 
+    if target.small:  # the interpreter's atomics can be counted; a GPU's are not
+        from triton.runtime.interpreter import InterpreterBuilder
+
+        atomic_rmw = InterpreterBuilder.create_atomic_rmw
+        monkeypatch.setattr(InterpreterBuilder, "create_atomic_rmw", counting_rmw)
     monkeypatch.setattr(triton_attention, "attention_kernel", Spy())
     monkeypatch.setattr(triton_attention, "use_split_mode", lambda *args: True)
     got = bik.attention(q, k, v, **meta, max_seqlen_q=1, max_seqlen_k=64 * split,
                         backend="triton")
     assert torch.equal(got.cpu(), right.cpu())
-    (grid, tickets), = launches
+    (grid, taken, left), = launches
     assert grid == (16, 1, 16)
-    assert tickets.tolist() == [busy_programs(16, [5])] * 16 == [5] * 16
+    if target.small:
+        assert taken == [busy_programs(16, [5])] * 16 == [5] * 16
+    assert not left.any()  # every ticket back at zero for the next kernel

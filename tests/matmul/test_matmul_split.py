@@ -6,7 +6,7 @@
   use (csrc/cpu/c_abi.h) is the Python rule for every K.
 * Row-parallel shards: the G group partials, each computed alone on its K range (what one rank
   of a row-parallel layer holds), folded in ascending order, are the full product's bits.
-* Triton (interpreter): SPREAD (one program per (tile, split), fp32 partials, a fold kernel),
+* Triton (interpreter): SPREAD (one program per (tile, split), fp32 partials, the last folds),
   FOLD (splits in order inside a program) and PERSISTENT (TMA loads, programs looping over the
   tiles; both B layouts) give the same bits at every M; rows stay invariant in all three; a
   split picked by M is caught by the same check.
@@ -211,6 +211,39 @@ def test_triton_spread_equals_fold_at_every_m(target, small_splits, k):
         one = torch.empty(1, 33, 40)
         triton_matmul.launch_matmul(pool[None], w.t()[None], bias, one, split=k)
         assert not same_bits(one[0], run(pool, False))
+
+
+@pytest.mark.parametrize("target", targets("interpreter"))
+def test_triton_spread_returns_its_tickets_to_zero(target, small_splits):
+    """SPREAD folds in the launch: each tile's last program to take a ticket (a counter of
+    bik.runtime.counters' per-stream buffer) folds the partials and sets the ticket back to 0,
+    so the next SPREAD finds it at zero. Control: a ticket left at 1 makes its tile fold before
+    every partial is written (the fold reads a workspace still holding NaN), and the output
+    changes; the counters then stay off zero."""
+    from bik.ops.matmul import triton as triton_matmul
+    from bik.runtime.counters import zeroed_counters
+
+    g = torch.Generator().manual_seed(3)
+    x, w, bias = torch.randn(5, 100, generator=g), torch.randn(40, 100, generator=g), None
+
+    def run(spread):
+        out = torch.empty(1, 5, 40)
+        triton_matmul.launch_matmul(x[None], w.t()[None], bias, out, spread=spread)
+        return out[0]
+
+    fold = run(False)
+    tickets = zeroed_counters(x.device, 1)
+    for _ in range(3):  # each call starts from the zeros the last one left
+        assert same_bits(run(True), fold)
+        assert not tickets.any()
+    real_empty = torch.empty
+    try:  # the workspace as NaN, then a stale ticket on tile 0
+        torch.empty = lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
+        tickets[0] = 1
+        assert not same_bits(run(True), fold)
+    finally:
+        torch.empty = real_empty
+        tickets.zero_()
 
 
 class _Launches:

@@ -39,7 +39,8 @@ _PROPERTIES = {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_r
 @dataclass
 class DryLaunch:
     """One launch the recorder took: the kernel's name, its grid, and (with ``keep_args``)
-    everything the launcher was handed after the grid and stream."""
+    what the launcher was handed besides the grid and the launch hooks: the stream, the
+    kernel's handle, its packed metadata and the kernel's arguments."""
 
     name: str
     grid: tuple[int, int, int]
@@ -67,20 +68,20 @@ class _Recorder:
         self.run = run
 
     def __call__(self, gx, gy, gz, stream, function, packed, meta, enter, leave, *args):
-        del stream, function, packed
         if enter is not None:
             enter(meta)
         self.run.count += 1
-        self.run.launches.append(DryLaunch(self.name, (gx, gy, gz),
-                                           args if self.run.keep_args else None))
+        kept = (stream, function, packed, *args) if self.run.keep_args else None
+        self.run.launches.append(DryLaunch(self.name, (gx, gy, gz), kept))
         if leave is not None:
             leave(meta)
 
 
 class _Utils:
     def load_binary(self, name, kernel, shared, device):
-        del name, kernel, shared, device
-        return 1, 1, 0, 0, 1024  # module, function, registers, spills, max threads
+        del name, shared, device
+        # module, function (one handle per binary, as the driver's), registers, spills, threads
+        return id(kernel), id(kernel), 0, 0, 1024
 
     def get_device_properties(self, device):
         del device

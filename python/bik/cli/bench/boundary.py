@@ -1,6 +1,7 @@
 """`bik bench boundary`: what the op boundary and the front ends cost per call, for a
 1 x 64 x 64 matmul whose kernel is nearly free, and what an op the front ends do not route
-pays while they are on.
+pays while they are on; then (without --backend) the host µs per eager call of a decode step's
+ops on every backend that runs here (bik/cli/bench/host_route.py).
 
 Each sample times a loop of calls (the per-call time is the loop's over its length), so the
 timer's own cost does not swamp microsecond calls; p20/p50/p80 over the samples are reported
@@ -16,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 import bik
+from bik.cli.bench.host_route import route_records
 from bik.cli.common import print_table, progress
 from bik.cli.timing import NOISY, time_ms
 from bik.configs import matmul_split
@@ -90,17 +92,32 @@ def bench_boundary(device, dtype, backend, budget_s: float = 0.3) -> list[dict]:
 
 
 def run(device, dtype, args) -> list[dict]:
-    return bench_boundary(device, dtype, args.backend)
+    records = bench_boundary(device, dtype, args.backend)
+    if args.backend is None:  # the route table covers every backend that runs here
+        records += route_records(device, quick=args.quick)
+    return records
 
 
 def render(records: list[dict], console: Console) -> None:
-    table = Table(title=f"op boundary, 1 x 64 x 64 matmul (ratio: p50 / {records[0]['floor']})")
+    boundary = [r for r in records if r.get("table") != "route"]
+    table = Table(title=f"op boundary, 1 x 64 x 64 matmul (ratio: p50 / {boundary[0]['floor']})")
     for col in ("call", "p20 µs", "p50 µs", "p80 µs", "ratio", ""):
         table.add_column(col, justify="left" if col in ("call", "") else "right")
-    for r in records:
+    for r in boundary:
         table.add_row(r["call"], f"{r['p20']:.1f}", f"{r['p50']:.1f}", f"{r['p80']:.1f}",
                       f"{r['ratio']:.1f}x", "noisy" if r["noisy"] else "")
     print_table(console, table, keys=1)
+    route = [r for r in records if r.get("table") == "route"]
+    if not route:
+        return
+    table = Table(title="host µs per eager call, a Llama-3-8B decode step's ops (bf16)")
+    for col in ("call", "backend", "how", "p20", "p50", "p80", "launches", ""):
+        table.add_column(col, justify="left" if col in ("call", "backend", "how", "") else "right")
+    for r in route:
+        table.add_row(r["call"], r["backend"], r["how"], f"{r['p20']:.1f}", f"{r['p50']:.1f}",
+                      f"{r['p80']:.1f}", "" if r["launches"] is None else str(r["launches"]),
+                      "noisy" if r["noisy"] else "")
+    print_table(console, table, keys=2)
 
 
 plot = None  # a handful of numbers: the table says it all

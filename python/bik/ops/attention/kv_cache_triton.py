@@ -41,7 +41,7 @@ def write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slots_ptr, n_slots, 
 
 def write_block(hkv: int, d: int) -> int:
     """Elements one program copies per step (speed only: a pure copy)."""
-    return min(1024, triton.next_power_of_2(hkv * d))
+    return min(1024, 1 << (hkv * d - 1).bit_length())
 
 
 def write_rows_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,

@@ -32,6 +32,7 @@ from bik._arch import device_arch
 from bik.configs import TRITON_ATTENTION_HEAD_DIMS, attention_config
 from bik.ops._pointwise import LOG2E
 from bik.ops.attention._layout import Problem, run_on_gpu, split_workspace, splits_per_program
+from bik.runtime.counters import zeroed_counters
 from bik.runtime.triton_launch import launch
 
 
@@ -245,7 +246,8 @@ def attention_kernel(
     last = True
     if not FOLD:
         # Every thread's partial stores, then one release / acquire ticket per program: the
-        # tile's last program to arrive sees every partial and folds them.
+        # tile's last program to arrive sees every partial, folds them, and returns the ticket
+        # to zero (bik.runtime.counters: the next kernel on the stream finds it so).
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
         last = ticket == tl.minimum(runs, n_splits) - 1
@@ -253,6 +255,7 @@ def attention_kernel(
             tl.debug_barrier()
             m, l, acc = _fold_partials(pml_ptr, pacc_ptr, q_rows, head, row_ok, dims, n_splits,
                                        total_q, num_heads_q, BLOCK_M, D)
+            tl.store(ticket_ptr + tl.program_id(0), 0)
     if last:
         out, lse = finalize(m, l, acc)
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -290,12 +293,12 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
     g = hq // hkv
     cfg = attention_config(q.dtype, d, g, device_arch(q.device))
     block_t = max(1, cfg.block_m // g)
-    block_m = max(cfg.block_m, triton.next_power_of_2(g))
-    n_splits = max(1, math.ceil(max_k_len / cfg.split))
-    tiles = triton.cdiv(max_q_len, block_t)
+    block_m = max(cfg.block_m, 1 << (g - 1).bit_length())
+    n_splits = max(1, -(-max_k_len // cfg.split))
+    tiles = -(-max_q_len // block_t)
     per = per_program or splits_per_program(n_seq * hkv * tiles, n_splits)
     split = use_split_mode(total_q, hq, n_splits, per) if split_mode is None else split_mode
-    runs = triton.cdiv(n_splits, per) if split else 1
+    runs = -(-n_splits // per) if split else 1
     if n_seq * hkv * tiles >= 1 << 31 or runs > 65535:
         raise ValueError(f"bik.attention (triton): the launch needs {n_seq * hkv * tiles} "
                          f"programs on grid axis 0 (max 2**31 - 1) and {runs} on axis 2 (max "
@@ -304,7 +307,7 @@ def launch_attention(q, k, v, out, lse, *, cu_q, seqlens_k, table, base, block_s
     paged = table is not None
     if split:
         pacc, pml = split_workspace(n_splits, total_q, hq, d, q.device)
-        tickets = torch.zeros(n_seq * hkv * tiles, dtype=torch.int32, device=q.device)
+        tickets = zeroed_counters(q.device, n_seq * hkv * tiles)
     else:
         pacc = pml = lse  # unused
         tickets = seqlens_k  # unused

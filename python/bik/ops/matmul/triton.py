@@ -13,7 +13,8 @@ Three launch modes, one split order (bik/ops/matmul/schedule.py): FOLD (grid axi
 program runs its splits in order, in one K loop that folds each split's partial where it ends
 and restarts the accumulator from zero, ``_splits_dot``: the loads stay in flight across split
 boundaries) and SPREAD (grid axis 1 = the split, ``_split_dot``; fp32 partials to a workspace,
-``matmul_fold_kernel`` folds them in order) load tiles through pointers; PERSISTENT
+and the tile's last program to take a ticket folds them in order, in the same launch) load
+tiles through pointers; PERSISTENT
 (``matmul_tma_kernel``, Hopper, large M) keeps one program per SM looping over output tiles,
 loads A and B through TMA tensor descriptors and folds each tile's splits as FOLD does. TMA fills out-of-bounds elements with zeros, which is what the pointer kernels' masks
 load, the k steps are the same BLOCK_K steps from each split's start, and the dot is the same
@@ -30,9 +31,10 @@ import triton
 import triton.language as tl
 
 from bik._arch import device_arch
-from bik.configs import matmul_config, matmul_split, matmul_split_mode
+from bik.configs import matmul_config, matmul_split, matmul_split_rule
 from bik.ops.matmul.schedule import (persistent_programs, spread_bytes, use_persistent,
                                      use_spread)
+from bik.runtime.counters import zeroed_counters
 from bik.runtime.triton_launch import launch
 
 
@@ -97,11 +99,24 @@ def _tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
 
 
+@triton.jit
+def _fold_partials(ws_ptr, batch, offs_m, offs_n, mask_c, M, N, N_SPLITS):
+    """SPREAD's fold, in the tile's last program: t = p_0; t = t + p_s for s ascending, read
+    back from the fp32 workspace [batch, n_splits, M, N]. ``.cg``: the partials were written by
+    other programs, so they are read from L2, never from this SM's L1."""
+    ws = ws_ptr + (batch * N_SPLITS * M + offs_m)[:, None] * N + offs_n[None, :]
+    total = tl.load(ws, mask=mask_c, other=0.0, cache_modifier=".cg")
+    for _ in range(1, N_SPLITS):
+        ws += M * N
+        total = total + tl.load(ws, mask=mask_c, other=0.0, cache_modifier=".cg")
+    return total
+
+
 # M is never specialised (Triton would compile M == 1 and M % 16 == 0 separately): one compiled
 # kernel serves every M, so no batch size can select different code.
 @triton.jit(do_not_specialize=["M"])
 def matmul_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr, ws_ptr,
+    a_ptr, b_ptr, bias_ptr, c_ptr, ws_ptr, ticket_ptr,
     M, N, K, SPLIT,
     stride_ab, stride_am, stride_ak,
     stride_bb, stride_bk, stride_bn,
@@ -132,14 +147,27 @@ def matmul_kernel(
 
     # SPREAD: this program's split. FOLD: axis 1 has one program, so s = 0, the first split
     # (a runtime 0, so every caller of _split_dot hands it the same kind of bounds).
+    last = True
     if SPREAD:
         s = tl.program_id(1)
+        n_splits = tl.num_programs(1)
         lo = s * SPLIT
         part = _split_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, lo, tl.minimum(lo + SPLIT, K),
                           stride_ak, stride_bk, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         # Workspace fp32 [batch, n_splits, M, N], contiguous.
-        row = (batch * tl.num_programs(1) + s) * M + offs_m
+        row = (batch * n_splits + s) * M + offs_m
         tl.store(ws_ptr + row[:, None] * N + offs_n[None, :], part, mask=mask_c)
+        # Every thread's partial stored, then one release / acquire ticket per program: the
+        # tile's last program to arrive sees every partial, folds them, and returns the ticket
+        # to zero (bik.runtime.counters: the next kernel on the stream finds it so).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        last = ticket == n_splits - 1
+        total = part  # (an if defines a value on both paths)
+        if last:
+            tl.debug_barrier()
+            total = _fold_partials(ws_ptr, batch, offs_m, offs_n, mask_c, M, N, n_splits)
+            tl.store(ticket_ptr + tl.program_id(0), 0)
     else:
         if MULTI_SPLIT:
             total = _splits_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, K, SPLIT, stride_ak,
@@ -147,41 +175,13 @@ def matmul_kernel(
         else:  # FOLD's one split: t = p_0 itself
             total = _split_dot(a_ptrs, b_ptrs, offs_k, mask_m, mask_n, 0, K, stride_ak,
                                stride_bk, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if last:
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             total = total + bias[None, :]
         c_ptrs = (c_ptr + batch * stride_cb + offs_m[:, None] * stride_cm
                   + offs_n[None, :] * stride_cn)
         tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask_c)
-
-
-@triton.jit(do_not_specialize=["M"])
-def matmul_fold_kernel(
-    ws_ptr, bias_ptr, c_ptr,
-    M, N, N_SPLITS,
-    stride_cb, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """SPREAD's second kernel: t = p_0; t = t + p_s for s ascending; + bias; one rounding
-    (FOLD's epilogue, element by element). Grid: (batch * M tiles * N tiles,)."""
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    tiles = tl.cdiv(M, BLOCK_M) * num_pid_n
-    batch = (tl.program_id(0) // tiles).to(tl.int64)
-    pid = tl.program_id(0) % tiles
-    offs_m = (pid // num_pid_n).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (pid % num_pid_n).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    mask = (offs_m < M)[:, None] & mask_n[None, :]
-    ws = ws_ptr + (batch * N_SPLITS * M + offs_m)[:, None] * N + offs_n[None, :]
-    total = tl.load(ws, mask=mask, other=0.0)
-    for _ in range(1, N_SPLITS):
-        ws += M * N
-        total = total + tl.load(ws, mask=mask, other=0.0)
-    if HAS_BIAS:
-        total = total + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + batch * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -296,9 +296,6 @@ def input_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-FOLD_BLOCK = (32, 128)  # fold kernel tile (elementwise: speed only)
-
-
 class _Plan(NamedTuple):
     """What a launch of one (dtype, layer, K, arch, split rule, bias) needs besides M: found
     once (``_plan``), so a call does only M's arithmetic before its launches."""
@@ -308,14 +305,13 @@ class _Plan(NamedTuple):
     n_splits: int
     fold: dict  # matmul_kernel's constexprs and options, FOLD
     spread: dict  # the same, SPREAD
-    fold_kernel: dict  # matmul_fold_kernel's
     tma: dict  # matmul_tma_kernel's (B_NK added per call)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(dtype: torch.dtype, key_n: int, key_k: int, k: int, arch: str, split: int | None,
-          split_mode: str, has_bias: bool) -> _Plan:
-    del split_mode  # part of the key: matmul_split reads it
+          split_rule: tuple, has_bias: bool) -> _Plan:
+    del split_rule  # part of the key: matmul_split reads its constants and BIK_MATMUL_SPLIT
     cfg = matmul_config(dtype, key_n, key_k, arch)
     split = matmul_split(dtype, key_n, key_k).split if split is None else split
     n_splits = max(1, -(-k // split))
@@ -329,8 +325,6 @@ def _plan(dtype: torch.dtype, key_n: int, key_k: int, k: int, arch: str, split: 
     return _Plan(cfg, split, n_splits,
                  fold=common | dict(SPREAD=False, MULTI_SPLIT=multi) | tiles,
                  spread=common | dict(SPREAD=True, MULTI_SPLIT=multi) | tiles,
-                 fold_kernel=dict(HAS_BIAS=has_bias, BLOCK_M=FOLD_BLOCK[0],
-                                  BLOCK_N=FOLD_BLOCK[1]),
                  tma=common | dict(MULTI_SPLIT=multi) | tiles)
 
 
@@ -352,7 +346,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         return
     arch = device_arch(a.device)
     key_n, key_k = layer or (n, k)
-    plan = _plan(a.dtype, key_n, key_k, k, arch, split, matmul_split_mode(), bias is not None)
+    plan = _plan(a.dtype, key_n, key_k, k, arch, split, matmul_split_rule(), bias is not None)
     cfg, n_splits = plan.cfg, plan.n_splits
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * nb
     spread = use_spread(tiles, n_splits, **spread_bytes(nb, m, n, k, n_splits, a.element_size())) \
@@ -368,17 +362,16 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                a_desc, b_desc, bias_arg, out, m, n, k, plan.split, programs,
                out.stride(1), out.stride(2), B_NK=b_nk, **plan.tma)
         return
-    # SPREAD's fp32 partials [batch, n_splits, M, N]; FOLD reads none (out stands in).
-    ws = torch.empty((nb, n_splits, m, n), dtype=torch.float32, device=a.device) if spread \
-        else out
-    sa, sb, sc = a.stride(), b.stride(), out.stride()
-    launch(matmul_kernel, (tiles, n_splits if spread else 1),
-           a, b, bias_arg, out, ws, m, n, k, plan.split, *sa, *sb, *sc,
-           **(plan.spread if spread else plan.fold))
+    # SPREAD's fp32 partials [batch, n_splits, M, N] and a ticket per tile; FOLD reads
+    # neither (out stands in).
     if spread:
-        bm, bn = FOLD_BLOCK
-        launch(matmul_fold_kernel, (-(-m // bm) * -(-n // bn) * nb,),
-               ws, bias_arg, out, m, n, n_splits, *sc, **plan.fold_kernel)
+        ws = torch.empty((nb, n_splits, m, n), dtype=torch.float32, device=a.device)
+        tickets = zeroed_counters(a.device, tiles)
+    else:
+        ws = tickets = out
+    launch(matmul_kernel, (tiles, n_splits if spread else 1),
+           a, b, bias_arg, out, ws, tickets, m, n, k, plan.split, *a.stride(), *b.stride(),
+           *out.stride(), **(plan.spread if spread else plan.fold))
 
 
 # bik::bmm's entry: the same kernel (the CPU backend alone runs bmm on another bf16 sequence).

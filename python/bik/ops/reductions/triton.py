@@ -158,7 +158,7 @@ def log_softmax_launch_args(n: int, arch: str) -> tuple[int, dict]:
     cfg = reduction_config(n, arch)
     groups, chunk = sampler_chunks(n)
     group_len = n // groups
-    nch = max(1, min(cfg.block, triton.next_power_of_2(group_len)) // chunk)
+    nch = max(1, min(cfg.block, 1 << max(0, group_len - 1).bit_length()) // chunk)
     return group_len, {"G": groups, "CHUNK": chunk, "LOG2_CHUNK": chunk.bit_length() - 1,
                        "NCH": nch, "BLOCK": cfg.block, "num_warps": cfg.num_warps}
 

@@ -183,7 +183,7 @@ def launch_sample(x: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
     cfg = sampling_config(arch)
     groups, chunk = sampler_chunks(v)
     nch = _chunks_per_tile(arch, chunk)
-    n_splits = triton.cdiv(v, cfg.split)
+    n_splits = -(-v // cfg.split)
     vk = ik = None
     if max_top_k != 0:
         vk, ik = topk_threshold(x, greedy_limit(temperature), top_k, max_top_k)
@@ -200,7 +200,7 @@ def launch_sample(x: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
            SPLIT=cfg.split, BLOCK=cfg.block, TOPK=vk is not None,
            num_warps=cfg.num_warps, **NO_FUSION)
     launch(finish_kernel, (b,), x, x.stride(0), temperature, top_p, *ws.args(), tokens, logprobs,
-           n_splits, G=groups, SPLITS_P2=triton.next_power_of_2(n_splits),
+           n_splits, G=groups, SPLITS_P2=1 << (n_splits - 1).bit_length(),
            PLAIN=plain, num_warps=1, **NO_FUSION)
     return tokens, logprobs
 
