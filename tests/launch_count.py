@@ -1,8 +1,9 @@
 """What one call costs on the host: its Triton launches and the aten ops it issues itself.
 
 ``count_calls()`` yields a :class:`Calls` that fills while the block runs: the name of every
-Triton kernel launched (the interpreter's launcher, or Triton's launch hook on a GPU) and a
-Counter of the top-level aten ops (torch.profiler; an op nested in another aten op, or issued
+Triton kernel launched (the interpreter's launcher, or Triton's launch hook on a GPU and in the
+dry run), on a GPU every kernel the device ran (the profiler's device events), and a Counter of
+the top-level aten ops (torch.profiler; an op nested in another aten op, or issued
 by the interpreter while it runs a launch, is not the caller's and is not counted). Used by
 tests/sampling/test_sampling_launches.py to hold the sampler to a handful of each.
 """
@@ -24,6 +25,9 @@ _INSIDE_LAUNCH = "launch_count.triton_launch"
 class Calls:
     launches: list[str] = field(default_factory=list)
     aten: collections.Counter = field(default_factory=collections.Counter)
+    # On a GPU: every kernel the device ran in the block (the profiler's device events), so a
+    # kernel no launch hook saw (an aten fill, a copy) is counted too. None elsewhere.
+    device_kernels: list[str] | None = None
 
     @property
     def aten_ops(self) -> int:
@@ -71,7 +75,17 @@ def _launch_spy(names: list[str]):
 
 @contextlib.contextmanager
 def count_calls():
+    import torch
+
     calls = Calls()
-    with _launch_spy(calls.launches), profile(activities=[ProfilerActivity.CPU]) as prof:
+    on_gpu = torch.cuda.is_available() and not interpreter_active()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with _launch_spy(calls.launches), profile(activities=activities) as prof:
         yield calls
-    calls.aten.update(_caller_ops(prof.events()))
+        if on_gpu:
+            torch.cuda.synchronize()
+    events = prof.events()
+    calls.aten.update(_caller_ops(events))
+    if on_gpu:
+        calls.device_kernels = [e.name for e in events
+                                if e.device_type == torch.autograd.DeviceType.CUDA]

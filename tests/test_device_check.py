@@ -72,7 +72,7 @@ def _plan(parts: str | None = None) -> list[tuple[str, int]]:
             (line.split() for line in run.stdout.splitlines() if line.startswith("plan "))]
 
 
-@pytest.mark.parametrize("parts", [None, "bench", "cuda", "dvr"])
+@pytest.mark.parametrize("parts", [None, "bench", "triton", "cuda", "dvr"])
 def test_each_calls_deadlines_fit_its_budget(parts):
     """A stage's deadline is taken whole unless the budget runs out first, so every call's
     deadlines add up to at most BUDGET - 30 s (540 - 30): no stage starves a later one, and
@@ -80,11 +80,32 @@ def test_each_calls_deadlines_fit_its_budget(parts):
     plan = _plan(parts)
     assert plan and sum(limit for _, limit in plan) <= 540 - 30, plan
     names = [name for name, _ in plan]
-    if parts is None:
+    if parts in (None, "bench"):  # the first call: every headline number, no test
         benches = [n for n in names if n.startswith("bench_")]
         assert benches == ["bench_matmul", "bench_sample", "bench_attention", "bench_rmsnorm",
-                           "bench_layer"]
-        assert max(map(names.index, benches)) < min(names.index(n) for n in names
-                                                     if n.startswith("gpu_"))
-    if parts == "bench":
+                           "bench_layer", "bench_boundary"]
+        assert names[-2:] == ["check", "profile"]
         assert not [n for n in names if n.startswith(("gpu_", "cuda_"))]
+    if parts == "triton":  # the matmul in the other dtypes, then the Triton GPU tests
+        assert names.index("bench_matmul_fp32") < min(names.index(n) for n in names
+                                                      if n.startswith("gpu_"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without a GPU")
+def test_the_profile_stage_runs_its_host_side_on_the_dry_run(tmp_path):
+    """tools/device_profile.py, the first call's last stage: on a GPU it reads the kernels from
+    the profiler's device events; here its host side runs through the sm_90 dry run, and the
+    launches it records are the budgets of tests/test_launch_path.py."""
+    run = subprocess.run([sys.executable, str(ROOT / "tools/device_profile.py"), str(tmp_path),
+                          "--dry-run"], capture_output=True, text=True, check=False, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads((tmp_path / "profile.json").read_text())
+    calls = report["calls"]
+    assert report["dry_run"] and len(calls) == 4
+    launches = {name.split()[0]: entry["launches_per_call"] for name, entry in calls.items()}
+    assert launches["linear"] == {"matmul_kernel": 1}
+    assert launches["rms_norm"] == {"rms_norm_kernel": 1}
+    assert launches["attention"] == {"attention_kernel": 1}
+    assert sum(launches["sample"].values()) == 4
+    assert all(entry["host_us"] > 0 and "launch" in entry["top_functions"]
+               for entry in calls.values())

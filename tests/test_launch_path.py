@@ -109,6 +109,8 @@ def test_a_decode_call_stays_within_its_launch_and_aten_budget(route, name):
                 call()
             assert calls.launches == launches, (attempt, calls.launches)
             assert calls.aten == aten, (attempt, calls.aten)
+            if calls.device_kernels is not None:  # a GPU: no kernel the hooks did not see
+                assert len(calls.device_kernels) == len(launches), calls.device_kernels
 
 
 # ---- the direct path itself (dry run) -------------------------------------------------------

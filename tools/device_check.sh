@@ -3,37 +3,42 @@
 # deadline. Installs nothing from the network: it uses the machine's torch/triton and installs
 # bik itself with --no-deps --no-build-isolation. Without a GPU it says so and exits 0.
 #
-#   bash tools/device_check.sh OUT [PARTS]   PARTS: comma-separated, default "bench,triton";
-#                                             then "cuda" and "dvr", a call each
+#   bash tools/device_check.sh OUT [PARTS]   PARTS: comma-separated, default "bench";
+#                                             then "triton", "cuda" and "dvr", a call each
 #   PLAN=1 bash tools/device_check.sh OUT [PARTS]   prints "plan STAGE SECONDS" per stage, runs none
 #
-# GPU time is rare and short, so the first call returns every headline number: install, the
-# Triton matmul bench at Llama-3-8B shapes (the fixed split; M = 1, 8, 64, 512, 4096), the
-# sampler bench (SmolLM2's real logits, a peaked and a flat case), the attention bench (decode
-# first), RMSNorm, the decoder layer, then the Triton GPU tests with what is left. The sum of
-# the first call's deadlines is at most BUDGET - 30 s (tests/test_device_check.py checks it
-# from PLAN=1, as for each later call), so no stage is starved by a slow one before it. The
-# CUDA C++ backend's tests and memcheck are the second call (PARTS=cuda); the DVR loop's tests,
-# the plugin's verifier on CUDA, `bik check` and the remaining benches the third (PARTS=dvr).
-# PARTS=bench skips every test.
+# GPU time is rare and short (15 minutes a session, start-up included), so the first call
+# (~6 minutes) returns every headline number and nothing else: install, the Triton matmul bench
+# at Llama-3-8B shapes in bf16 (the fixed split; M = 1, 8, 64, 512, 4096; each call on the next
+# of enough weight copies to outrun L2; GB/s of the bytes moved where a device time is taken),
+# the sampler bench (SmolLM2's real logits, a peaked and a flat case, B up to 1024, V up to
+# 262144), the attention bench (decode first), RMSNorm, the decoder layer, `bik bench
+# boundary` (host µs per eager call on each backend), `bik check`, and a profile of a decode
+# step's calls (tools/device_profile.py: kernels per call from the profiler's device events,
+# host µs, cProfile, a Chrome trace of bik.linear). PARTS=triton is the second call: the
+# matmul bench in fp16 and fp32, then the Triton GPU tests. The CUDA C++ backend's tests and
+# memcheck are the third (PARTS=cuda); the DVR loop's tests, the plugin's verifier on CUDA and
+# the DVR bench the fourth (PARTS=dvr). The sum of each call's deadlines is at most
+# BUDGET - 30 s (tests/test_device_check.py checks it from PLAN=1), so no stage is starved by a
+# slow one before it.
 #
 # A device run returns at most 8 files, so OUT holds only: device_check.json (the environment,
 # every stage's rc and seconds, and each pytest stage's counts from its junit XML: tests,
-# failures, errors, skipped), device_check_raw.tar.gz (every log, XML and bench JSON) and the
-# bench plots. Both are rewritten after every stage, so a run cut off by its time limit still
-# returns what finished; a bench cut off by its stage's deadline leaves its finished cases in
-# bench_NAME.json.partial.jsonl (bik.cli.bench.stream), which the tarball carries. A test
-# stage past its deadline gets SIGINT (pytest stops and still writes its junit XML), then
-# SIGKILL 5 s later. Test stages run without -x (every failure is reported), and a preflight
-# stage fails loudly when the CUDA C++ toolchain (cuda-core / NVRTC) is missing, since its
-# tests would otherwise all skip and read as a pass.
+# failures, errors, skipped), device_check_raw.tar.gz (every log, XML, bench JSON and the
+# profile) and the bench plots. Both are rewritten after every stage, so a run cut off by its
+# time limit still returns what finished; a bench cut off by its stage's deadline leaves its
+# finished cases in bench_NAME.json.partial.jsonl (bik.cli.bench.stream), which the tarball
+# carries. A test stage past its deadline gets SIGINT (pytest stops and still writes its junit
+# XML), then SIGKILL 5 s later. Test stages run without -x (every failure is reported), and a
+# preflight stage fails loudly when the CUDA C++ toolchain (cuda-core / NVRTC) is missing,
+# since its tests would otherwise all skip and read as a pass.
 #
 # A stage gets min(its deadline, what is left of BUDGET seconds (default 540, so one call fits
 # a 10-minute device command)); a stage with under 10 s left is recorded as skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-out}}
-PARTS=",${2:-bench,triton},"
+PARTS=",${2:-bench},"
 BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -101,8 +106,15 @@ if part bench; then
     --plot "$OUT/bench_attention.png"
   stage bench_rmsnorm 20 $PY -m bik bench rmsnorm --json "$RAW/bench_rmsnorm.json"
   stage bench_layer 40 $PY -m bik bench layer --json "$RAW/bench_layer.json"
+  stage bench_boundary 20 $PY -m bik bench boundary --json "$RAW/bench_boundary.json"
+  stage check 90 $PY -m bik check --json "$RAW/check.json"
+  stage profile 45 $PY tools/device_profile.py "$RAW/profile"
 fi
 if part triton; then
+  for dt in fp16 fp32; do
+    stage "bench_matmul_$dt" 85 $PY -m bik bench matmul --backend triton --split fixed \
+      --dtype "$dt" --ms 1,8,64,512,4096 --json "$RAW/bench_matmul_$dt.json"
+  done
   stage gpu_tests 60 env BIK_GPU_RECORD="$RAW/torch_mm_variance.json" \
     $PY -m pytest -q tests/matmul/test_matmul_gpu.py tests/rms_norm/test_rms_norm_gpu.py \
       tests/reductions/test_reductions.py -m gpu --junitxml "$RAW/gpu_tests.xml"
@@ -144,8 +156,6 @@ if part dvr; then
   # machine has no vllm (the junit counts say so).
   stage gpu_vllm_spec_tests 45 $PY -m pytest -q tests/vllm_plugin/test_vllm_coupling.py -m gpu \
     --junitxml "$RAW/gpu_vllm_spec_tests.xml"
-  stage check 90 $PY -m bik check --json "$RAW/check.json"
-  stage bench_boundary 10 $PY -m bik bench boundary --json "$RAW/bench_boundary.json"
   stage bench_dvr 120 $PY -m bik bench dvr --json "$RAW/bench_dvr.json"
 fi
 [ -n "${PLAN:-}" ] && exit 0
