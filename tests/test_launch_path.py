@@ -10,7 +10,7 @@ forbid_host_reads):
 | bik.linear, M = 256 (FOLD) | matmul_kernel | t, 3 unsqueeze, 1 empty |
 | bik.rms_norm (fused residual too) | rms_norm_kernel | 1 empty (2 fused) |
 | bik.attention, decode, host metadata | attention_kernel | 4 empty |
-| bik.sample, temperature only | 4 (tests/sampling/test_sampling_launches.py) | 4 empty |
+| bik.sample, temperature only, host metadata | group_max, group_mass, gumbel_pick, finish | 4 empty |
 
 Routes: ``dry-run`` (this process, no GPU: Triton compiles for sm_90 and runs its host path,
 the launch itself recorded instead of made: bik.runtime.triton_dry_run), ``interpreter`` and
@@ -76,6 +76,11 @@ def _decode_calls(device: str, small: bool) -> dict:
             "block_table": torch.arange(b * keys // bs, dtype=torch.int32,
                                         device=device).view(b, -1),
             "max_seqlen_q": 1, "max_seqlen_k": keys}
+    logits = torch.randn(4, 1000 if small else 128256, generator=gen).to(device)
+    rows = {"seed": torch.arange(4) + 7, "position": torch.arange(4) + 40,
+            "temperature": torch.full((4,), 0.8), "top_k": torch.zeros(4, dtype=torch.long),
+            "top_p": torch.ones(4), "min_p": torch.zeros(4)}  # every row parameter a tensor
+    rows = {k: v.to(device) for k, v in rows.items()}
     linear = Counter({"aten::t": 1, "aten::unsqueeze": 3})
     return {  # (the interpreter's K = 128 is one split: FOLD, no workspace)
         "linear-m1": (lambda: bik.linear(x1, w, backend="triton"), ["matmul_kernel"],
@@ -89,10 +94,14 @@ def _decode_calls(device: str, small: bool) -> dict:
                                ["rms_norm_kernel"], Counter({"aten::empty": 2})),
         "attention-decode": (lambda: bik.attention(q, kc, kc, **meta, backend="triton"),
                              ["attention_kernel"], Counter({"aten::empty": 4})),
+        "sample": (lambda: bik.sample(logits, **rows, max_top_k=0, any_top_p=False,
+                                      backend="triton"),
+                   ["group_max_kernel", "group_mass_kernel", "gumbel_pick_kernel",
+                    "finish_kernel"], Counter({"aten::empty": 4})),
     }
 
 
-CALLS = ["linear-m1", "linear-fold", "norm", "norm+residual", "attention-decode"]
+CALLS = ["linear-m1", "linear-fold", "norm", "norm+residual", "attention-decode", "sample"]
 
 
 @pytest.mark.parametrize("name", CALLS)
@@ -142,7 +151,7 @@ def _comparable(x):
 
 @_NO_DRY_RUN
 @pytest.mark.cpu
-@pytest.mark.parametrize("name", [*CALLS, "linear-persistent", "linear-bias", "sample"])
+@pytest.mark.parametrize("name", [*CALLS, "linear-persistent", "linear-bias"])
 def test_the_direct_path_hands_the_launcher_what_tritons_path_does(name, monkeypatch):
     from bik.runtime.triton_dry_run import dry_run
 
@@ -150,14 +159,8 @@ def test_the_direct_path_hands_the_launcher_what_tritons_path_does(name, monkeyp
         calls = {k: v[0] for k, v in _decode_calls("cpu", False).items()}
         w, x = torch.randn(4096, 4096).bfloat16(), torch.randn(1024, 4096).bfloat16()
         bias = torch.randn(4096).bfloat16()
-        logits = torch.randn(4, 128256)
-        rows = {"seed": torch.arange(4), "position": torch.arange(4) + 9,
-                "temperature": torch.full((4,), 0.8), "top_k": torch.zeros(4, dtype=torch.long),
-                "top_p": torch.ones(4), "min_p": torch.zeros(4)}
         calls |= {"linear-persistent": lambda: bik.linear(x, w, backend="triton"),
-                  "linear-bias": lambda: bik.linear(x[:1], w, bias, backend="triton"),
-                  "sample": lambda: bik.sample(logits, **rows, max_top_k=0, any_top_p=False,
-                                               backend="triton")}
+                  "linear-bias": lambda: bik.linear(x[:1], w, bias, backend="triton")}
         calls[name]()
         first = list(run.launches)
         jit_runs = _jit_runs(monkeypatch)
