@@ -302,6 +302,20 @@ def past_key_bound(module, monkeypatch, backend: str, device="cpu"):
     return untouched, out, lse, right
 
 
+def keyless_sequence(module, device="cpu"):
+    """Decode rows of two sequences, the first with no keys at all (host metadata that
+    skipped the checks: cache_seqlens 0 under a query), launched through ``module``'s
+    launch_attention in FOLD and in SPLIT (3 runs) into outputs holding BOUND_SENTINEL.
+    Returns ((out, lse) FOLD, (out, lse) SPLIT)."""
+    k, v, table = _bound_cache([0, 70], 0, device)
+    q = torch.randn(2, BOUND_HEADS[0], BOUND_HEADS[2],
+                    generator=torch.Generator().manual_seed(4)).to(device)
+    lens = torch.tensor([0, 70], dtype=torch.int32, device=device)
+    cu_q = torch.arange(3, dtype=torch.int32, device=device)
+    return tuple(_launch(module, q, k, v, table, lens, cu_q, 1, 96, split)
+                 for split in (False, True))
+
+
 def past_query_bound(module, backend: str, device="cpu"):
     """Sequences with 3 and 40 new tokens launched (FOLD) with max_seqlen_q = 8 through
     ``module``'s launch_attention. Returns (out, lse, the right output)."""

@@ -138,41 +138,56 @@ def _jit_runs(monkeypatch) -> list:
     return runs
 
 
-def _comparable(x):
-    """A launch argument as compared across two calls: an op's outputs are new tensors each
-    call, so a tensor compares by what a launcher reads of it."""
-    if isinstance(x, torch.Tensor):
-        return ("tensor", x.dtype, tuple(x.shape), x.stride(), x.data_ptr() % 16)
-    if type(x).__name__ == "TensorDescriptor":
-        return ("desc", _comparable(x.base), tuple(x.shape), tuple(x.strides),
-                tuple(x.block_shape))
-    return x
+def _same(a, b) -> bool:
+    """One launcher argument, handed over twice: a tensor or descriptor the same object, any
+    other value of the same type and spelling (0.0 is not -0.0, 1 is not 1.0)."""
+    if isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor":
+        return a is b
+    return type(a) is type(b) and repr(a) == repr(b)
 
 
 @_NO_DRY_RUN
 @pytest.mark.cpu
 @pytest.mark.parametrize("name", [*CALLS, "linear-persistent", "linear-bias"])
 def test_the_direct_path_hands_the_launcher_what_tritons_path_does(name, monkeypatch):
+    """Every launch of the call's second run takes the direct path, and is followed at once by
+    Triton's own launch of the same kernel with the same arguments: the launcher is handed
+    the same stream, kernel handle, packed metadata and arguments both times."""
+    import sys
+
+    from bik.runtime import triton_launch
     from bik.runtime.triton_dry_run import dry_run
 
+    real, pairs, jit_runs = triton_launch.launch, [], _jit_runs(monkeypatch)
+
+    def direct_then_triton(kernel, grid, *args, **kwargs):
+        before = len(jit_runs)
+        real(kernel, grid, *args, **kwargs)
+        direct = run.launches[-1]
+        took_direct = len(jit_runs) == before
+        kernel[grid](*args, **kwargs)  # Triton's own path, the same arguments
+        pairs.append((took_direct, direct, run.launches[-1]))
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("bik.ops.") and \
+                getattr(module, "launch", None) is real:
+            monkeypatch.setattr(module, "launch", direct_then_triton)
     with dry_run(keep_args=True) as run:
         calls = {k: v[0] for k, v in _decode_calls("cpu", False).items()}
         w, x = torch.randn(4096, 4096).bfloat16(), torch.randn(1024, 4096).bfloat16()
         bias = torch.randn(4096).bfloat16()
         calls |= {"linear-persistent": lambda: bik.linear(x, w, backend="triton"),
                   "linear-bias": lambda: bik.linear(x[:1], w, bias, backend="triton")}
+        calls[name]()  # compiled and bound
+        pairs.clear()
         calls[name]()
-        first = list(run.launches)
-        jit_runs = _jit_runs(monkeypatch)
-        run.launches.clear()
-        calls[name]()
-        assert jit_runs == [], jit_runs  # every launch took the direct path
-        assert [(r.name, r.grid) for r in run.launches] == [(r.name, r.grid) for r in first]
-        for direct, triton_path in zip(run.launches, first):
-            assert [_comparable(a) for a in direct.args] == \
-                [_comparable(a) for a in triton_path.args], direct.name
-    if name == "linear-persistent":
-        assert first[0].name == "matmul_tma_kernel"  # the TensorDescriptor path was covered
+    assert pairs and all(took_direct for took_direct, _, _ in pairs), pairs
+    for _, direct, triton_path in pairs:
+        assert (direct.name, direct.grid) == (triton_path.name, triton_path.grid)
+        assert len(direct.args) == len(triton_path.args), direct.name
+        assert all(map(_same, direct.args, triton_path.args)), direct.name
+    if name == "linear-persistent":  # the TensorDescriptor path was covered
+        assert pairs[0][1].name == "matmul_tma_kernel"
 
 
 @_NO_DRY_RUN
@@ -255,3 +270,30 @@ def test_zeroed_counters_are_one_buffer_per_thread_grown_zeroed():
     thread.start()
     thread.join()
     assert other[0] is not bigger
+
+
+@_NO_DRY_RUN
+@pytest.mark.cpu
+def test_calls_the_direct_path_cannot_key_take_tritons_path_every_time(monkeypatch):
+    """A constexpr given positionally (Triton keys it by value, the direct path would key it
+    by its specialisation: 64 and 128 alike) and a runtime argument given by name (keyed by
+    value: 0.0 == -0.0) run through Triton's path on every call, so each gets Triton's kernel
+    and Triton's arguments."""
+    from bik.ops.rms_norm import triton as rms
+    from bik.runtime.triton_dry_run import dry_run
+    from bik.runtime.triton_launch import launch
+
+    x, w = torch.randn(2, 128).bfloat16(), torch.randn(128).bfloat16()
+    out = torch.empty(2, 128, dtype=torch.bfloat16)
+    runtime = (x, x, w, out, out, 128, 1e-6, 128, 0, 128, 0)
+    with dry_run(keep_args=True) as run:
+        runs = _jit_runs(monkeypatch)
+        for block in (64, 128, 64):  # HAS_RESIDUAL and BLOCK_H positionally
+            launch(rms.rms_norm_kernel, (2,), *runtime, False, block, num_warps=4)
+        assert runs == ["rms_norm_kernel"] * 3
+        assert run.launches[0].args[1] == run.launches[2].args[1] != run.launches[1].args[1]
+        for eps in (0.0, -0.0):  # eps by name
+            launch(rms.rms_norm_kernel, (2,), *runtime[:6], eps=eps, stride_x=128, stride_r=0,
+                   stride_out=128, stride_h=0, HAS_RESIDUAL=False, BLOCK_H=128, num_warps=4)
+        assert runs == ["rms_norm_kernel"] * 5
+        assert [repr(launch.args[3 + 6]) for launch in run.launches[3:]] == ["0.0", "-0.0"]

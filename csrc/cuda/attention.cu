@@ -54,7 +54,8 @@ __device__ __forceinline__ void attention_body(
   __shared__ float vs[kBlockN][D];
   __shared__ float ps[kRows][kBlockN];
   __shared__ i64 koff[kBlockN];
-  __shared__ i64 lim_s[kRows];  // a row's last visible key; -1 for an unused row
+  __shared__ i64 lim_s[kRows];  // a row's last visible key; -1 for an unused row or no key
+  __shared__ bool ok_s[kRows];  // the row is a query of this tile (written even without keys)
   __shared__ i64 qrow_s[kRows];
   __shared__ int head_s[kRows];
   __shared__ float m_run[kRows], l_run[kRows], m_cur[kRows], l_cur[kRows], alpha_s[kRows];
@@ -96,7 +97,9 @@ __device__ __forceinline__ void attention_body(
   const int runs = static_cast<int>(gridDim.z), run = static_cast<int>(blockIdx.z);
   const int j_first = fold ? 0 : static_cast<int>(static_cast<i64>(run) * n_splits / runs);
   const int j_end = fold ? n_splits : static_cast<int>(static_cast<i64>(run + 1) * n_splits / runs);
-  if (j_first >= j_end) return;
+  // A tile without keys (only host metadata that skipped the checks gets here) is finalised
+  // from the empty state by run 0 alone, FOLD or SPLIT: rows of NaN, never leftovers.
+  if (j_first >= j_end && (n_splits > 0 || run > 0)) return;
 
   if (tid < kRows) {
     const int r = tid;
@@ -104,6 +107,7 @@ __device__ __forceinline__ void attention_body(
     const int hs = slice * gh + r % gh;
     const bool ok = r < gh * block_t && t < q_len && hs < g;
     lim_s[r] = ok ? bik_attn::row_limit(seqlen, q_len, t, causal) : -1;
+    ok_s[r] = ok;
     qrow_s[r] = q_start + t;
     head_s[r] = hk * g + hs;
     m_run[r] = bik_attn::neg_inf();
@@ -228,7 +232,7 @@ __device__ __forceinline__ void attention_body(
     __threadfence();
     __syncthreads();
     if (tid == 0) {
-      const int busy = runs < n_splits ? runs : n_splits;  // runs with splits
+      const int busy = n_splits == 0 ? 1 : runs < n_splits ? runs : n_splits;  // runs at work
       const i64 slot = static_cast<i64>(blockIdx.x) * gridDim.y + tile;
       last_s = atomicAdd(tickets + slot, 1) == busy - 1;
       __threadfence();
@@ -267,11 +271,11 @@ __device__ __forceinline__ void attention_body(
   for (int i = 0; i < kPer; ++i) {
     const int idx = tid + i * kThreads;
     const int r = idx / D;
-    if (lim_s[r] < 0) continue;
+    if (!ok_s[r]) continue;
     bik_cvt::store_as(out, qrow_s[r] * sot + head_s[r] * soh + idx % D,
                       bik_attn::finalize_out(acc_run[i], l_run[r]), KIND);
   }
-  if (tid < kRows && lim_s[tid] >= 0)
+  if (tid < kRows && ok_s[tid])
     lse[qrow_s[tid] * hq + head_s[tid]] = bik_attn::finalize_lse(m_run[tid], l_run[tid]);
 }
 

@@ -17,7 +17,8 @@ import collections
 import bik
 import pytest
 import torch
-from attention_checks import BOUND_HEADS, _bound_cache, past_key_bound, past_query_bound
+from attention_checks import (BOUND_HEADS, BOUND_SENTINEL, _bound_cache, keyless_sequence,
+                              past_key_bound, past_query_bound)
 from bik.ops.attention import triton as triton_attention
 from targets import targets
 
@@ -135,3 +136,16 @@ def test_the_kernel_spreads_the_real_splits_over_the_runs(target, monkeypatch):
     if target.small:
         assert taken == [busy_programs(16, [5])] * 16 == [5] * 16
     assert not left.any()  # every ticket back at zero for the next kernel
+
+
+@pytest.mark.parametrize("target", targets("interpreter", "gpu-triton"))
+def test_a_sequence_without_keys_is_nan_in_both_launch_modes(target):
+    """Host metadata can carry a sequence with no keys under a query (nothing checks it
+    without BIK_DEBUG_CHECKS): FOLD finalises its rows from the empty state, and so must
+    SPLIT, whose runs all have no split (it used to return before any program took a ticket,
+    leaving the output's previous contents). The other sequence keeps its bits."""
+    (fold, fold_lse), (split, split_lse) = keyless_sequence(triton_attention, target.device)
+    assert bool(fold[0].isnan().all()) and bool(split[0].isnan().all())
+    assert torch.equal(fold_lse[0].view(torch.int32), split_lse[0].view(torch.int32))
+    assert not bool((split_lse == BOUND_SENTINEL).any())
+    assert torch.equal(fold[1], split[1])

@@ -306,6 +306,18 @@ def test_attention_lengths_past_the_host_bounds_give_nan_not_stale_or_stray_writ
     assert "bik_attention_f32_d64" in host
 
 
+def test_attention_sequence_without_keys_is_nan_in_both_modes(host):
+    """The CUDA kernel's empty tile (tests/attention/test_attention_bounds.py for Triton): a
+    sequence with no keys under a query comes back NaN from FOLD and SPLIT alike, not the
+    output's previous contents; the other sequence keeps its bits."""
+    (fold, fold_lse), (split, split_lse) = ac.keyless_sequence(cuda_attention)
+    assert bool(fold[0].isnan().all()) and bool(split[0].isnan().all())
+    assert torch.equal(fold_lse[0].view(torch.int32), split_lse[0].view(torch.int32))
+    assert not bool((fold_lse == ac.BOUND_SENTINEL).any())
+    assert torch.equal(fold[1], split[1])
+    assert "bik_attention_f32_d64" in host
+
+
 def test_attention_spreads_the_real_splits_over_the_runs(host, monkeypatch):
     """A SPLIT launch sized by a generous bound (64 splits of 32 keys for 16 (sequence, KV
     head) items: 16 runs of 4) spreads each tile's 5 real splits over 5 programs (their tickets

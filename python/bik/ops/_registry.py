@@ -212,7 +212,7 @@ def implementation(op: str, backend: str, device: torch.device, *,
     return getattr(_module(row.backends[backend]), row.entry)
 
 
-_CAN_RUN_CHECKED: set[tuple[str, str, str]] = set()
+_CAN_RUN_CHECKED: set[tuple[str, str, str, str | None]] = set()
 
 
 def launcher(op: str, backend: str, device: torch.device) -> Callable:
@@ -220,7 +220,7 @@ def launcher(op: str, backend: str, device: torch.device) -> Callable:
     done once per (op, backend, device type): they cannot change within a process, and the
     front ends' direct path asks on every call. The entry point itself is looked up each time,
     so a patched backend module is seen."""
-    key = (op, backend, device.type)
+    key = (op, backend, device.type, dry_run_arch())  # a dry run lets CPU tensors on Triton
     if key not in _CAN_RUN_CHECKED:
         require_backend(op, backend, device)
         _CAN_RUN_CHECKED.add(key)

@@ -134,17 +134,14 @@ def _driver(target, run: DryRun):
     return DryRunDriver()
 
 
-def _kernels_compiled_for_dry_run() -> list:
-    """Every bik JITFunction imported so far (their per-device caches hold dry-run kernels)."""
-    import sys
+def _jit_functions() -> list:
+    """Every JITFunction alive (bik's, a test's, anyone's): their per-device caches may hold
+    the dry run's binder, target and kernels."""
+    import gc
 
     from triton.runtime.jit import JITFunction
 
-    found = []
-    for name, module in list(sys.modules.items()):
-        if name.startswith("bik.") and module is not None:
-            found += [v for v in vars(module).values() if isinstance(v, JITFunction)]
-    return found
+    return [obj for obj in gc.get_objects() if isinstance(obj, JITFunction)]
 
 
 @contextlib.contextmanager
@@ -165,16 +162,22 @@ def dry_run(arch: int = 90, *, keep_args: bool = False) -> Iterator[DryRun]:
 
     run = DryRun(keep_args=keep_args)
     before = driver._active  # None on a machine without a GPU driver (the property would raise)
+    outer_arch = _arch.dry_run_arch()
+
+    def forget_kernels():
+        # A kernel's per-device cache is built for the active driver's target and holds
+        # kernels whose handles are its: drop them when the driver changes, so that neither a
+        # later (or an outer) dry run nor anything else reuses them.
+        triton_launch.clear()
+        for fn in _jit_functions():
+            fn.device_caches.clear()
+
+    forget_kernels()
     driver.set_active(_driver(GPUTarget("cuda", arch, 32), run))
-    triton_launch.clear()
     _arch.set_dry_run_arch(f"sm{arch}")
     try:
         yield run
     finally:
-        _arch.set_dry_run_arch(None)
+        _arch.set_dry_run_arch(outer_arch)
         driver._active = before
-        triton_launch.clear()
-        # A kernel's per-device cache was built for the dry run's target and holds kernels
-        # whose handles are the recorder's: drop it, so nothing later reuses them.
-        for fn in _kernels_compiled_for_dry_run():
-            fn.device_caches.clear()
+        forget_kernels()

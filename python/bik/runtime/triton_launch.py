@@ -42,7 +42,7 @@ class _Bound:
     the compiled kernel's launcher, its handle and packed metadata, and the values Triton
     appends after the positional arguments (the keyword ones, in parameter order)."""
 
-    __slots__ = ("fn", "is_const", "specialize", "align", "hits")
+    __slots__ = ("fn", "is_const", "specialize", "align", "positional", "runtime_names", "hits")
 
     def __init__(self, fn):
         self.fn = fn
@@ -50,6 +50,13 @@ class _Bound:
         self.is_const = tuple(p.is_const for p in fn.params)
         self.specialize = tuple(not p.do_not_specialize for p in fn.params)
         self.align = tuple(not p.do_not_specialize_on_alignment for p in fn.params)
+        # The direct path keys positional arguments by their specialisation and keyword ones
+        # by value: a constexpr given positionally (Triton keys it by value) or a runtime
+        # parameter given by name (0.0 == -0.0, 1 == 1.0) would be keyed wrongly, so such
+        # calls always take Triton's path.
+        self.positional = next((i for i, p in enumerate(fn.params) if p.is_constexpr),
+                               len(fn.params))
+        self.runtime_names = frozenset(p.name for p in fn.params if not p.is_constexpr)
         self.hits: dict = {}
 
 
@@ -74,8 +81,8 @@ def _bound(kernel) -> _Bound:
 def _first_launch(bound: _Bound, key, device: int, grid, args, kwargs) -> None:
     """Triton's own path (compile, load, launch); then remember what a direct launch needs."""
     kernel = bound.fn.run(*args, grid=grid, warmup=False, **kwargs)
-    if kernel is None:  # a jit cache hook vetoed the compile: nothing to remember
-        return
+    if kernel is None or not bound.runtime_names.isdisjoint(kwargs):
+        return  # a jit cache hook vetoed the compile, or a runtime argument came by name
     if hasattr(kernel, "result"):  # async compile mode
         kernel = kernel.result()
     binder = bound.fn.device_caches[device][4]
@@ -94,13 +101,17 @@ def launch(kernel, grid: tuple, /, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``, bit for bit the same launch, without Triton's per-call
     Python after the first launch of each specialisation (see the module docstring).
 
-    ``args``: the kernel's leading parameters, positionally; ``kwargs``: the rest (constexprs,
-    by name) and launch options (``num_warps``, ``num_stages``, ...). ``grid``: a tuple of 1-3
-    ints (not a callable)."""
+    ``args``: the kernel's runtime parameters, positionally; ``kwargs``: its constexprs, by
+    name, and launch options (``num_warps``, ``num_stages``, ...). Other calls (a constexpr
+    given positionally, a runtime parameter by name) are run, correctly, by Triton's path every
+    time. ``grid``: a tuple of 1-3 ints (not a callable)."""
     if not hasattr(kernel, "device_caches"):  # the interpreter's function
         kernel[grid](*args, **kwargs)
         return
     bound = _bound(kernel)
+    if len(args) > bound.positional:  # a constexpr given positionally: Triton's path
+        kernel[grid](*args, **kwargs)
+        return
     device = driver.active.get_current_device()
     backend = kernel.device_caches[device][3]
     spec = tuple(map(native_specialize_impl, repeat(backend), args, bound.is_const,

@@ -184,7 +184,10 @@ def attention_kernel(
         runs = tl.num_programs(2)
         j_lo = (tl.program_id(2).to(tl.int64) * n_splits // runs).to(tl.int32)
         j_hi = ((tl.program_id(2).to(tl.int64) + 1) * n_splits // runs).to(tl.int32)
-        if j_lo >= j_hi:
+        # A tile without keys (only host metadata that skipped the checks gets here) is
+        # finalised from the empty state by run 0 alone, as FOLD finalises it: rows of NaN,
+        # never the workspace's leftovers.
+        if (j_lo >= j_hi) & ((n_splits > 0) | (tl.program_id(2) > 0)):
             return
 
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -250,7 +253,7 @@ def attention_kernel(
         # to zero (bik.runtime.counters: the next kernel on the stream finds it so).
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        last = ticket == tl.minimum(runs, n_splits) - 1
+        last = ticket == tl.maximum(tl.minimum(runs, n_splits), 1) - 1
         if last:
             tl.debug_barrier()
             m, l, acc = _fold_partials(pml_ptr, pacc_ptr, q_rows, head, row_ok, dims, n_splits,

@@ -310,9 +310,12 @@ class _Plan(NamedTuple):
 
 @functools.lru_cache(maxsize=1024)
 def _plan(dtype: torch.dtype, key_n: int, key_k: int, k: int, arch: str, split: int | None,
-          split_rule: tuple, has_bias: bool) -> _Plan:
-    del split_rule  # part of the key: matmul_split reads its constants and BIK_MATMUL_SPLIT
-    cfg = matmul_config(dtype, key_n, key_k, arch)
+          split_rule: tuple, has_bias: bool, config=matmul_config) -> _Plan:
+    """The plan for a key; ``split_rule`` (matmul_split's constants and BIK_MATMUL_SPLIT) and
+    ``config`` (the table's function, which a test may replace) are part of the key. A test
+    that edits the tile table itself must ``_plan.cache_clear()``."""
+    del split_rule
+    cfg = config(dtype, key_n, key_k, arch)
     split = matmul_split(dtype, key_n, key_k).split if split is None else split
     n_splits = max(1, -(-k // split))
     if n_splits > 65535:
@@ -346,7 +349,8 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         return
     arch = device_arch(a.device)
     key_n, key_k = layer or (n, k)
-    plan = _plan(a.dtype, key_n, key_k, k, arch, split, matmul_split_rule(), bias is not None)
+    plan = _plan(a.dtype, key_n, key_k, k, arch, split, matmul_split_rule(), bias is not None,
+                 matmul_config)
     cfg, n_splits = plan.cfg, plan.n_splits
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * nb
     spread = use_spread(tiles, n_splits, **spread_bytes(nb, m, n, k, n_splits, a.element_size())) \
