@@ -297,3 +297,25 @@ def test_calls_the_direct_path_cannot_key_take_tritons_path_every_time(monkeypat
                    stride_out=128, stride_h=0, HAS_RESIDUAL=False, BLOCK_H=128, num_warps=4)
         assert runs == ["rms_norm_kernel"] * 5
         assert [repr(launch.args[3 + 6]) for launch in run.launches[3:]] == ["0.0", "-0.0"]
+
+
+@_NO_DRY_RUN
+@pytest.mark.cpu
+def test_the_dry_run_enters_and_leaves_with_dead_weak_proxies_on_the_heap():
+    """The dry run forgets every live JITFunction's per-device cache by walking the heap, which
+    holds weak proxies whose referents died (one asked for its class raises ReferenceError:
+    found by a fresh-clone CI run)."""
+    import weakref
+
+    from bik.runtime.triton_dry_run import dry_run
+
+    class Gone:
+        pass
+
+    gone = Gone()
+    proxies = [weakref.proxy(gone)]
+    del gone
+    with pytest.raises(ReferenceError):
+        isinstance(proxies[0], int)
+    with dry_run():
+        pass

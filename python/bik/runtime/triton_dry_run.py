@@ -141,7 +141,9 @@ def _jit_functions() -> list:
 
     from triton.runtime.jit import JITFunction
 
-    return [obj for obj in gc.get_objects() if isinstance(obj, JITFunction)]
+    # type(), not isinstance(): the heap holds weak proxies, and isinstance() asks a dead
+    # proxy for its class (ReferenceError).
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), JITFunction)]
 
 
 @contextlib.contextmanager
