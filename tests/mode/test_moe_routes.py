@@ -1,0 +1,115 @@
+"""Mixture-of-experts blocks under the front ends (mode/_moe_routes.py): the grouped product.
+
+Hugging Face's default experts implementation (``grouped_mm``) sorts the (token, expert) pairs
+by expert and multiplies each expert's rows as one group of ``torch._grouped_mm``. Stock CPU
+runs a group with torch's mm, whose rows change bits with the group's size, so a token's
+output follows how many other tokens chose its experts. bik routes each group to bik::matmul.
+"""
+
+import bik
+import pytest
+import torch
+from bik.runtime import cpu_ext
+from bik.testing import rows_alone_vs_batched
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="CPU extension not built")
+
+FRONT_ENDS = {"mode": bik.batch_invariant_mode, "enabled": bik.enabled}
+SIZES = (1, 2, 5, 8)
+
+
+def _experts(gen, groups=3, k=64, n=48):
+    return torch.randn(groups, k, n, generator=gen)
+
+
+def _one_group(w):
+    """Every row in group 0 (the grouped product of a batch that chose one expert)."""
+    ends = torch.tensor([1, 1, 1], dtype=torch.int32)
+    return lambda rows: torch._grouped_mm(rows, w, ends * rows.shape[0])
+
+
+def test_stock_grouped_mm_is_not_row_invariant(gen):
+    """Measured negative control: a row computed alone in its group differs from the same row
+    among others in fp32 (torch's mm at one row and at several)."""
+    w = _experts(gen)
+    assert not rows_alone_vs_batched(_one_group(w), torch.randn(8, 64, generator=gen),
+                                     SIZES).ok
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("front", FRONT_ENDS)
+def test_grouped_mm_rows_are_invariant_and_each_groups_product(front, dtype, gen):
+    w = _experts(gen).to(dtype)
+    pool = torch.randn(8, 64, generator=gen).to(dtype)
+    ends = torch.tensor([3, 3, 8], dtype=torch.int32)  # an empty group in the middle
+    with torch.no_grad(), FRONT_ENDS[front]():
+        report = rows_alone_vs_batched(_one_group(w), pool, SIZES)
+        got = torch._grouped_mm(pool, w, ends)
+    assert report.ok, report.summary()
+    want = torch.cat([bik.matmul(pool[:3], w[0]), bik.matmul(pool[3:], w[2])])
+    assert torch.equal(got, want)
+    assert bik.mode_stats().routed.get("aten._grouped_mm.default", 0) > 0
+
+
+def _stock_error(fn) -> str | None:
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_grouped_mm_leaves_other_layouts_and_torchs_errors_to_torch(gen):
+    """3-D rows by 3-D groups (no offsets) and group ends that decrease run the stock kernel,
+    counted and warned (stock accepts both); a call torch rejects (a bias, which stock does
+    not support) gets torch's own error under bik too."""
+    w, x = _experts(gen), torch.randn(8, 64, generator=gen)
+    bik.reset_mode_stats()
+    with torch.no_grad(), bik.enabled(), pytest.warns(bik.BatchInvarianceWarning):
+        got = torch._grouped_mm(x.reshape(2, 4, 64), w[:2])
+    assert torch.equal(got, torch._grouped_mm(x.reshape(2, 4, 64), w[:2]))
+    assert any("_grouped_mm" in key for key in bik.mode_stats().fallbacks)
+    ends = torch.tensor([2, 4, 8], dtype=torch.int32)
+    calls = [lambda: torch._grouped_mm(x, w, ends, bias=torch.zeros(3, 48)),
+             lambda: torch._grouped_mm(x, w, torch.tensor([5, 2, 8], dtype=torch.int32))]
+    with torch.no_grad():
+        stock = [_stock_error(call) for call in calls]
+        assert stock[0] is not None and stock[1] is None  # measured: a bias raises, ends don't
+        with bik.enabled(), pytest.warns(bik.BatchInvarianceWarning, match="ends"):
+            assert [_stock_error(call) for call in calls] == stock
+
+
+def _tiny_qwen3_moe():
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, num_experts=4, num_experts_per_tok=2, vocab_size=256,
+                         norm_topk_prob=True, max_position_embeddings=128)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
+                                             attn_implementation="eager")
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0, 0.2)
+    return model.eval()
+
+
+def test_hf_moe_decode_logits_alone_equal_batched_under_enable():
+    """A tiny random Qwen3-MoE (4 experts, top-2, transformers' default grouped_mm experts):
+    each sequence's logits are the same alone as in a batch of 6 under bik.enable(). Stock
+    measured to differ on the same tokens (the control)."""
+    model = _tiny_qwen3_moe()
+    assert model.config._experts_implementation == "grouped_mm"
+    ids = torch.randint(0, 256, (6, 3), generator=torch.Generator().manual_seed(1))
+
+    def alone_vs_batched() -> list[bool]:
+        with torch.no_grad():
+            batched = model(ids).logits
+            return [torch.equal(model(ids[i:i + 1]).logits[0], batched[i]) for i in range(6)]
+
+    assert not all(alone_vs_batched())  # stock
+    bik.reset_mode_stats()
+    with bik.enabled():
+        assert all(alone_vs_batched())
+    stats = bik.mode_stats()
+    assert stats.routed.get("aten._grouped_mm.default", 0) > 0 and not stats.fallbacks
