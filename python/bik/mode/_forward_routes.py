@@ -16,6 +16,7 @@ from bik.mode._kit import (
     aten_args,
     cast_first,
     handler_table,
+    need,
     prepare,
     reduced_dims,
     torch_raises,
@@ -40,11 +41,6 @@ def _broadcast(a: tuple, b: tuple) -> tuple:
     return tuple(reversed(out))
 
 
-def _need(ok: bool, what: str) -> None:
-    if not ok:
-        raise torch_raises(what)
-
-
 def _matmul_rows(a: torch.Tensor, b: torch.Tensor, bias, backend: str, out_dtype=None):
     """a [..., K] @ b [K, N] (+ bias [N]) on bik::matmul, every leading dim of a a row."""
     rows = math.prod(a.shape[:-1])
@@ -66,9 +62,9 @@ def _write_out(func, out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
 
 
 def _check_mm(a, b, rank: int = 2) -> None:
-    _need(a.dim() == rank and b.dim() == rank, "operand ranks")
-    _need(a.shape[-1] == b.shape[-2], "operand shapes")
-    _need(rank == 2 or a.shape[0] == b.shape[0], "batch sizes")
+    need(a.dim() == rank and b.dim() == rank, "operand ranks")
+    need(a.shape[-1] == b.shape[-2], "operand shapes")
+    need(rank == 2 or a.shape[0] == b.shape[0], "batch sizes")
 
 
 def _mm(func, a, b, out=None):
@@ -83,7 +79,7 @@ def _addmm(func, bias, a, b, *, beta=1, alpha=1, out=None):
     _check_mm(a, b)
     m, n = a.shape[0], b.shape[-1]
     # torch's broadcasting rule: bias must expand to [M, N]
-    _need(bias.dim() <= 2 and _broadcast(tuple(bias.shape), (m, n)) == (m, n),
+    need(bias.dim() <= 2 and _broadcast(tuple(bias.shape), (m, n)) == (m, n),
           "a bias that does not broadcast to [M, N]")
     if beta == 1 and alpha == 1 and bias.dim() >= 1 and bias.numel() == n \
             and bias.shape[-1] == n and (bias.dim() < 2 or bias.shape[0] == 1):
@@ -104,7 +100,7 @@ def _addmm(func, bias, a, b, *, beta=1, alpha=1, out=None):
 
 def _mv(func, a, v, out=None):  # [M, K] @ [K]: each output element is one row of a
     backend = prepare(func, a, v)
-    _need(a.dim() == 2 and v.dim() == 1 and a.shape[1] == v.shape[0],
+    need(a.dim() == 2 and v.dim() == 1 and a.shape[1] == v.shape[0],
           "operand shapes")
     r = _call("matmul", a, v.unsqueeze(1), None, None, backend).squeeze(1)
     return r if out is None else _write_out(func, out, r)
@@ -112,7 +108,7 @@ def _mv(func, a, v, out=None):  # [M, K] @ [K]: each output element is one row o
 
 def _dot(func, a, b, out=None):
     backend = prepare(func, a, b)
-    _need(a.dim() == 1 and b.dim() == 1 and a.shape == b.shape,
+    need(a.dim() == 1 and b.dim() == 1 and a.shape == b.shape,
           "operand shapes")
     r = _call("matmul", a.unsqueeze(0), b.unsqueeze(1), None, None, backend).reshape(())
     return r if out is None else _write_out(func, out, r)
@@ -131,9 +127,9 @@ def _bmm(func, a, b, out=None):
 
 def _matmul(func, a, b):
     backend = prepare(func, a, b)
-    _need(a.dim() > 0 and b.dim() > 0, "a 0-D operand")
+    need(a.dim() > 0 and b.dim() > 0, "a 0-D operand")
     k_b = b.shape[0] if b.dim() == 1 else b.shape[-2]
-    _need(a.shape[-1] == k_b, "operand shapes")
+    need(a.shape[-1] == k_b, "operand shapes")
     if b.dim() == 2:
         return _matmul_rows(a, b, None, backend)
     if b.dim() == 1:
@@ -154,9 +150,9 @@ def _linear(func, x, weight, bias=None):
         raise Fallback("weight that is not 2-D")
     if bias is not None and bias.dim() != 1:
         raise Fallback("bias that is not 1-D")
-    _need(x.dim() > 0 and x.shape[-1] == weight.shape[1],
+    need(x.dim() > 0 and x.shape[-1] == weight.shape[1],
           "input and weight shapes")
-    _need(bias is None or bias.shape[0] == weight.shape[0],
+    need(bias is None or bias.shape[0] == weight.shape[0],
           "bias and weight shapes")
     return _matmul_rows(x, weight.t(), bias, backend)
 
@@ -206,7 +202,7 @@ def _rms_norm_parts(func, args: tuple, kwargs: dict):
     if len(normalized_shape) != 1 or x.dim() == 0 or normalized_shape[0] != x.shape[-1]:
         raise Fallback("normalized_shape other than the last dim")
     h = x.shape[-1]
-    _need(weight is None or tuple(weight.shape) == (h,),
+    need(weight is None or tuple(weight.shape) == (h,),
           "weight shape")
     if weight is None:
         weight = torch.ones(h, dtype=x.dtype, device=x.device)

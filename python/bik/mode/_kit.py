@@ -17,7 +17,7 @@ from bik.ops._checks import SUPPORTED_DTYPES
 from bik.ops._registry import default_backend
 
 __all__ = ["Fallback", "WarnedFallback", "aten_args", "backend_for", "cast_first",
-           "handler_table", "prepare", "reduced_dims", "torch_raises"]
+           "handler_table", "need", "prepare", "reduced_dims", "torch_raises"]
 
 aten = torch.ops.aten
 
@@ -70,6 +70,12 @@ def torch_raises(what: str) -> Fallback:
     """Input torch rejects: the stock op runs, so the caller gets torch's own exception. The
     reason is a fixed phrase (it keys mode_stats, and is built on every checked call)."""
     return Fallback(f"{what} (torch raises its own error)")
+
+
+def need(ok: bool, what: str) -> None:
+    """Raise :func:`torch_raises` (``what``) unless ``ok``: a check torch makes too."""
+    if not ok:
+        raise torch_raises(what)
 
 
 _SERVED = frozenset(SUPPORTED_DTYPES)

@@ -11,17 +11,10 @@ tokens chose that expert. Here each group is bik::matmul on its rows, whose bits
 
 from __future__ import annotations
 
-import torch
-
-from bik.mode._kit import WarnedFallback, handler_table, prepare, torch_raises
+from bik.mode._kit import WarnedFallback, handler_table, need, prepare
 from bik.ops._call import call
 
 __all__ = ["MOE_HANDLERS"]
-
-
-def _need(ok: bool, what: str) -> None:
-    if not ok:
-        raise torch_raises(what)
 
 
 def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
@@ -35,7 +28,7 @@ def _grouped_mm(func, a, b, offs=None, bias=None, out_dtype=None):
     if a.device.type != "cpu":
         # The groups' ends are device data: reading them is a sync (and breaks graph capture).
         raise WarnedFallback("a grouped product on a GPU (not routed through bik yet)")
-    _need(a.shape[1] == b.shape[1] and offs.dim() == 1 and offs.shape[0] == b.shape[0]
+    need(a.shape[1] == b.shape[1] and offs.dim() == 1 and offs.shape[0] == b.shape[0]
           and not offs.is_floating_point(), "operand shapes")
     ends = offs.tolist()
     if not all(0 <= x <= y <= a.shape[0] for x, y in zip([0] + ends, ends)):
