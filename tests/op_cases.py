@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import bik
 import torch
+from bik.ops.matmul.reference import grouped_matmul_reference
 import torch.nn.functional as F
 
 __all__ = ["CASES", "OpCase"]
@@ -36,6 +37,7 @@ X, W = torch.randn(3, 8), torch.randn(8)
 LOGITS = torch.randn(2, 16)
 _SPARSE = torch.zeros(4, 8).to_sparse()
 _CU = torch.tensor([0, 2, 6])
+_ENDS, _ENDS7 = torch.tensor([1, 3]), torch.tensor([2, 2, 6])  # grouped products' ends
 _CU32 = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
 
 
@@ -108,6 +110,19 @@ CASES = {
                          torch.randn(40, generator=g)],
               lambda x, r, w: bik.rms_norm(x, w, 1e-6, residual=r)[0],
               lambda x, r, w: F.rms_norm(x + r, (40,), w, 1e-6))),
+    "grouped_matmul": OpCase(
+        call=lambda: bik.grouped_matmul(X, torch.randn(2, 8, 4), _ENDS),
+        grad=(lambda g: [torch.randn(7, 33, generator=g), torch.randn(3, 33, 9, generator=g)],
+              lambda a, b: bik.grouped_matmul(a, b, _ENDS7),
+              lambda a, b: grouped_matmul_reference(a, b, _ENDS7, a.dtype)),
+        sparse={"grouped_matmul": lambda: bik.grouped_matmul(_SPARSE, torch.zeros(1, 8, 3),
+                                                             torch.tensor([4]))}),
+    "grouped_matmul_weight_grad": OpCase(
+        call=lambda: torch.ops.bik.grouped_matmul_weight_grad(X, torch.randn(3, 4), _ENDS,
+                                                              torch.float32, "cpu"),
+        grad=(lambda g: [torch.randn(7, 5, generator=g)],
+              lambda a: torch.ops.bik.grouped_matmul_weight_grad(
+                  a, torch.ones(7, 2), _ENDS7, torch.float32, "cpu"), None)),
     "softmax": OpCase(
         call=lambda: bik.softmax(X),
         grad=(lambda g: [torch.randn(4, 3, 37, generator=g)], lambda x: bik.softmax(x, 1),

@@ -43,7 +43,7 @@ LAYERS = [
     ("bik.rl",),
     ("bik.cli", "bik.__main__"),
 ]
-_OP_TOP = {"op", "backward", "kv_cache"}  # the modules of a slice that declare its ops
+_OP_TOP = {"op", "backward", "kv_cache", "grouped"}  # the modules of a slice that declare its ops
 
 
 def _module_name(path: Path) -> str:

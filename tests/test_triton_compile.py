@@ -27,7 +27,7 @@ def records(request):
 def test_every_config_compiles(records):
     kernels = {r.kernel for r in records}
     hopper = {"matmul_tma_kernel"} if records[0].arch == 90 else set()
-    assert kernels == {"matmul_kernel", "rms_norm_kernel", "softmax_kernel",
+    assert kernels == {"matmul_kernel", "grouped_matmul_kernel", "rms_norm_kernel", "softmax_kernel",
                        "log_softmax_kernel", "mean_kernel",
                        "attention_kernel", "top_p_pass_kernel", "top_p_finish_kernel",
                        "group_max_kernel", "group_mass_kernel", "gumbel_pick_kernel",
@@ -84,6 +84,25 @@ def test_every_matmul_mode_emits_one_mma_instruction(records):
         assert len(mma) == (0 if dtype == "float32" else 1), (dtype, n, k, mma)
         if dtype != "float32" and records[0].arch == 90:
             assert mma[0].startswith("wgmma.mma_async"), mma
+
+
+def test_grouped_matmul_meets_the_matmul_instruction(records):
+    """bik::grouped_matmul's tiles are bik::matmul's: for a (dtype, N, K) both compile, the same
+    single MMA (none for IEEE fp32), one pipelined K loop per tile, K stages in flight where K
+    is 16-aligned; a row therefore meets bik.linear's sums."""
+    mma = {(r.config["dtype"], r.config["shape"]["N"], r.config["shape"]["K"]): r.mma
+           for r in records if r.kernel == "matmul_kernel"}
+    grouped = [r for r in records if r.kernel == "grouped_matmul_kernel"]
+    assert {r.config["dtype"] for r in grouped} == {"bfloat16", "float32"}
+    shared = 0
+    for r in grouped:
+        key = (r.config["dtype"], r.config["shape"]["N"], r.config["shape"]["K"])
+        assert len(r.mma) == (0 if key[0] == "float32" else 1), (key, r.mma)
+        if key in mma:
+            shared += 1
+            assert r.mma == mma[key], (key, r.mma, mma[key])
+        assert len(r.dot_loops) == 1 and r.dot_loops[0] >= 1, (key, r.dot_loops)
+    assert shared >= 2  # one shape in both tables, per dtype
 
 
 def test_hopper_persistent_matmul_loads_through_tma(records):

@@ -12,7 +12,7 @@ import torch
 from bik.configs import matmul_config, matmul_split, rms_norm_config
 from triton_compile import CompileRecord, Desc, Ptr, compile_kernel
 
-__all__ = ["ARCHS", "ATTENTION_HEADS", "MATMUL_SHAPES", "REDUCTION_LENGTHS", "RMS_NORM_HIDDENS",
+__all__ = ["ARCHS", "ATTENTION_HEADS", "GROUPED_SHAPES", "MATMUL_SHAPES", "REDUCTION_LENGTHS", "RMS_NORM_HIDDENS",
            "SAMPLE_VOCABS", "compile_all", "sampling_kernel_cases"]
 
 ARCHS = (90, 80)
@@ -87,6 +87,31 @@ def _persistent_cases(arch: int, dtype) -> Iterator[tuple]:
                           "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                           "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
                 yield matmul_tma_kernel, args, consts, cfg.num_warps, cfg.num_stages
+
+
+# bik::grouped_matmul: a Llama projection (its MMA compared with matmul_kernel's) and
+# Qwen3-30B-A3B's expert widths (gate-up [1536, 2048], down [2048, 768]), bf16 and fp32.
+GROUPED_SHAPES = ((4096, 4096), (1536, 2048), (2048, 768))
+
+
+def _grouped_cases(arch: int) -> Iterator[tuple]:
+    """bik::grouped_matmul's kernel with bik::matmul's tile and split for each (dtype, N, K),
+    B as the transposed [G, N, K] weights of a model's experts."""
+    from bik.ops.matmul.triton import input_precision
+    from bik.ops.matmul.triton_grouped import grouped_matmul_kernel
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for n, k in GROUPED_SHAPES:
+            cfg = matmul_config(dtype, n, k, f"sm{arch}")
+            plan = matmul_split(dtype, n, k)
+            args = {"a_ptr": Ptr(dtype), "b_ptr": Ptr(dtype), "ends_ptr": Ptr(torch.int32),
+                    "c_ptr": Ptr(dtype), "S": 4096, "G": 128, "N": n, "K": k,
+                    "SPLIT": plan.split, "stride_am": k, "stride_ak": 1, "stride_bg": n * k,
+                    "stride_bk": 1, "stride_bn": k, "stride_cm": n, "stride_cn": 1}
+            consts = {"INPUT_PRECISION": input_precision(dtype),
+                      "MULTI_SPLIT": plan.n_splits(k) > 1, "BLOCK_M": cfg.block_m,
+                      "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
+            yield grouped_matmul_kernel, args, consts, cfg.num_warps, cfg.num_stages
 
 
 def _rms_norm_cases(arch: int) -> Iterator[tuple]:
@@ -244,7 +269,7 @@ def sampling_kernel_cases(arch: int) -> Iterator[tuple]:
 
 def compile_all(arch: int) -> list[CompileRecord]:
     records = []
-    for cases in (_matmul_cases(arch), _rms_norm_cases(arch), _reduction_cases(arch),
+    for cases in (_matmul_cases(arch), _grouped_cases(arch), _rms_norm_cases(arch), _reduction_cases(arch),
                   _attention_cases(arch), sampling_kernel_cases(arch)):
         for kernel, args, consts, warps, stages, *options in cases:
             rec = compile_kernel(kernel, args, consts, arch=arch, num_warps=warps,

@@ -48,13 +48,14 @@ OVERRIDES = (
     aten.silu.default, aten.silu_backward.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    aten._grouped_mm.default,
+    aten._grouped_mm.default, aten.topk.default, aten.sort.default, aten.sort.stable,
+    aten.sigmoid.default,
 )
 # CUDA's elementwise kernels run one instruction sequence per element: silu is position-
-# independent there already. The grouped product is routed on the CPU only so far.
+# independent there already.
 _CPU_ONLY = {aten._scaled_dot_product_flash_attention_for_cpu.default,
              aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-             aten.silu.default, aten.silu_backward.default, aten._grouped_mm.default}
+             aten.silu.default, aten.silu_backward.default, aten.sigmoid.default}
 
 # The ops with a C++ kernel at the CPU key (csrc/native/native_cpu.cpp), in its counters' order.
 NATIVE_CPU = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.silu.default,

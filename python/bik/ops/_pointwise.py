@@ -76,7 +76,7 @@ def exp_f32(x: torch.Tensor) -> torch.Tensor:
 
 def sigmoid_f32(x: torch.Tensor) -> torch.Tensor:
     """1 / (1 + e**-x) for an fp32 tensor, from the same exp as :func:`silu_f32`: the front
-    ends' silu backward."""
+    ends' silu backward and sigmoid (a router's scores)."""
     return 1.0 / (1.0 + torch.exp(-x))
 
 

@@ -79,6 +79,15 @@ TABLE: dict[str, OpRow] = {
     "softmax": OpRow(_slice("reductions", "triton", "cpu"), "launch_softmax", backward=True),
     "log_softmax": OpRow(_slice("reductions", "triton", "cpu"), "launch_softmax", backward=True),
     "mean": OpRow(_slice("reductions", "triton", "cpu"), "launch_mean", backward=True),
+    # CUDA C++: not written yet (the table refuses backend='cuda' with the backends it has).
+    "grouped_matmul": OpRow({"triton": "bik.ops.matmul.triton_grouped",
+                             "cpu": "bik.ops.matmul.cpu"}, "launch_grouped_matmul",
+                            backward=True),
+    # Built from bik::matmul (one module for every backend it runs on).
+    "grouped_matmul_weight_grad": OpRow({b: "bik.ops.matmul.grouped" for b in ("triton", "cpu")},
+                                        "group_weight_grad", backward=False,
+                                        refusal="double backward through a grouped product is "
+                                                "not implemented"),
     "attention": OpRow(_slice("attention", *_ALL), "run_attention", backward=False,
                        refusal=_INFERENCE_ONLY),
     "attention_varlen": OpRow(_slice("attention", *_ALL), "run_attention", backward=True),

@@ -82,6 +82,24 @@ def launch_bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                     kernel=cpu_ext.bf16_bmm_kernel())
 
 
+def launch_grouped_matmul(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
+                          out: torch.Tensor) -> None:
+    """bik::grouped_matmul's entry: out[S, N], rows [ends[g-1], ends[g]) of a [S, K] times
+    b[g] [K, N], rows past the last end zero; validated by the op (ends non-decreasing, within
+    S). Each group is :func:`launch_matmul` on its rows, with the tables of (N, K) whatever
+    the group's size: a row's bits are bik::matmul's."""
+    require_cpu("bik.ops.matmul.cpu.launch_grouped_matmul", a=a, b=b, ends=ends, out=out)
+    start = 0
+    for group, end in enumerate(ends.tolist()):
+        if end > start:
+            launch_matmul(a[start:end].unsqueeze(0), b[group].unsqueeze(0), None,
+                          out[start:end].unsqueeze(0))
+        start = end
+    require(start <= out.shape[0], "bik.ops.matmul.cpu.launch_grouped_matmul",
+            f"ends reach row {start} of {out.shape[0]}")
+    out[start:].zero_()
+
+
 def _launch_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                     out: torch.Tensor, *, layer: tuple[int, int] | None, split: int | None,
                     kernel: str | None) -> None:

@@ -132,3 +132,15 @@ def matmul_bf16_dot_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
         return bf16_dot_step(p, zero, zero) if (hi - lo) % 2 else p
 
     return _fold_splits(a.shape[1], plan, split_sum, bias)
+
+
+def grouped_matmul_reference(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
+                             dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Group g's rows of a times b[g] in ``dtype`` (fp64 for accuracy checks); rows past the
+    last end zero."""
+    parts, start = [], 0
+    for g, end in enumerate(ends.tolist()):
+        parts.append(a[start:end].to(dtype) @ b[g].to(dtype))
+        start = end
+    parts.append(torch.zeros(a.shape[0] - start, b.shape[2], dtype=dtype))
+    return torch.cat(parts)  # (differentiable: no in-place writes)
