@@ -27,6 +27,10 @@ def _ends(sizes) -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
+def _ends_on(sizes, device) -> torch.Tensor:
+    return _ends(sizes).to(device)
+
+
 def skewed_layouts(s: int) -> dict[str, list[int]]:
     """Group sizes (G groups) of ``s`` rows routed the ways a router can skew them."""
     layouts = {"all on one": [0, 0, s, 0, 0],
@@ -42,6 +46,7 @@ def skewed_layouts(s: int) -> dict[str, list[int]]:
 def rows_alone_report(fn, a, b, sizes) -> list[tuple[int, int]]:
     """(group, row) of every row of fn(a, b, ends) whose bits differ from the row run alone as
     the one row of its group; rows past the last end must be zeros."""
+    _ends = lambda sizes: _ends_on(sizes, a.device)  # noqa: E731
     out = fn(a, b, _ends(sizes))
     bad, start = [], 0
     for g, size in enumerate(sizes):
@@ -75,7 +80,7 @@ def _inputs(gen, s, dtype, n=N, k=K):
     return a, b
 
 
-@pytest.mark.parametrize("target", targets())
+@pytest.mark.parametrize("target", targets("cpu", "interpreter", "gpu-triton"))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_are_their_own_whatever_the_routing(target, dtype, gen):
     if target.small and dtype != torch.float32:
@@ -83,16 +88,16 @@ def test_rows_are_their_own_whatever_the_routing(target, dtype, gen):
     sizes = (1, 2, 17, 33) if target.small else (1, 2, 3, 16, 17, 64, 255, 512)
     fn = _bik(target.backend)
     for s in sizes:
-        a, b = _inputs(gen, s, dtype)
+        a, b = (t.to(target.device) for t in _inputs(gen, s, dtype))
         for name, layout in skewed_layouts(s).items():
             assert not rows_alone_report(fn, a, b, layout), (s, name)
 
 
-@pytest.mark.parametrize("target", targets())
+@pytest.mark.parametrize("target", targets("cpu", "interpreter", "gpu-triton"))
 def test_a_row_has_bik_linears_bits(target, gen):
     """The contract: a row's product with its group's matrix is bik.matmul's (bik.linear's)."""
-    a, b = _inputs(gen, 9, torch.float32)
-    ends = _ends([2, 0, 4, 0, 3])
+    a, b = (t.to(target.device) for t in _inputs(gen, 9, torch.float32))
+    ends = _ends_on([2, 0, 4, 0, 3], target.device)
     out = bik.grouped_matmul(a, b, ends, backend=target.backend)
     for r, g in enumerate([0, 0, 2, 2, 2, 2, 4, 4, 4]):
         assert same_bits(out[r], bik.matmul(a[r:r + 1], b[g], backend=target.backend)[0]), r
@@ -217,3 +222,21 @@ def test_backward(target, gen):
         assert same_bits(one.grad[0], a1.grad[r]), r
     assert same_bits(b1.grad[2], bik.matmul(a[3:9].t().contiguous(), u[3:9],
                                             backend=target.backend))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_ends_stay_on_the_device_and_are_clamped(gen):
+    """No host read (a CUDA graph can capture it); ends that decrease or pass S give empty
+    groups and zero rows, never a read outside a."""
+    from bik.testing.host_reads import forbid_host_reads
+
+    a, b = (t.cuda() for t in _inputs(gen, 8, torch.bfloat16))
+    good = torch.tensor([3, 3, 8, 8, 8], device="cuda")
+    with forbid_host_reads():
+        out = bik.grouped_matmul(a, b, good)
+    torch.cuda.synchronize()
+    assert same_bits(out[4], bik.matmul(a[4:5], b[2])[0])
+    bad = bik.grouped_matmul(a, b, torch.tensor([5, 2, 99, 1, 8], device="cuda"))
+    want = torch.cat([bik.matmul(a[:5], b[0]), bik.matmul(a[5:], b[2])])
+    assert same_bits(bad, want)
