@@ -1,7 +1,7 @@
 """While bik.enable() is on, Inductor must leave the ops bik routes to aten, where the
 dispatcher overrides see them: Inductor otherwise lowers softmax / mean / sum (and so RMSNorm)
-to its own generated kernels and may decompose a small matmul into mul + sum, and no
-dispatcher override sees either.
+to its own generated kernels and may decompose a small matmul into mul + sum (or a sort, a
+top-k, a sigmoid into its own code), and no dispatcher override sees either.
 
 :func:`keep_as_aten_calls` removes those ops' Inductor decompositions, makes them Inductor
 fallbacks (a generated call to the aten op) and turns Inductor's and AOTAutograd's on-disk
@@ -27,6 +27,9 @@ INDUCTOR_FALLBACK_OPS = (
     aten._softmax.default, aten._log_softmax.default,
     aten._softmax_backward_data.default, aten._log_softmax_backward_data.default,
     aten.mean.dim, aten.sum.dim_IntList,
+    # a mixture of experts' router and products (mode/_moe_routes.py)
+    aten.topk.default, aten.sort.default, aten.sort.stable, aten.sigmoid.default,
+    aten._grouped_mm.default,
 )
 
 

