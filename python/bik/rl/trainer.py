@@ -1,6 +1,7 @@
-"""The training side of ``bik rl``: Hugging Face transformers' LlamaForCausalLM as a trainer
-runs it (train mode, grad on), its logprobs of the sampled tokens from one packed batch, a GRPO
-loss, backward and AdamW on fp32 master weights.
+"""The training side of ``bik rl``: the checkpoint's Hugging Face causal LM (dense or a mixture
+of experts, ``AutoModelForCausalLM``) as a trainer runs it (train mode, grad on), its logprobs
+of the sampled tokens from one packed batch, a GRPO loss, backward and AdamW on fp32 master
+weights; the weights handed to the engine under the checkpoint's own names.
 
 The logprob of token t at temperature T is ``log_softmax(logits.float() / T)[t]``: the division
 after the upcast, as vLLM divides its fp32 logits (dividing bf16 logits first gives other
@@ -83,6 +84,21 @@ def advantages(rewards: list[float], group: int) -> list[float]:
     return a.flatten().tolist()
 
 
+def checkpoint_shapes(model_dir: str) -> dict[str, torch.Size]:
+    """Every tensor's name and shape in the directory's safetensors files (headers only)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            shapes |= {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
+    if not shapes:
+        raise ValueError(f"bik rl: no safetensors weights in {model_dir}")
+    return shapes
+
+
 class Trainer:
     """fp32 master weights with AdamW; the forward runs on them (float32) or on a bf16 copy
     (bfloat16), whose gradients are accumulated into the masters in fp32."""
@@ -90,13 +106,14 @@ class Trainer:
     def __init__(self, model_dir: str, dtype: str, lr: float):
         import transformers
 
-        self.master = transformers.LlamaForCausalLM.from_pretrained(model_dir,
-                                                                    dtype=torch.float32)
+        self.model_dir = model_dir
+        self.master = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                        dtype=torch.float32)
         self.dtype = DTYPES[dtype]
         self.model = self.master
         if self.dtype != torch.float32:
-            self.model = transformers.LlamaForCausalLM.from_pretrained(model_dir,
-                                                                       dtype=self.dtype)
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                           dtype=self.dtype)
             self._copy_masters()
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=lr)
@@ -107,11 +124,19 @@ class Trainer:
                 p.copy_(m)
 
     def expected(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        return {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
+        """What a weight update must hold: the checkpoint's names and shapes (what the engine
+        loaded; read from the files, not from the converter), in the forward's dtype."""
+        return {n: (shape, self.dtype) for n, shape in checkpoint_shapes(self.model_dir).items()}
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The forward model's weights by checkpoint name (a tied LM head appears once)."""
-        return {n: p.detach() for n, p in self.model.named_parameters()}
+        """The forward model's weights under the checkpoint's names (a tied LM head appears
+        once). transformers 5 keeps a mixture of experts' weights fused ([E, 2I, H] gate and
+        up, [E, H, I] down) where checkpoints, and vLLM's loader, name them per expert: its
+        own save-time conversion splits them back."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        named = {n: p.detach() for n, p in self.model.named_parameters()}
+        return revert_weight_conversion(self.model, named)
 
     def logprobs(self, sequences, targets, temperatures, **filters) -> list[torch.Tensor]:
         return packed_logprobs(self.model, sequences, targets, temperatures,
