@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH", help="write records as JSON")
     bench.add_argument("--plot", metavar="PATH", help="PNG of torch time / bik time")
     bench.add_argument("--model", default=None, metavar="NAME",
-                       help="dvr: 'smollm2', the real checkpoint (with HF generate alongside)")
+                       help="dvr: 'smollm2', the real checkpoint (with HF generate alongside); "
+                            "vllm: a Hugging Face directory (default SmolLM2)")
     bench.add_argument("--split", choices=("fixed", "none"), default=None,
                        help="matmul: only this K-split contract (default: both)")
     bench.add_argument("--spec", action="store_true",

