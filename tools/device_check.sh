@@ -16,7 +16,8 @@
 # boundary` (host µs per eager call on each backend), `bik check`, and a profile of a decode
 # step's calls (tools/device_profile.py: kernels per call from the profiler's device events,
 # host µs, cProfile, a Chrome trace of bik.linear). PARTS=triton is the second call: the
-# matmul bench in fp16 and fp32, then the Triton GPU tests. The CUDA C++ backend's tests and
+# matmul bench in fp16 and fp32, the MoE grouped product against torch's, then the Triton GPU
+# tests. The CUDA C++ backend's tests and
 # memcheck are the third (PARTS=cuda); the DVR loop's tests, the plugin's verifier on CUDA and
 # the DVR bench the fourth (PARTS=dvr). The sum of each call's deadlines is at most
 # BUDGET - 30 s (tests/test_device_check.py checks it from PLAN=1), so no stage is starved by a
@@ -115,9 +116,12 @@ if part triton; then
     stage "bench_matmul_$dt" 85 $PY -m bik bench matmul --backend triton --split fixed \
       --dtype "$dt" --ms 1,8,64,512,4096 --json "$RAW/bench_matmul_$dt.json"
   done
+  # The MoE grouped product at Qwen3-30B-A3B's widths against torch's _grouped_mm.
+  stage bench_moe 25 $PY -m bik bench moe --device cuda --json "$RAW/bench_moe.json"
   stage gpu_tests 60 env BIK_GPU_RECORD="$RAW/torch_mm_variance.json" \
     $PY -m pytest -q tests/matmul/test_matmul_gpu.py tests/rms_norm/test_rms_norm_gpu.py \
-      tests/reductions/test_reductions.py -m gpu --junitxml "$RAW/gpu_tests.xml"
+      tests/reductions/test_reductions.py tests/matmul/test_grouped_matmul.py -m gpu \
+      --junitxml "$RAW/gpu_tests.xml"
   # The samplers (Triton and CUDA C++) against the CPU's bits: the (row, group) programs of a
   # top-p pass and the row tickets under real concurrency, up to Llama-3's vocabulary.
   stage gpu_sampler_tests 40 $PY -m pytest -q tests/sampling/test_sampling_vs_cpu.py \

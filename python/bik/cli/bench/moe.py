@@ -17,6 +17,12 @@ the same routing:
 Each call's time is the median of ROUNDS interleaved rounds (p20 / p80 kept, noisy rows
 flagged); ratios are to ``vllm`` where it ran, else to ``hf grouped_mm``. ``rows same``: bik's
 output for every token alone equals its row of the batch.
+
+On a GPU (``--device cuda``, vLLM not involved) it times the grouped product itself at
+Qwen3-30B-A3B's real widths (128 experts top-8, hidden 2048, expert intermediate 768; the
+gate-up product [1536, 2048] and the down product [2048, 768]): ``bik.grouped_matmul``
+(Triton) against torch's ``_grouped_mm`` on the same sorted rows, each row of bik's checked
+against ``bik.matmul`` of the row alone.
 """
 
 from __future__ import annotations
@@ -123,16 +129,66 @@ def _one(experts: int, k: int, tokens: int, dtype, rounds: int) -> dict:
     return rec
 
 
+GPU_EXPERTS, GPU_TOP_K, GPU_PRODUCTS = 128, 8, {"gate-up": (1536, 2048), "down": (2048, 768)}
+
+
+def _gpu_one(name: str, n: int, k: int, tokens: int, dtype, device) -> dict:
+    from bik.cli.timing import time_ms
+
+    gen = torch.Generator(device=device).manual_seed(tokens * 7 + n)
+    w = (torch.randn(GPU_EXPERTS, n, k, generator=gen, device=device) / k**0.5).to(dtype)
+    b = w.transpose(1, 2)  # the experts' [E, N, K] weights, as a model stores them
+    ids = torch.randint(0, GPU_EXPERTS, (tokens * GPU_TOP_K,), generator=gen, device=device)
+    sorted_ids, _ = torch.sort(ids)
+    ends = torch.cumsum(torch.bincount(sorted_ids, minlength=GPU_EXPERTS), 0).to(torch.int32)
+    a = torch.randn(tokens * GPU_TOP_K, k, generator=gen, device=device).to(dtype)
+    times = {"bik": time_ms(lambda: bik.grouped_matmul(a, b, ends), device),
+             "torch grouped_mm": time_ms(lambda: torch._grouped_mm(a, b, ends), device)}
+    out = bik.grouped_matmul(a, b, ends)
+    rows = range(0, a.shape[0], max(1, a.shape[0] // 8))
+    same = all(torch.equal(out[r], bik.matmul(a[r:r + 1], b[int(sorted_ids[r])])[0])
+               for r in rows)
+    return {"op": "grouped product", "product": name, "N": n, "K": k, "experts": GPU_EXPERTS,
+            "top_k": GPU_TOP_K, "tokens": tokens, "dtype": dtype_name(dtype),
+            "device": torch.cuda.get_device_name(device), "noisy": noisy(*times.values()),
+            "bik_rows_identical": same, "bik_ms": times["bik"],
+            "torch grouped_mm_ms": times["torch grouped_mm"],
+            "bik_vs_torch": times["bik"]["p50"] / times["torch grouped_mm"]["p50"]}
+
+
 def run(device, dtype, args) -> list[dict]:
+    if device.type == "cuda":
+        dtype = torch.bfloat16 if args.dtype is None else dtype
+        tokens = list(args.ms) if args.ms else ([1, 16] if args.quick else [1, 16, 128, 1024])
+        return [_gpu_one(name, n, k, t, dtype, device) for name, (n, k) in GPU_PRODUCTS.items()
+                for t in tokens]
     if device.type != "cpu":
-        raise SystemExit("bik bench moe: the CPU (--device cpu)")
+        raise SystemExit(f"bik bench moe: the CPU or a CUDA device, got {device}")
     tokens = list(args.ms) if args.ms else ([1, 4] if args.quick else [1, 4, 16, 64, 256])
     layouts = LAYOUTS[:1] if args.quick else LAYOUTS
     rounds = 2 if args.quick else ROUNDS
     return [_one(e, k, t, dtype, rounds) for e, k in layouts for t in tokens]
 
 
+def _render_gpu(records: list[dict], console: Console) -> None:
+    table = Table(title=f"grouped product on {records[0]['device']} ({records[0]['dtype']}), "
+                        f"{GPU_EXPERTS} experts top-{GPU_TOP_K}: bik.grouped_matmul vs torch "
+                        f"_grouped_mm")
+    for col in ("product", "N x K", "tokens", "torch ms", "bik ms", "bik / torch", "rows same",
+                ""):
+        table.add_column(col, justify="right")
+    for r in records:
+        table.add_row(r["product"], f"{r['N']} x {r['K']}", str(r["tokens"]),
+                      f"{r['torch grouped_mm_ms']['p50']:.4f}", f"{r['bik_ms']['p50']:.4f}",
+                      f"{r['bik_vs_torch']:.2f}x", "yes" if r["bik_rows_identical"] else "NO",
+                      "noisy" if r["noisy"] else "")
+    print_table(console, table, keys=3)
+
+
 def render(records: list[dict], console: Console) -> None:
+    if records and records[0]["op"] == "grouped product":
+        _render_gpu(records, console)
+        return
     base = records[0]["baseline"]
     table = Table(title=f"MoE experts on the CPU ({records[0]['dtype']}), hidden {HIDDEN}, "
                         f"intermediate {INTERMEDIATE}; median of {records[0]['rounds']} "
@@ -149,6 +205,8 @@ def render(records: list[dict], console: Console) -> None:
 
 
 def plot(records: list[dict], plt, path: str) -> None:
+    if records and records[0]["op"] == "grouped product":
+        raise SystemExit("bik bench moe: --plot is for the CPU records")
     base = records[0]["baseline"]
     fig, axes = plt.subplots(1, len(LAYOUTS), figsize=(10, 4), squeeze=False)
     for ax, (experts, k) in zip(axes[0], LAYOUTS):
