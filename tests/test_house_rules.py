@@ -1,6 +1,6 @@
 """The house rules of docs/design.md ("House rules"), checked on the package's source (ast).
 
-* Imports point down: cli -> dvr, testing, integrations -> models -> distributed -> bik -> mode -> ops/<op>/op.py -> ops/<op>/<backend>.py
+* Imports point down: cli -> dvr, testing, integrations -> models -> distributed -> moe -> bik -> mode -> ops/<op>/op.py -> ops/<op>/<backend>.py
   -> configs, runtime -> _arch, _dtypes. Lazy imports inside functions count.
 * No import cycles, within a layer too (lazy imports count: a lazy import hides a cycle from
   Python's loader, not from the reader). Modules that need each other's helpers share a module
@@ -37,6 +37,7 @@ LAYERS = [
     ("bik.ops.*.op", "bik.ops.*.backward", "bik.ops.*", "bik.ops", "bik.fingerprint"),
     ("bik.mode",),
     ("bik",),
+    ("bik.moe",),
     ("bik.distributed",),
     ("bik.models",),
     ("bik.dvr", "bik.testing", "bik.integrations"),

@@ -10,6 +10,7 @@ for each of transformers' experts implementations (grouped_mm, eager, batched_mm
 """
 
 import bik
+import bik.moe
 import pytest
 import torch
 from bik.runtime import cpu_ext
@@ -243,3 +244,61 @@ def test_hf_glm4_moe_logits_alone_equal_batched_under_enable(experts, dtype):
     assert stats.routed.get("aten.topk.default", 0) > 0
     if dtype == torch.float32:
         assert not all(stock), "stock measured invariant: the control no longer fails"
+
+
+def _tiny_mixtral(dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        num_local_experts=8, num_experts_per_tok=2, vocab_size=256,
+                        max_position_embeddings=128)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0, 0.2)
+    return model.eval()
+
+
+def _family_block(family: str, dtype: torch.dtype):
+    """(the MoE block of layer 0, its router's bik.moe.route arguments, logits of x)."""
+    if family == "qwen3_moe":
+        block = _tiny_qwen3_moe("grouped_mm", dtype).model.layers[0].mlp
+        cfg = block.gate
+        return block, dict(top_k=cfg.top_k, renormalize=cfg.norm_topk_prob), \
+            lambda x: torch.nn.functional.linear(x, block.gate.weight)
+    if family == "mixtral":
+        block = _tiny_mixtral(dtype).model.layers[0].mlp
+        return block, dict(top_k=block.gate.top_k, renormalize=True), \
+            lambda x: torch.nn.functional.linear(x, block.gate.weight)
+    block = _tiny_glm4_moe("grouped_mm", dtype).model.layers[0].mlp
+    gate = block.gate
+    return block, dict(top_k=gate.top_k, renormalize=gate.norm_topk_prob, n_group=gate.num_group,
+                       topk_group=gate.topk_group, correction_bias=gate.e_score_correction_bias,
+                       scaling=gate.routed_scaling_factor), \
+        lambda x: torch.nn.functional.linear(x.float(), gate.weight.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
+def test_bik_moe_is_the_transformers_code_op_for_op(family, dtype, gen):
+    """bik.moe.route + bik.moe.experts (what vLLM's plugin runs) give the bits of the family's
+    own router and grouped_mm experts under bik.enable(), for 1 and 9 tokens; and a token's
+    output alone equals its row among 9."""
+    block, args, logits_of = _family_block(family, dtype)
+    x = torch.randn(9, 64, generator=gen).to(dtype)
+    with torch.no_grad(), bik.enabled():
+        _, want_w, want_ids = block.gate(x)
+        want = block.experts(x, want_ids, want_w)
+        weights, ids = bik.moe.route(family, logits_of(x), **args)
+        got = bik.moe.experts(x, ids, weights, block.experts.gate_up_proj,
+                              block.experts.down_proj)
+        one = bik.moe.experts(x[3:4], ids[3:4], weights[3:4], block.experts.gate_up_proj,
+                              block.experts.down_proj)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    assert torch.equal(got, want) and torch.equal(one[0], got[3])
+
+
+def test_bik_moe_refuses_a_family_it_has_not_transcribed():
+    with pytest.raises(NotImplementedError, match="model_type 'qwen2_moe' is not served"):
+        bik.moe.route("qwen2_moe", torch.zeros(1, 4), 2, renormalize=True)

@@ -6,8 +6,8 @@ intermediate 192; the real one 2048 / 768), with 8 experts top-2 and 64 experts 
 T = 1 ... 256 tokens (``--ms``), routed by a softmax top-k of random logits. The calls, given
 the same routing:
 
-* ``bik``: the vLLM plugin's experts (``bik.integrations.vllm.moe.experts_grouped_mm``:
-  transformers' ``grouped_mm`` implementation op for op) under ``bik.enable()``, which puts its
+* ``bik``: the vLLM plugin's experts (``bik.moe.experts``: transformers' ``grouped_mm``
+  implementation op for op) under ``bik.enable()``, which puts its
   grouped products on ``bik.grouped_matmul`` and its sums, SiLU and sort on bik;
 * ``hf grouped_mm``: the same code stock (torch's ``_grouped_mm``: not batch-invariant);
 * ``hf eager``: transformers' loop over the experts hit (``index_add_`` per expert), stock;
@@ -86,7 +86,7 @@ def _vllm_call(x, ids, weights, w13, w2):
 
 
 def _one(experts: int, k: int, tokens: int, dtype, rounds: int) -> dict:
-    from bik.integrations.vllm.moe import experts_grouped_mm
+    from bik.moe import experts as experts_grouped_mm
 
     gen = torch.Generator().manual_seed(experts * 131 + tokens)
     w13 = (torch.randn(experts, 2 * INTERMEDIATE, HIDDEN, generator=gen) / HIDDEN**0.5).to(dtype)
