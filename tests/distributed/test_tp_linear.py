@@ -132,3 +132,20 @@ def test_a_shared_world_reports_each_scenario(tmp_path):
     assert run.failed == "control_fails_on_the_last_rank"
     assert run.message.startswith("rank 1: ") and "rank 1 of 2 fails on purpose" in run.message
     assert run.not_run() == ["control_never_reached"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_equals_one_device(world, in_world):
+    """bik.distributed.expert_parallel_experts: experts over 2 and 4 ranks = bik.moe.experts
+    on one device (docs/design.md, "Mixture of experts")."""
+    in_world(world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stock_expert_parallel_differs_from_one_device(world, in_world):
+    in_world(world)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_expert_parallel_refuses_on_every_rank(world, in_world):
+    in_world(world)

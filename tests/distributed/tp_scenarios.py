@@ -339,6 +339,78 @@ def vocab_parallel_sample_refuses_on_every_rank(rank, world):
 
 # ---- the runner's own control (tests/distributed/test_tp_linear.py) -------------------------
 
+def _moe_inputs(dtype, seed, experts=16, top_k=4, tokens=13, hidden=64, inter=32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    probs = torch.softmax(torch.randn(tokens, experts, generator=g), -1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    ids[0] = torch.arange(top_k)  # token 0's experts all on rank 0's shard
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
+    return x, ids, weights.to(dtype), w13, w2
+
+
+def _expert_shard(t, rank, world):
+    per = t.shape[0] // world
+    return t[rank * per:(rank + 1) * per]
+
+
+def expert_parallel_equals_one_device(rank, world):
+    """Experts sharded over the ranks give bik.moe.experts on one device, fp32 and bf16, with
+    every token's experts on one rank (token 0) or spread; then a batch whose pairs all land on
+    rank 0's experts (the other ranks' blocks empty)."""
+    import bik.moe
+    from bik.distributed import expert_parallel_experts
+
+    with bik.enabled(), torch.no_grad():
+        for dtype, seed in ((torch.float32, 1), (torch.bfloat16, 2)):
+            x, ids, weights, w13, w2 = _moe_inputs(dtype, seed)
+            want = bik.moe.experts(x, ids, weights, w13, w2)
+            got = expert_parallel_experts(x, ids, weights, _expert_shard(w13, rank, world),
+                                          _expert_shard(w2, rank, world), experts=16)
+            assert _bits_equal(got, want), (dtype, rank)
+        ids = ids % (16 // world)  # every pair on rank 0's experts
+        got = expert_parallel_experts(x, ids, weights, _expert_shard(w13, rank, world),
+                                      _expert_shard(w2, rank, world), experts=16)
+        assert _bits_equal(got, bik.moe.experts(x, ids, weights, w13, w2))
+
+
+def stock_expert_parallel_differs_from_one_device(rank, world):
+    """The usual combine (each rank's experts weighted and summed per token, the partials
+    all-reduced) measured against one device: some token's bits differ (fp32, 4 of 16 experts
+    a token)."""
+    import bik.moe
+
+    with bik.enabled(), torch.no_grad():
+        x, ids, weights, w13, w2 = _moe_inputs(torch.float32, 3)
+        want = bik.moe.experts(x, ids, weights, w13, w2)
+        per = 16 // world
+        partial = torch.zeros_like(x)
+        for slot in range(ids.shape[1]):
+            for t in range(x.shape[0]):
+                e = int(ids[t, slot])
+                if e // per == rank:
+                    rows = bik.moe.expert_rows(x[t:t + 1], torch.tensor(
+                        [0] * e + [1] * (16 - e), dtype=torch.int32), w13, w2)
+                    partial[t] += rows[0] * weights[t, slot]
+        dist.all_reduce(partial)
+    assert not _bits_equal(partial, want)
+
+
+def expert_parallel_refuses_on_every_rank(rank, world):
+    from bik.distributed import expert_parallel_experts
+
+    x, ids, weights, w13, w2 = _moe_inputs(torch.float32, 4)
+    _raises_everywhere(r"expert_parallel_experts: 15 experts do not split",
+                       lambda: expert_parallel_experts(x, ids, weights, w13[:7], w2[:7],
+                                                       experts=15))
+    mine = _expert_shard(w13, rank, world)[: 1 if rank else None]  # rank 1 holds one expert
+    _raises_everywhere(r"expert_parallel_experts: .*w13",
+                       lambda: expert_parallel_experts(x, ids, weights, mine,
+                                                       _expert_shard(w2, rank, world),
+                                                       experts=16))
+
+
 def control_passes(rank, world):
     dist.barrier()
 

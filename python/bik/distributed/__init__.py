@@ -1,5 +1,5 @@
-"""bik on torch.distributed process groups: tensor-parallel layers and a vocab-parallel sampler
-whose bits do not depend on the TP degree (docs/design.md, "Tensor parallelism"; docs/api.md, "bik.distributed").
+"""bik on torch.distributed process groups: tensor-parallel layers, a vocab-parallel sampler and
+expert-parallel mixture-of-experts layers whose bits do not depend on the number of ranks (docs/design.md, "Tensor parallelism"; docs/api.md, "bik.distributed").
 
 Every function here is a collective over ``group`` (default: the world): all ranks call it with
 matching arguments. Before any compute the ranks exchange a description of their inputs and
@@ -9,7 +9,8 @@ hang the others.
 """
 
 from bik.distributed.linear import column_parallel_linear, row_parallel_linear
+from bik.distributed.moe import expert_parallel_experts
 from bik.distributed.sampling import vocab_parallel_sample, vocab_parallel_verify_draft
 
-__all__ = ["column_parallel_linear", "row_parallel_linear", "vocab_parallel_sample",
-           "vocab_parallel_verify_draft"]
+__all__ = ["column_parallel_linear", "expert_parallel_experts", "row_parallel_linear",
+           "vocab_parallel_sample", "vocab_parallel_verify_draft"]
