@@ -2,13 +2,15 @@
 tests/vllm_plugin/test_vllm_moe.py run on it, a JSON line of results on stdout (a process per
 engine: the plugin is process-wide).
 
-    python tests/vllm_plugin/moe_case.py MODEL_DIR DTYPE [--chunked]
+    python tests/vllm_plugin/moe_case.py MODEL_DIR DTYPE [--chunked] [--ngram]
 
 The engine runs with logprobs_mode="processed_logprobs". Requests: REQUESTS prompts, each with
 its own temperature (0, 0.7 or 1.0) and seed. Results:
 
 * batch: each request alone against all of them in one batch: tokens and logprobs;
 * prefix: the first request again (its prompt's blocks now in the prefix cache);
+* digest: a hash of every request's tokens and logprobs in the batch (--ngram: with vLLM's
+  ngram speculation, which must change nothing);
 * trainer: every request's prompt + completion through transformers (the same directory,
   train mode, grad on, experts_implementation="grouped_mm", transformers' default) under
   bik.enable() when the plugin is on, stock when it is off; the log_softmax of the fp32 logits
@@ -84,12 +86,18 @@ def _trainer(model_dir: str, dtype: str, requests, outs) -> dict:
 def main() -> None:
     model_dir, dtype = sys.argv[1], sys.argv[2]
     chunked = "--chunked" in sys.argv
+    import hashlib
+    import json
+
     from vllm import LLM
 
     engine = {"max_model_len": 512, "enforce_eager": True, "seed": 0,
               "logprobs_mode": "processed_logprobs"}
     if chunked:
         engine |= {"enable_chunked_prefill": True, "max_num_batched_tokens": 32}
+    if "--ngram" in sys.argv:
+        engine["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     llm = LLM(model=model_dir, dtype=dtype, **engine)
     result = {"dtype": dtype, "bik": os.environ.get("BIK_VLLM", "")}
     alone = [_generate(llm, [r])[0] for r in REQUESTS]
@@ -100,6 +108,7 @@ def main() -> None:
         "requests": len(REQUESTS)}
     result["prefix"] = _generate(llm, REQUESTS[:1])[0] == alone[0]
     result["tokens"] = [a[1] for a in alone[:4]]
+    result["digest"] = hashlib.sha256(json.dumps([o[1:] for o in together]).encode()).hexdigest()
     result["trainer"] = _trainer(model_dir, dtype, REQUESTS, together)
     emit(result)
 
