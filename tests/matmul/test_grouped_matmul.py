@@ -85,7 +85,7 @@ def _inputs(gen, s, dtype, n=N, k=K):
 def test_rows_are_their_own_whatever_the_routing(target, dtype, gen):
     if target.small and dtype != torch.float32:
         pytest.skip("fp32 only in the interpreter (~1 ms a program)")
-    sizes = (1, 2, 17, 33) if target.small else (1, 2, 3, 16, 17, 64, 255, 512)
+    sizes = (1, 17, 33) if target.small else (1, 2, 3, 16, 17, 64, 255, 512)
     fn = _bik(target.backend)
     for s in sizes:
         a, b = (t.to(target.device) for t in _inputs(gen, s, dtype))
