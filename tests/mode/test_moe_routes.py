@@ -302,3 +302,29 @@ def test_bik_moe_is_the_transformers_code_op_for_op(family, dtype, gen):
 def test_bik_moe_refuses_a_family_it_has_not_transcribed():
     with pytest.raises(NotImplementedError, match="model_type 'qwen2_moe' is not served"):
         bik.moe.route("qwen2_moe", torch.zeros(1, 4), 2, renormalize=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+def test_bik_moe_ties_and_a_nan_token_stay_with_their_token(family, gen):
+    """Router ties go to the lowest expert id, alone as in a batch; a token whose router
+    logits are NaN gets NaN out (its weights are NaN; NaN counts as the largest score, so its
+    experts are the lowest ids), and every other token keeps the bits it has without it."""
+    block, args, logits_of = _family_block(family, torch.float32)
+    x = torch.randn(6, 64, generator=gen)
+    w13, w2 = block.experts.gate_up_proj, block.experts.down_proj
+    with torch.no_grad(), bik.enabled():
+        logits = logits_of(x)
+        logits[2] = 0.0  # every expert tied
+        weights, ids = bik.moe.route(family, logits, **args)
+        alone = bik.moe.route(family, logits[2:3], **args)
+        clean = bik.moe.experts(x, ids, weights, w13, w2)
+        logits[4] = float("nan")
+        nan_weights, nan_ids = bik.moe.route(family, logits, **args)
+        dirty = bik.moe.experts(x, nan_ids, nan_weights, w13, w2)
+    k = args["top_k"]
+    if family == "qwen3_moe":  # one group: the k lowest ids
+        assert ids[2].tolist() == list(range(k))
+    assert torch.equal(alone[1][0], ids[2]) and torch.equal(alone[0][0], weights[2])
+    assert dirty[4].isnan().all()
+    keep = [0, 1, 2, 3, 5]
+    assert torch.equal(nan_ids[keep], ids[keep]) and torch.equal(dirty[keep], clean[keep])
