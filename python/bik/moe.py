@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FAMILIES", "Pairs", "combine", "experts", "expert_rows", "route", "sort_pairs"]
+__all__ = ["FAMILIES", "Pairs", "combine", "expert_rows", "experts", "route", "sort_pairs"]
 
 
 # ---- routers: logits [T, E] -> (weights [T, k], ids [T, k]) --------------------------------------

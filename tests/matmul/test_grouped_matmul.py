@@ -46,12 +46,11 @@ def skewed_layouts(s: int) -> dict[str, list[int]]:
 def rows_alone_report(fn, a, b, sizes) -> list[tuple[int, int]]:
     """(group, row) of every row of fn(a, b, ends) whose bits differ from the row run alone as
     the one row of its group; rows past the last end must be zeros."""
-    _ends = lambda sizes: _ends_on(sizes, a.device)  # noqa: E731
-    out = fn(a, b, _ends(sizes))
+    out = fn(a, b, _ends_on(sizes, a.device))
     bad, start = [], 0
     for g, size in enumerate(sizes):
         for r in range(start, start + size):
-            alone = fn(a[r:r + 1], b, _ends([0] * g + [1] + [0] * (G - g - 1)))
+            alone = fn(a[r:r + 1], b, _ends_on([0] * g + [1] + [0] * (G - g - 1), a.device))
             if not same_bits(out[r], alone[0]):
                 bad.append((g, r))
         start += size

@@ -95,7 +95,8 @@ def _runner(**changes):
 
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
-        UnquantizedFusedMoEMethod)
+        UnquantizedFusedMoEMethod,
+    )
 
     routed = dict(quant_method=UnquantizedFusedMoEMethod.__new__(UnquantizedFusedMoEMethod),
                   expert_map=None, activation=MoEActivation.SILU,

@@ -61,7 +61,8 @@ def _refusal(runner) -> str | None:
     """Why bik cannot serve this layer (None: it can)."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
-        UnquantizedFusedMoEMethod)
+        UnquantizedFusedMoEMethod,
+    )
 
     routed = runner.routed_experts
     checks = (
