@@ -283,8 +283,9 @@ def _family_block(family: str, dtype: torch.dtype):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
 def test_bik_moe_is_the_transformers_code_op_for_op(family, dtype, gen):
     """bik.moe.route + bik.moe.experts (what vLLM's plugin runs) give the bits of the family's
-    own router and grouped_mm experts under bik.enable(), for 1 and 9 tokens; and a token's
-    output alone equals its row among 9."""
+    own router and grouped_mm experts under bik.enable(), for 1 and 9 tokens, with the experts'
+    weights as they are or packed once (PackedExperts); a token's output alone equals its row
+    among 9."""
     block, args, logits_of = _family_block(family, dtype)
     x = torch.randn(9, 64, generator=gen).to(dtype)
     with torch.no_grad(), bik.enabled():
@@ -295,8 +296,12 @@ def test_bik_moe_is_the_transformers_code_op_for_op(family, dtype, gen):
                               block.experts.down_proj)
         one = bik.moe.experts(x[3:4], ids[3:4], weights[3:4], block.experts.gate_up_proj,
                               block.experts.down_proj)
+        packed = bik.moe.experts(x, ids, weights, block.experts.gate_up_proj,
+                                 block.experts.down_proj, bik.moe.PackedExperts(
+                                     block.experts.gate_up_proj, block.experts.down_proj))
     assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
     assert torch.equal(got, want) and torch.equal(one[0], got[3])
+    assert torch.equal(packed, got)  # the experts packed once: the same bits
 
 
 def test_bik_moe_refuses_a_family_it_has_not_transcribed():

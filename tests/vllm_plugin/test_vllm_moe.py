@@ -159,3 +159,16 @@ def test_the_guard_counts_vllms_moe_kernel_where_its_experts_module_bound_it():
     cpu_moe.cpu_fused_moe(out, x, w13, w2, None, None, torch.ones(3, 1),
                           torch.zeros(3, 1, dtype=torch.int32), "silu", "vec", False)
     assert guard.UNROUTED["cpu_fused_moe"] == before + 1 and out.isfinite().all()
+
+
+def test_a_weight_update_drops_the_packed_experts():
+    """vLLM writes an update into the old tensors (no version counter moves), so the packs
+    made at the first forward are dropped by the plugin's repack after every reload; the next
+    forward packs the new weights."""
+    import torch
+    from bik.integrations.vllm import linear
+
+    model = torch.nn.Sequential(torch.nn.Module(), torch.nn.Module())
+    model[0]._bik_packs = "packed experts"
+    assert linear.repack(model) == 1 and model[0]._bik_packs is None
+    assert linear.repack(model) == 0

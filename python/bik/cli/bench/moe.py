@@ -9,6 +9,8 @@ the same routing:
 * ``bik``: the vLLM plugin's experts (``bik.moe.experts``: transformers' ``grouped_mm``
   implementation op for op) under ``bik.enable()``, which puts its
   grouped products on ``bik.grouped_matmul`` and its sums, SiLU and sort on bik;
+* ``bik packed``: the same with each expert's weights packed once for bik's CPU kernel
+  (``bik.moe.PackedExperts``, the same bits): what the plugin runs;
 * ``hf grouped_mm``: the same code stock (torch's ``_grouped_mm``: not batch-invariant);
 * ``hf eager``: transformers' loop over the experts hit (``index_add_`` per expert), stock;
 * ``vllm``: ``cpu_fused_moe`` on weights packed by vLLM's own prepack (where vllm is
@@ -16,7 +18,7 @@ the same routing:
 
 Each call's time is the median of ROUNDS interleaved rounds (p20 / p80 kept, noisy rows
 flagged); ratios are to ``vllm`` where it ran, else to ``hf grouped_mm``. ``rows same``: bik's
-output for every token alone equals its row of the batch.
+output for every token alone equals its row of the batch, and the packed call's the unpacked.
 
 On a GPU (``--device cuda``, vLLM not involved) it times the grouped product itself at
 Qwen3-30B-A3B's real widths (128 experts top-8, hidden 2048, expert intermediate 768; the
@@ -86,6 +88,7 @@ def _vllm_call(x, ids, weights, w13, w2):
 
 
 def _one(experts: int, k: int, tokens: int, dtype, rounds: int) -> dict:
+    from bik.moe import PackedExperts
     from bik.moe import experts as experts_grouped_mm
 
     gen = torch.Generator().manual_seed(experts * 131 + tokens)
@@ -99,7 +102,10 @@ def _one(experts: int, k: int, tokens: int, dtype, rounds: int) -> dict:
     def on_bik():  # timed with bik.enable() on (switched outside the sample, as an engine
         return experts_grouped_mm(x, ids, weights, w13, w2)  # keeps it on)
 
-    fns = {"bik": on_bik, "hf grouped_mm": lambda: experts_grouped_mm(x, ids, weights, w13, w2),
+    packs = PackedExperts(w13, w2)
+    fns = {"bik": on_bik,
+           "bik packed": lambda: experts_grouped_mm(x, ids, weights, w13, w2, packs),
+           "hf grouped_mm": lambda: experts_grouped_mm(x, ids, weights, w13, w2),
            "hf eager": lambda: _eager(x, ids, weights, w13, w2)}
     vllm = _vllm_call(x, ids, weights, w13, w2)
     if vllm is not None:
@@ -109,7 +115,7 @@ def _one(experts: int, k: int, tokens: int, dtype, rounds: int) -> dict:
     for r in range(-1, rounds):  # round -1: warm-up
         for i in range(len(names)):
             name = names[(i + r) % len(names)]
-            with bik.enabled() if name == "bik" else _nothing():
+            with bik.enabled() if name.startswith("bik") else _nothing():
                 ms = _sample_ms(fns[name])
             if r >= 0:
                 samples[name].append(ms)
@@ -117,12 +123,14 @@ def _one(experts: int, k: int, tokens: int, dtype, rounds: int) -> dict:
     base = "vllm" if "vllm" in times else "hf grouped_mm"
     with bik.enabled():
         batch = on_bik()
+        packed_same = torch.equal(fns["bik packed"](), batch)
         alone = [experts_grouped_mm(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], w13, w2)
                  for t in range(min(tokens, 16))]
     rec = {"op": "moe experts", "experts": experts, "top_k": k, "tokens": tokens,
            "hidden": HIDDEN, "intermediate": INTERMEDIATE, "dtype": dtype_name(dtype),
            "rounds": rounds, "baseline": base, "noisy": noisy(*times.values()),
-           "bik_rows_identical": all(torch.equal(a[0], batch[t]) for t, a in enumerate(alone))}
+           "bik_rows_identical": packed_same and all(torch.equal(a[0], batch[t])
+                                                     for t, a in enumerate(alone))}
     for name, t in times.items():
         rec[f"{name}_ms"] = t
         rec[f"{name}_vs_{base}"] = t["p50"] / times[base]["p50"]
@@ -193,7 +201,8 @@ def render(records: list[dict], console: Console) -> None:
     table = Table(title=f"MoE experts on the CPU ({records[0]['dtype']}), hidden {HIDDEN}, "
                         f"intermediate {INTERMEDIATE}; median of {records[0]['rounds']} "
                         f"interleaved rounds, time vs {base}")
-    calls = [c for c in ("bik", "hf grouped_mm", "hf eager", "vllm") if f"{c}_ms" in records[0]]
+    calls = [c for c in ("bik", "bik packed", "hf grouped_mm", "hf eager", "vllm")
+             if f"{c}_ms" in records[0]]
     for col in ("experts", "top-k", "tokens", f"{base} ms", *calls, "rows same", ""):
         table.add_column(col, justify="right")
     for r in records:
@@ -211,7 +220,7 @@ def plot(records: list[dict], plt, path: str) -> None:
     fig, axes = plt.subplots(1, len(LAYOUTS), figsize=(10, 4), squeeze=False)
     for ax, (experts, k) in zip(axes[0], LAYOUTS):
         rows = [r for r in records if (r["experts"], r["top_k"]) == (experts, k)]
-        for call in ("bik", "hf grouped_mm", "hf eager", "vllm"):
+        for call in ("bik", "bik packed", "hf grouped_mm", "hf eager", "vllm"):
             if rows and f"{call}_ms" in rows[0]:
                 ax.plot([r["tokens"] for r in rows], [r[f"{call}_ms"]["p50"] for r in rows],
                         marker="o", label=call)

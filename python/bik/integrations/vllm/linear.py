@@ -124,11 +124,13 @@ def repack(model: torch.nn.Module) -> int:
     after an update of the embedding). Returns how many layers it packed."""
     # A weight on meta is mid-way through vLLM's layerwise reload; the layer's processing,
     # which reruns once it is loaded, packs it.
+    from bik.integrations.vllm import moe
+
     layers = [m for m in model.modules()
               if hasattr(getattr(m, "cpu_linear", None), "packed") and not m.weight.is_meta]
     for layer in layers:
         layer.cpu_linear = _packed_linear(layer.weight, layer.cpu_linear.handle)
-    return len(layers)
+    return len(layers) + moe.forget_packs(model)  # MoE layers pack at their next forward
 
 
 _RELOADING = [False]  # inside reload_weights, whose own wrapper repacks at the end

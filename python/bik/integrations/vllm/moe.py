@@ -18,7 +18,9 @@ tiles follow the batch. Here, for the model families ``bik.moe.FAMILIES`` (the v
 * the routed scaling factor is the Hugging Face router's (inside the weights), so the runner's
   own scaling of the output is skipped for a layer served here;
 * the experts' weights stay as loaded (``[E, 2I, H]`` gate then up, ``[E, H, I]``): vLLM's CPU
-  repacking for ``cpu_fused_moe`` is skipped.
+  repacking for ``cpu_fused_moe`` is skipped; bik packs each expert once for its own CPU
+  kernel at the first forward (``bik.moe.PackedExperts``, the same bits), again after every
+  weight update.
 
 bik.moe's torch code runs under ``bik.enable()`` (the plugin turns it on), which routes its
 softmax, topk, sort, sigmoid, sums, SiLU and grouped products to bik, exactly as it does for
@@ -34,7 +36,7 @@ import functools
 
 from bik import moe as bik_moe
 
-__all__ = ["CALLS", "install"]
+__all__ = ["CALLS", "forget_packs", "install"]
 
 CALLS = [0]  # MoE layers computed on bik in this process
 
@@ -108,6 +110,28 @@ def _on_bik(runner):
     return router
 
 
+def _packs(runner):
+    """The layer's experts packed once (bik.moe.PackedExperts: the same bits, no per-call
+    packing), made at the first forward after a load; forget_packs drops them after a weight
+    update, which vLLM writes into the old tensors."""
+    routed = runner.routed_experts
+    if not bik_moe.PackedExperts.serves(routed.w13_weight):
+        return None
+    packs = getattr(runner, "_bik_packs", None)
+    if packs is None:
+        packs = runner._bik_packs = bik_moe.PackedExperts(routed.w13_weight, routed.w2_weight)
+    return packs
+
+
+def forget_packs(model) -> int:
+    """Drops every MoE layer's packed experts (after a weight update: the next forward packs
+    the new weights). Returns how many layers had them."""
+    runners = [m for m in model.modules() if getattr(m, "_bik_packs", None) is not None]
+    for runner in runners:
+        runner._bik_packs = None
+    return len(runners)
+
+
 def _patch_runner(runner_cls) -> None:
     from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
 
@@ -125,7 +149,7 @@ def _patch_runner(runner_cls) -> None:
         weights, ids = router(self, router_logits)
         routed = self.routed_experts
         out = bik_moe.experts(hidden_states, ids, weights, routed.w13_weight,
-                              routed.w2_weight)
+                              routed.w2_weight, _packs(self))
         if shared_experts_overlapping:
             self._shared_experts.wait()
         CALLS[0] += 1
