@@ -217,8 +217,9 @@ def plot(records: list[dict], plt, path: str) -> None:
     if records and records[0]["op"] == "grouped product":
         raise SystemExit("bik bench moe: --plot is for the CPU records")
     base = records[0]["baseline"]
-    fig, axes = plt.subplots(1, len(LAYOUTS), figsize=(10, 4), squeeze=False)
-    for ax, (experts, k) in zip(axes[0], LAYOUTS):
+    layouts = list(dict.fromkeys((r["experts"], r["top_k"]) for r in records))
+    fig, axes = plt.subplots(1, len(layouts), figsize=(5 * len(layouts), 4), squeeze=False)
+    for ax, (experts, k) in zip(axes[0], layouts):
         rows = [r for r in records if (r["experts"], r["top_k"]) == (experts, k)]
         for call in ("bik", "bik packed", "hf grouped_mm", "hf eager", "vllm"):
             if rows and f"{call}_ms" in rows[0]:
