@@ -2,6 +2,7 @@
 
 Public API (see docs/api.md):
     bik.matmul, bik.linear, bik.bmm, bik.rms_norm  -- the ops (also torch.ops.bik.*)
+    bik.grouped_matmul                               -- a mixture of experts' grouped product
     bik.softmax, bik.log_softmax, bik.mean           -- row reductions (also torch.ops.bik.*)
     bik.attention, bik.attention_varlen              -- fixed-split attention (paged KV, GQA)
     bik.plan_attention, bik.plan_attention_varlen    -- one step's checks, once (host metadata)
@@ -11,6 +12,7 @@ Public API (see docs/api.md):
                                                         eager and torch.compile)
     bik.enable / bik.disable / bik.enabled           -- the same at the dispatcher, every thread
     bik.testing                                      -- the invariance harness
+    bik.moe (import it)                              -- MoE layers as transformers computes them
 """
 
 from bik.fingerprint import Fingerprint, fingerprint
