@@ -172,3 +172,26 @@ def test_a_weight_update_drops_the_packed_experts():
     model[0]._bik_packs = "packed experts"
     assert linear.repack(model) == 1 and model[0]._bik_packs is None
     assert linear.repack(model) == 0
+
+
+def test_a_model_that_ignores_tied_embeddings_is_refused():
+    """vllm 0.32's glm4_moe does not tie its LM head: a tied checkpoint would run with a head
+    it never wrote (measured: stock vLLM against transformers, every logprob off by up to
+    5.9). The plugin refuses it after load, naming the class; a tied head passes."""
+    import torch
+    from bik.integrations.vllm.linear import check_tied_head
+    from transformers import Glm4MoeConfig
+
+    class Model(torch.nn.Module):
+        def __init__(self, tie: bool):
+            super().__init__()
+            self.config = Glm4MoeConfig(tie_word_embeddings=True)
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = torch.nn.Embedding(8, 4)
+            self.lm_head = torch.nn.Linear(4, 8, bias=False)
+            if tie:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    check_tied_head(Model(tie=True))
+    with pytest.raises(NotImplementedError, match="Model does not tie its LM head"):
+        check_tied_head(Model(tie=False))

@@ -170,10 +170,28 @@ def _watch_loads(model: torch.nn.Module) -> None:
     model.load_weights = load_and_repack
 
 
+def check_tied_head(model: torch.nn.Module) -> None:
+    """A checkpoint that says tie_word_embeddings holds no LM head of its own: a vLLM model
+    class that does not tie (measured: vllm 0.32's glm4_moe) runs with an LM head the
+    checkpoint never wrote, silently. Refused, naming the class."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
+    if getattr(text, "tie_word_embeddings", False) and isinstance(head, torch.Tensor) and \
+            isinstance(embed, torch.Tensor) and head.data_ptr() != embed.data_ptr():
+        raise NotImplementedError(
+            f"bik.integrations.vllm: {type(model).__name__} does not tie its LM head to the "
+            f"embedding, though the checkpoint says tie_word_embeddings: vLLM would run it "
+            f"with an LM head the checkpoint does not hold; unset BIK_VLLM or untie the "
+            f"checkpoint")
+
+
 def _after_load_model(load_model):
     @functools.wraps(load_model)
     def load_and_watch(self, *args, **kwargs):
         load_model(self, *args, **kwargs)
+        check_tied_head(self.get_model())
         _watch_loads(self.get_model())
 
     load_and_watch.bik_wrapped = True
