@@ -101,6 +101,14 @@ def test_grouped_mm_leaves_other_layouts_and_torchs_errors_to_torch(gen):
             assert [_stock_error(call) for call in calls] == stock
 
 
+def _logits_alone_vs_batched(model, ids) -> list[bool]:
+    """Per sequence of ``ids``: its logits alone equal its row of the batch's, bit for bit."""
+    with torch.no_grad():
+        batched = model(ids).logits
+        return [torch.equal(model(ids[i:i + 1]).logits[0], batched[i])
+                for i in range(ids.shape[0])]
+
+
 def _tiny_qwen3_moe(experts: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -130,16 +138,11 @@ def test_hf_moe_logits_alone_equal_batched_under_enable(experts, dtype):
     assert model.config._experts_implementation == experts
     ids = torch.randint(0, 256, (6, 3), generator=torch.Generator().manual_seed(1))
 
-    def alone_vs_batched() -> list[bool]:
-        with torch.no_grad():
-            batched = model(ids).logits
-            return [torch.equal(model(ids[i:i + 1]).logits[0], batched[i]) for i in range(6)]
-
     if dtype == torch.float32:
-        assert not all(alone_vs_batched())  # stock
+        assert not all(_logits_alone_vs_batched(model, ids))  # stock
     bik.reset_mode_stats()
     with bik.enabled():
-        assert all(alone_vs_batched())
+        assert all(_logits_alone_vs_batched(model, ids))
     stats = bik.mode_stats()
     # The eager loop's int64 sums (its expert mask) are exact and stay stock.
     assert set(stats.fallbacks) <= {"aten.sum.dim_IntList: dtype int64"}, stats.fallbacks
@@ -162,14 +165,14 @@ def test_hf_moe_input_gradients_are_each_sequences_own(experts):
         model(inputs_embeds=emb).logits.logsumexp(-1).sum().backward()
         return emb.grad
 
-    def alone_vs_batched() -> list[bool]:
+    def grads_alone_vs_batched() -> list[bool]:
         batched = grads(slice(0, 6))
         return [torch.equal(grads(slice(i, i + 1))[0], batched[i]) for i in range(6)]
 
-    assert not all(alone_vs_batched())  # stock
+    assert not all(grads_alone_vs_batched())  # stock
     bik.reset_mode_stats()
     with bik.enabled():
-        assert all(alone_vs_batched())
+        assert all(grads_alone_vs_batched())
     stats = bik.mode_stats()
     assert set(stats.fallbacks) <= {"aten.sum.dim_IntList: dtype int64"}, stats.fallbacks
 
@@ -229,15 +232,10 @@ def test_hf_glm4_moe_logits_alone_equal_batched_under_enable(experts, dtype):
     model = _tiny_glm4_moe(experts, dtype)
     ids = torch.randint(0, 256, (6, 5), generator=torch.Generator().manual_seed(1))
 
-    def alone_vs_batched() -> list[bool]:
-        with torch.no_grad():
-            batched = model(ids).logits
-            return [torch.equal(model(ids[i:i + 1]).logits[0], batched[i]) for i in range(6)]
-
-    stock = alone_vs_batched()
+    stock = _logits_alone_vs_batched(model, ids)
     bik.reset_mode_stats()
     with bik.enabled():
-        assert all(alone_vs_batched())
+        assert all(_logits_alone_vs_batched(model, ids))
     stats = bik.mode_stats()
     assert set(stats.fallbacks) <= {"aten.sum.dim_IntList: dtype int64"}, stats.fallbacks
     assert stats.routed.get("aten.sigmoid.default", 0) > 0

@@ -30,6 +30,19 @@ def quantiles_ms(samples_ms: list[float]) -> dict:
     return _quantiles(samples_ms)
 
 
+def median_call_ms(fn: Callable[[], object], budget_s: float = 0.05,
+                   max_calls: int = 25) -> float:
+    """One sample of an interleaved CPU bench: the median of at least 3 timed calls (as many as
+    ``budget_s`` allows, at most ``max_calls``), in milliseconds."""
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_calls and (len(times) < 3 or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def time_ms(fn: Callable[[], object], device: torch.device, *, budget_s: float = 0.25,
             max_reps: int = 50, calls_per_sample: int = 1) -> dict:
     """p20/p50/p80 of one call's time in milliseconds.

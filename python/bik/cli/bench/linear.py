@@ -18,7 +18,6 @@ other rows reuse one weight, which stays in cache.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -30,7 +29,7 @@ import bik
 import bik.configs
 from bik._dtypes import dtype_name
 from bik.cli.common import print_table
-from bik.cli.timing import noisy, quantiles_ms
+from bik.cli.timing import median_call_ms, noisy, quantiles_ms
 
 SMOLLM2 = ((1536, 576), (576, 1536))
 LLAMA = ((4096, 4096), (14336, 4096))
@@ -38,16 +37,6 @@ ROUNDS = 7
 # Decode reads every layer's weight once per step, from memory: the streamed rows cycle through
 # distinct weights of this many bytes in all (more than the machine's caches).
 STREAM_BYTES = 256 << 20
-
-
-def _median_call_ms(fn, budget_s: float = 0.05, max_calls: int = 25) -> float:
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < max_calls and (len(times) < 3 or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _one(n: int, k: int, m: int, dtype, rounds: int) -> dict:
@@ -65,7 +54,7 @@ def _one(n: int, k: int, m: int, dtype, rounds: int) -> dict:
     for r in range(rounds):
         for i in range(len(names)):
             name = names[(i + r) % len(names)]
-            samples[name].append(_median_call_ms(fns[name]))
+            samples[name].append(median_call_ms(fns[name]))
     times = {name: quantiles_ms(s) for name, s in samples.items()}
     out = bik.linear(x, weight)
     rows_same = bool(torch.equal(torch.cat([bik.linear(x[i:i + 1], weight) for i in range(m)]),

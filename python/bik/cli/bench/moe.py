@@ -30,7 +30,6 @@ against ``bik.matmul`` of the row alone.
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 
 import torch
@@ -41,21 +40,11 @@ from rich.table import Table
 import bik
 from bik._dtypes import dtype_name
 from bik.cli.common import print_table
-from bik.cli.timing import noisy, quantiles_ms
+from bik.cli.timing import median_call_ms, noisy, quantiles_ms
 
 HIDDEN, INTERMEDIATE = 512, 192  # Qwen3-30B-A3B's 2048 / 768, divided by 4
 LAYOUTS = ((8, 2), (64, 8))  # (experts, top-k)
 ROUNDS = 5
-
-
-def _sample_ms(fn, budget_s: float = 0.05, max_calls: int = 15) -> float:
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < max_calls and (len(times) < 3 or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _nothing():
@@ -116,7 +105,7 @@ def _one(experts: int, k: int, tokens: int, dtype, rounds: int) -> dict:
         for i in range(len(names)):
             name = names[(i + r) % len(names)]
             with bik.enabled() if name.startswith("bik") else _nothing():
-                ms = _sample_ms(fns[name])
+                ms = median_call_ms(fns[name], max_calls=15)
             if r >= 0:
                 samples[name].append(ms)
     times = {name: quantiles_ms(s) for name, s in samples.items()}
