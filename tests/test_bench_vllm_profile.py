@@ -41,3 +41,33 @@ def test_wrapped_entry_points_show_in_the_profile(monkeypatch):
     assert vllm_profile.group_of("vllm::unified_attention_with_output") == \
         "vLLM attention op (self)"
     assert vllm_profile.group_of("aten::copy_") == "other ops"
+
+
+def test_a_layer_inside_another_counts_in_its_own_group_alone(monkeypatch):
+    """The wall-clock view's groups are self times: a timed layer called inside another (a
+    shared expert's linears inside the MoE runner) is taken out of the outer one's group."""
+    import collections
+    import sys
+    import time
+    import types
+
+    fake = types.ModuleType("bik_fake_layers")
+
+    class Inner:
+        def forward(self):
+            time.sleep(0.05)
+
+    class Outer:
+        def run(self):
+            time.sleep(0.01)
+            Inner().forward()
+
+    fake.Inner, fake.Outer = Inner, Outer
+    monkeypatch.setitem(sys.modules, "bik_fake_layers", fake)
+    monkeypatch.setattr(vllm_profile, "LAYERS", (("bik_fake_layers", ("Outer",), "run", "outer"),
+                                                 ("bik_fake_layers", ("Inner",), "forward",
+                                                  "inner")))
+    spent = collections.Counter()
+    vllm_profile._time_layers(spent)
+    Outer().run()
+    assert spent["inner"] >= 0.05 and 0.01 <= spent["outer"] < 0.05

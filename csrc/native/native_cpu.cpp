@@ -14,7 +14,8 @@
 //   as a Python module's functions (PYBIND11_MODULE below), without the dispatcher.
 //
 // layers.h adds RMSNorm, paged attention and the KV cache write for the compiled mode's graphs
-// and the direct route; rope.h the vLLM plugin's RoPE.
+// and the direct route; rope.h the vLLM plugin's RoPE; moe.h bik.moe's experts and softmax
+// routers in one call each.
 //
 // Both run bik's fixed-order CPU matmul through the entry point bik._cpu_kernels runs (handed
 // over by address: one copy of the kernel in the process, c_abi.h), so the bits are the Python
@@ -373,6 +374,35 @@ Tensor compiled_bmm(const Tensor& a, const Tensor& b, std::optional<c10::ScalarT
   return op.call(a, b, out_dtype, "cpu");
 }
 
+// One product of rows a [M, k] (unit-stride or strided rows, bf16 on the dot path, else fp32)
+// with the panels at `panels` (bik.PackedWeight's: `split` and `dot` as packed) into c, rows of
+// ldc elements of c's dtype (bf16 rounded by the kernel as .to() rounds), + bias32 (fp32 [n]).
+void packed_product(const Tensor& a, int64_t panels, int64_t n, int64_t k, int64_t split,
+                    bool dot, void* c, bool c_bf16, int64_t ldc, const float* bias32,
+                    const char* who) {
+  BikMatmulF32Args args{};
+  args.a = a.const_data_ptr();
+  args.sam = a.stride(0);
+  args.sak = a.stride(1);
+  args.bias = bias32;
+  args.c = static_cast<float*>(c);
+  args.c_bf16 = c_bf16;
+  args.ldc = ldc;
+  args.M = a.size(0);
+  args.N = n;
+  args.K = k;
+  args.batch = 1;
+  args.split = split;
+  args.num_threads = at::get_num_threads();
+  args.b_bf16 = dot;
+  args.a_bf16 = dot;
+  args.bf16_amx = dot && g_bf16_amx;
+  args.fp32_fma = g_fp32_fma;
+  args.packed = reinterpret_cast<const void*>(panels);
+  const int rc = g_matmul(&args);
+  TORCH_CHECK(rc == 0, who, ": bik's CPU matmul kernel failed (code ", rc, ")");
+}
+
 // bik.PackedWeight's product (ops/matmul/packed.py) without its Python: rows of x [..., K] times
 // the panels at `panels` (packed for this process's CPU path, `split` and `dot` as packed: the
 // bf16 dot path's pair words for bf16 x, fp32 panels for fp32 x), + bias, rounded once to x's
@@ -395,33 +425,15 @@ std::optional<Tensor> packed_linear(const Tensor& x, const std::optional<Tensor>
   Tensor bias32;
   if (bias) bias32 = bias->to(at::kFloat).contiguous();
   Tensor out = at::detail::empty_cpu({rows, n}, dtype);  // bf16: rounded by the kernel
-  BikMatmulF32Args args{};
-  args.a = a.const_data_ptr();
-  args.sam = a.stride(0);
-  args.sak = a.stride(1);
-  args.bias = bias ? bias32.const_data_ptr<float>() : nullptr;
-  args.c = static_cast<float*>(out.mutable_data_ptr());
-  args.c_bf16 = dtype == at::kBFloat16;
-  args.ldc = n;
-  args.M = rows;
-  args.N = n;
-  args.K = k;
-  args.batch = 1;
-  args.split = split;
-  args.num_threads = at::get_num_threads();
-  args.b_bf16 = dot;
-  args.a_bf16 = dot;
-  args.bf16_amx = dot && g_bf16_amx;
-  args.fp32_fma = g_fp32_fma;
-  args.packed = reinterpret_cast<const void*>(panels);
-  const int rc = g_matmul(&args);
-  TORCH_CHECK(rc == 0, "bik.PackedWeight: bik's CPU matmul kernel failed (code ", rc, ")");
-  const Tensor& result = out;
-  if (x.dim() == 2) return result;
+  packed_product(a, panels, n, k, split, dot, out.mutable_data_ptr(), dtype == at::kBFloat16, n,
+                 bias ? bias32.const_data_ptr<float>() : nullptr, "bik.PackedWeight");
+  if (x.dim() == 2) return out;
   auto shape = x.sizes().vec();
   shape.back() = n;
-  return result.view(shape);
+  return out.view(shape);
 }
+
+#include "moe.h"  // bik.moe's layers, on the products, SiLU and reductions above
 
 // ---- control -----------------------------------------------------------------------------------
 
@@ -533,6 +545,10 @@ PYBIND11_MODULE(bik_native, m) {
   m.def("matmul", &compiled_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("bmm", &compiled_bmm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("packed_linear", &packed_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+  // bik.moe's experts and softmax routers in one call each (moe.h): None when not served.
+  m.def("moe_experts", &moe_experts, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("moe_route_softmax", &moe_route_softmax,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   // vLLM's RoPE formula in one call (rope.h; the vLLM plugin's rope.py): None when not served.
   m.def(
       "rope",

@@ -15,12 +15,19 @@ plugin serves FusedMoE with it (bik/integrations/vllm/moe.py), and
 
 from __future__ import annotations
 
+import collections
+import weakref
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FAMILIES", "Pairs", "combine", "expert_rows", "experts", "route", "sort_pairs"]
+__all__ = ["FAMILIES", "ONE_CALL", "Pairs", "PackedExperts", "combine", "expert_rows", "experts",
+           "route", "sort_pairs"]
+
+# Calls served by the one-call C++ route (csrc/native/moe.h), "router" and "experts", in this
+# process: the vLLM plugin reports them (its stats()), so a test can see the route served.
+ONE_CALL: collections.Counter = collections.Counter()
 
 
 # ---- routers: logits [T, E] -> (weights [T, k], ids [T, k]) --------------------------------------
@@ -76,6 +83,11 @@ FAMILIES = {"qwen3_moe": _softmax_top_k_cast, "mixtral": _softmax_top_k_fp32,
             "glm4_moe": _sigmoid_groups}
 
 
+# The softmax routers csrc/native/moe.h computes in one call: family -> whether the weights
+# are cast to the logits' dtype.
+_FUSED_SOFTMAX = {"qwen3_moe": True, "mixtral": False}
+
+
 def route(family: str, logits: torch.Tensor, top_k: int, *, renormalize: bool,
           n_group: int | None = None, topk_group: int | None = None,
           correction_bias: torch.Tensor | None = None, scaling: float = 1.0):
@@ -86,9 +98,34 @@ def route(family: str, logits: torch.Tensor, top_k: int, *, renormalize: bool,
     if family not in FAMILIES:
         raise NotImplementedError(f"bik.moe: mixture-of-experts model_type {family!r} is not "
                                   f"served (vetted: {', '.join(sorted(FAMILIES))})")
+    if family in _FUSED_SOFTMAX and (family != "mixtral" or renormalize):
+        module = _fused_module(logits)
+        routed = None if module is None else module.moe_route_softmax(
+            logits, top_k, renormalize, _FUSED_SOFTMAX[family])
+        if routed is not None:
+            ONE_CALL["router"] += 1
+            return routed
     return FAMILIES[family](logits, top_k, renormalize=renormalize, n_group=n_group,
                             topk_group=topk_group, correction_bias=correction_bias,
                             scaling=scaling)
+
+
+def _fused_module(*tensors: torch.Tensor):
+    """bik's C++ MoE functions (csrc/native/moe.h) where they give this module's torch code's
+    bits: under bik.enable() (theirs are the enabled code's), its C++ kernels loaded, nothing
+    traced and no autograd to record; None elsewhere. Each function also returns None for a
+    call it does not serve; the torch code then runs."""
+    from bik.mode import _enable
+
+    if not _enable.is_enabled() or torch.compiler.is_compiling():
+        return None
+    if any(t.device.type != "cpu" or (t.requires_grad and torch.is_grad_enabled())
+           for t in tensors):
+        return None
+    from bik.ops import _native
+    from bik.runtime import native_ext
+
+    return native_ext.module() if _native.ready() else None
 
 
 # ---- experts: transformers' grouped_mm implementation, in three steps -----------------------------
@@ -114,6 +151,14 @@ def sort_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
                  torch.cumsum(per_expert, dim=0, dtype=torch.int32))
 
 
+def _version(weight: torch.Tensor) -> int | None:
+    """The weight's version counter; None for an inference tensor, which keeps none."""
+    try:
+        return weight._version
+    except RuntimeError:
+        return None
+
+
 class PackedExperts:
     """Every expert's two weights packed once for the CPU kernel (``bik.PackedWeight``, whose
     product is ``bik.linear``'s bit for bit, and so a grouped product's row): the experts'
@@ -127,6 +172,30 @@ class PackedExperts:
 
         self.w13 = [bik.PackedWeight(w) for w in w13]
         self.w2 = [bik.PackedWeight(w) for w in w2]
+        # for the one-call route (csrc/native/moe.h): the panels' addresses, how they were
+        # packed, and the weights' versions (one counter per stacked tensor, its experts' views
+        # share it)
+        self._panels13 = torch.tensor([p._panels_ptr for p in self.w13], dtype=torch.int64)
+        self._panels2 = torch.tensor([p._panels_ptr for p in self.w2], dtype=torch.int64)
+        self._inter = w2.shape[-1]
+        self._splits = (self.w13[0]._split, self.w2[0]._split)
+        self._dot = self.w13[0]._dot
+        self._sources = [(weakref.ref(w), _version(w)) for w in (w13, w2)]
+
+    def fused(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """:func:`experts` with these packs in one C++ call (csrc/native/moe.h: the same
+        bits), or None where it does not serve (then the torch code runs)."""
+        module = _fused_module(x, weights)
+        if module is None:
+            return None
+        for source, version in self._sources:
+            weight = source()
+            if weight is not None and _version(weight) != version:
+                raise ValueError(f"bik.moe.PackedExperts: the experts' weights changed after "
+                                 f"packing (version {version} -> {_version(weight)}); pack "
+                                 f"them again")
+        return module.moe_experts(x, ids, weights, self._panels13, self._panels2, self._inter,
+                                  *self._splits, self._dot)
 
     @staticmethod
     def serves(w13: torch.Tensor) -> bool:
@@ -174,6 +243,10 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torc
     ids / weights [T, k] (the router's), w13 [E, 2I, H] (gate then up), w2 [E, H, I]; the
     result [T, H] in x's dtype. ``packed``: w13 and w2 packed (:class:`PackedExperts`; the
     CPU, fp32 / bf16), the same bits, faster at decode sizes."""
+    fused = None if packed is None else packed.fused(x, ids, weights)
+    if fused is not None:
+        ONE_CALL["experts"] += 1
+        return fused
     pairs = sort_pairs(x, ids, weights, w13.shape[0])
     rows = expert_rows(pairs.selected, pairs.ends, w13, w2, packed)
     return combine(rows, pairs, x.shape[0], x.dtype)

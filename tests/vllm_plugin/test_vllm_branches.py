@@ -305,21 +305,21 @@ def test_rope_in_one_call_is_vllms_forward_native(monkeypatch, dtype, neox, rota
 
 
 def test_the_profiles_layer_timers_wrap_vllms_layers(monkeypatch):
-    """`bik bench vllm --profile`'s wall-clock view times each LAYERS class's forward: every
-    class exists in the pinned vLLM, and a wrapped forward adds its time to its group."""
+    """`bik bench vllm --profile`'s wall-clock view times each LAYERS class's method: every
+    class and method exists in the pinned vLLM, and a wrapped one adds its time to its group."""
     import collections
     import importlib
 
     from bik.cli.bench import vllm_profile
 
-    classes = [(importlib.import_module(m), n, g) for m, names, g in vllm_profile.LAYERS
-               for n in names]
-    for mod, name, _ in classes:
-        monkeypatch.setattr(getattr(mod, name), "forward", getattr(mod, name).forward)
+    classes = [(importlib.import_module(m), n, method, g)
+               for m, names, method, g in vllm_profile.LAYERS for n in names]
+    for mod, name, method, _ in classes:
+        monkeypatch.setattr(getattr(mod, name), method, getattr(getattr(mod, name), method))
     spent = collections.Counter()
     vllm_profile._time_layers(spent)
-    mod, name, group = classes[0]
-    assert getattr(mod, name).forward.__wrapped__ is not None
+    mod, name, method, group = classes[0]
+    assert getattr(getattr(mod, name), method).__wrapped__ is not None
     with pytest.raises(TypeError):  # called without a layer: the error passes through, timed
-        getattr(mod, name).forward()
+        getattr(getattr(mod, name), method)()
     assert spent[group] > 0 and set(spent) == {group}

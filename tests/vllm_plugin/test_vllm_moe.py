@@ -3,7 +3,7 @@
 with seeds, processed logprobs: alone == batched, the prefix cache changing nothing, and a
 Hugging Face trainer (train mode, bik.enable(), transformers' default grouped_mm experts)
 computing the engine's logprob for every sampled token, one sequence per forward, right-padded
-and packed. Control, measured: stock vLLM against the stock trainer differs.
+and packed; the engine's layers on bik.moe's one-call C++ route where it serves. Control, measured: stock vLLM against the stock trainer differs.
 
 CI runs Qwen3-MoE in fp32 and bf16 and the GLM-4.5-style model in fp32, an engine per
 (model, dtype); `make test-all` (BIK_TEST_FULL=1) adds Mixtral, GLM in bf16, and chunked
@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 import pytest
+from bik.runtime import cpu_ext
 from case_io import run_case
 
 vllm = pytest.importorskip("vllm")
@@ -68,6 +69,12 @@ def test_moe_engine_is_invariant_and_the_trainers_logprobs_are_its_own(models, f
     assert _trainer_equals_engine(trainer), trainer
     stats = got["stats"]
     assert stats["moe_calls"] > 0 and stats["unrouted"] == {}, stats
+    # the layers ran on bik.moe's one-call route (csrc/native/moe.h): its packed experts serve
+    # fp32 and bf16 on the bf16 dot path; its routers the softmax families
+    one_call = stats["moe_one_call"]
+    if dtype == "float32" or cpu_ext.bf16_dot():
+        assert one_call.get("experts", 0) > 0, stats
+    assert (one_call.get("router", 0) > 0) == (family != "glm4_moe"), stats
 
 
 @pytest.mark.skipif(not FULL, reason="make test-all: chunked prefill and ngram speculation")

