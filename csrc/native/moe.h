@@ -1,4 +1,4 @@
-// bik.moe's experts and softmax routers (bik/moe.py) in one C++ call each, for the vLLM plugin's
+// bik.moe's experts and softmax routers (bik/moe/) in one C++ call each, for the vLLM plugin's
 // mixture-of-experts layers. bik.moe is torch code that bik.enable() makes batch-invariant by
 // routing its ops; at decode sizes that is ~15 Python-routed calls a layer around a few µs of
 // products (bik bench vllm --profile). These functions make the same aten and kernel calls, in

@@ -331,3 +331,41 @@ def test_bik_moe_ties_and_a_nan_token_stay_with_their_token(family, gen):
     assert dirty[4].isnan().all()
     keep = [0, 1, 2, 3, 5]
     assert torch.equal(nan_ids[keep], ids[keep]) and torch.equal(dirty[keep], clean[keep])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
+def test_bik_moe_transcribes_transformers_other_experts_implementations(implementation, dtype,
+                                                                        gen):
+    """bik.moe.experts(implementation=...) gives the bits of the GLM-4.5-style block's experts
+    set to that implementation (top-3: eager's expert-id order and per-add rounding differ from
+    grouped_mm's slot sum, measured here), with the weights as they are or packed (eager)."""
+    gate_up_down = {}
+    x = torch.randn(9, 64, generator=gen).to(dtype)
+    for impl in ("grouped_mm", implementation):
+        block = _tiny_glm4_moe(impl, dtype).model.layers[0].mlp
+        with torch.no_grad(), bik.enabled():
+            _, weights, ids = block.gate(x)
+            gate_up_down[impl] = block.experts(x, ids, weights)
+    w13, w2 = block.experts.gate_up_proj, block.experts.down_proj
+    with torch.no_grad(), bik.enabled():
+        got = bik.moe.experts(x, ids, weights, w13, w2, implementation=implementation)
+        packed = bik.moe.experts(x, ids, weights, w13, w2, bik.moe.PackedExperts(w13, w2),
+                                 implementation=implementation)
+    assert torch.equal(got, gate_up_down[implementation]) and torch.equal(packed, got)
+    if implementation == "eager":  # the control: another implementation, other bits
+        assert not torch.equal(gate_up_down["eager"], gate_up_down["grouped_mm"])
+
+
+def test_the_experts_implementation_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("BIK_MOE_EXPERTS", "")
+    assert bik.moe.experts_implementation() == "grouped_mm"
+    monkeypatch.setenv("BIK_MOE_EXPERTS", "eager")
+    assert bik.moe.experts_implementation() == "eager"
+    monkeypatch.setenv("BIK_MOE_EXPERTS", "grouped")
+    with pytest.raises(ValueError, match="BIK_MOE_EXPERTS='grouped'; expected one of"):
+        bik.moe.experts_implementation()
+    with pytest.raises(ValueError, match="implementation 'fused'"):
+        bik.moe.experts(torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.long),
+                        torch.ones(1, 1), torch.zeros(1, 2, 4), torch.zeros(1, 4, 1),
+                        implementation="fused")

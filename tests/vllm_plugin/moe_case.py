@@ -2,7 +2,7 @@
 tests/vllm_plugin/test_vllm_moe.py run on it, a JSON line of results on stdout (a process per
 engine: the plugin is process-wide).
 
-    python tests/vllm_plugin/moe_case.py MODEL_DIR DTYPE [--chunked] [--ngram]
+    python tests/vllm_plugin/moe_case.py MODEL_DIR DTYPE [--chunked] [--ngram] [--experts IMPL]
 
 The engine runs with logprobs_mode="processed_logprobs". Requests: REQUESTS prompts, each with
 its own temperature (0, 0.7 or 1.0) and seed. Results:
@@ -12,11 +12,13 @@ its own temperature (0, 0.7 or 1.0) and seed. Results:
 * digest: a hash of every request's tokens and logprobs in the batch (--ngram: with vLLM's
   ngram speculation, which must change nothing);
 * trainer: every request's prompt + completion through transformers (the same directory,
-  train mode, grad on, experts_implementation="grouped_mm", transformers' default) under
+  train mode, grad on, experts_implementation="grouped_mm", transformers' default, or IMPL
+  with --experts, the engine then run with BIK_MOE_EXPERTS=IMPL by the test) under
   bik.enable() when the plugin is on, stock when it is off; the log_softmax of the fp32 logits
   divided by the request's T (T > 0) at the sampled tokens, one sequence per forward
   ("alone"), right-padded ("padded") and packed into one row ("packed"), compared exactly with
-  the engine's logprobs.
+  the engine's logprobs;
+* trainer_grouped_mm (with --experts): the same with a grouped_mm trainer, the control.
 """
 
 from __future__ import annotations
@@ -50,12 +52,12 @@ def _generate(llm, requests):
             for o in outs]
 
 
-def _trainer(model_dir: str, dtype: str, requests, outs) -> dict:
+def _trainer(model_dir: str, dtype: str, requests, outs, experts: str = "grouped_mm") -> dict:
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype), experts_implementation="grouped_mm")
+        model_dir, dtype=getattr(torch, dtype), experts_implementation=experts)
     model.train()
     seqs = [prompt + tokens for prompt, tokens, _ in outs]
     width = max(map(len, seqs))
@@ -109,7 +111,11 @@ def main() -> None:
     result["prefix"] = _generate(llm, REQUESTS[:1])[0] == alone[0]
     result["tokens"] = [a[1] for a in alone[:4]]
     result["digest"] = hashlib.sha256(json.dumps([o[1:] for o in together]).encode()).hexdigest()
-    result["trainer"] = _trainer(model_dir, dtype, REQUESTS, together)
+    experts = sys.argv[sys.argv.index("--experts") + 1] if "--experts" in sys.argv else \
+        "grouped_mm"
+    result["trainer"] = _trainer(model_dir, dtype, REQUESTS, together, experts)
+    if experts != "grouped_mm":
+        result["trainer_grouped_mm"] = _trainer(model_dir, dtype, REQUESTS, together)
     emit(result)
 
 

@@ -8,7 +8,9 @@ and packed; the engine's layers on bik.moe's one-call C++ route where it serves.
 CI runs Qwen3-MoE in fp32 and bf16 and the GLM-4.5-style model in fp32, an engine per
 (model, dtype); `make test-all` (BIK_TEST_FULL=1) adds Mixtral, GLM in bf16, and chunked
 prefill and ngram speculation on Qwen3-MoE (every token and logprob of the batch unchanged;
-measured once by hand: 10 drafts verified, none accepted on random weights). Then, in-process: the layers bik refuses, and the guard counting a call of vLLM's
+measured once by hand: 10 drafts verified, none accepted on random weights). An engine told the
+trainer's experts implementation (BIK_MOE_EXPERTS): GLM fp32 with eager in CI, GLM bf16 eager
+and Qwen3-MoE bf16 batched_mm in `make test-all`. Then, in-process: the layers bik refuses, and the guard counting a call of vLLM's
 own MoE kernel through the name its experts module bound.
 """
 
@@ -47,12 +49,14 @@ def models(tmp_path_factory):
 
 
 def _run(model_dir: str, dtype: str, *, plugin: bool, chunked: bool = False,
-         ngram: bool = False) -> dict:
+         ngram: bool = False, experts: str | None = None) -> dict:
     env = os.environ | {"BIK_VLLM": "1" if plugin else "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                        "BIK_MOE_EXPERTS": experts or ""}
     return run_case(CASE, [model_dir, dtype] + (["--chunked"] if chunked else []) +
-                    (["--ngram"] if ngram else []), env)
+                    (["--ngram"] if ngram else []) +
+                    (["--experts", experts] if experts else []), env)
 
 
 def _trainer_equals_engine(trainer: dict) -> bool:
@@ -75,6 +79,28 @@ def test_moe_engine_is_invariant_and_the_trainers_logprobs_are_its_own(models, f
     if dtype == "float32" or cpu_ext.bf16_dot():
         assert one_call.get("experts", 0) > 0, stats
     assert (one_call.get("router", 0) > 0) == (family != "glm4_moe"), stats
+
+
+# (family, dtype, the trainer's experts implementation): CI runs GLM's top-3 in fp32 with the
+# eager loop, whose sum (expert-id order, a rounding per add) differs from grouped_mm's slot sum
+# from 3 slots on; make test-all adds bf16 and batched_mm.
+OTHER_EXPERTS = [("glm4_moe", "float32", "eager")]
+if FULL:
+    OTHER_EXPERTS += [("glm4_moe", "bfloat16", "eager"), ("qwen3_moe", "bfloat16", "batched_mm")]
+
+
+@pytest.mark.parametrize("family, dtype, experts", OTHER_EXPERTS)
+def test_an_engine_told_the_trainers_experts_implementation_gives_its_logprobs(
+        models, family, dtype, experts):
+    """BIK_MOE_EXPERTS=eager / batched_mm: the engine computes that implementation, and a
+    trainer running it gets the engine's logprobs; a grouped_mm trainer against the eager
+    engine is the control (measured to differ: the sums round elsewhere)."""
+    got = _run(models(family), dtype, plugin=True, experts=experts)
+    assert got["batch"]["tokens_differ"] == 0 and got["batch"]["logprobs_differ"] == 0, got
+    assert _trainer_equals_engine(got["trainer"]), got["trainer"]
+    if experts == "eager":
+        assert not _trainer_equals_engine(got["trainer_grouped_mm"]), got["trainer_grouped_mm"]
+    assert got["stats"]["moe_calls"] > 0 and got["stats"]["unrouted"] == {}, got["stats"]
 
 
 @pytest.mark.skipif(not FULL, reason="make test-all: chunked prefill and ngram speculation")

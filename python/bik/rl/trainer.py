@@ -106,14 +106,18 @@ class Trainer:
     def __init__(self, model_dir: str, dtype: str, lr: float):
         import transformers
 
+        from bik import moe
+
         self.model_dir = model_dir
-        self.master = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
-                                                                        dtype=torch.float32)
+        # a mixture of experts' experts as the engine computes them (BIK_MOE_EXPERTS)
+        load = dict(experts_implementation=moe.experts_implementation())
+        self.master = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, **load)
         self.dtype = DTYPES[dtype]
         self.model = self.master
         if self.dtype != torch.float32:
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
-                                                                           dtype=self.dtype)
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=self.dtype, **load)
             self._copy_masters()
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=lr)

@@ -14,7 +14,9 @@ tiles follow the batch. Here, for the model families ``bik.moe.FAMILIES`` (the v
   transformers' default experts implementation, ``grouped_mm``, does
   (:func:`bik.moe.experts`): pairs
   sorted by expert, two grouped products (``bik.grouped_matmul`` through ``bik.enable()``),
-  SiLU times up, the outputs weighted and summed per token over the top-k slots in slot order;
+  SiLU times up, the outputs weighted and summed per token over the top-k slots in slot order
+  (``BIK_MOE_EXPERTS=eager`` or ``batched_mm``: that implementation instead, for a trainer
+  that runs it);
 * the routed scaling factor is the Hugging Face router's (inside the weights), so the runner's
   own scaling of the output is skipped for a layer served here;
 * the experts' weights stay as loaded (``[E, 2I, H]`` gate then up, ``[E, H, I]``): vLLM's CPU
@@ -141,6 +143,7 @@ def _patch_runner(runner_cls) -> None:
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self._bik_family = _family_of_this_model()
+        self._bik_experts = bik_moe.experts_implementation()  # the trainer's (BIK_MOE_EXPERTS)
 
     def _apply_quant_method(self, hidden_states, router_logits, shared_experts_input,
                             input_ids=None, shared_experts_overlapping=False):
@@ -148,8 +151,10 @@ def _patch_runner(runner_cls) -> None:
         self._maybe_apply_shared_experts(shared_experts_input, SharedExpertsOrder.NO_OVERLAP)
         weights, ids = router(self, router_logits)
         routed = self.routed_experts
+        implementation = self._bik_experts
+        packs = None if implementation == "batched_mm" else _packs(self)  # bmm's products
         out = bik_moe.experts(hidden_states, ids, weights, routed.w13_weight,
-                              routed.w2_weight, _packs(self))
+                              routed.w2_weight, packs, implementation)
         if shared_experts_overlapping:
             self._shared_experts.wait()
         CALLS[0] += 1
