@@ -106,6 +106,14 @@ cpu_ext = Pybind11Extension(
 )
 
 
+def _env():
+    """python/bik/_env.py (bik's one parser of boolean BIK_* variables) loaded by path."""
+    spec = importlib.util.spec_from_file_location("_bik_env", "python/bik/_env.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _cuda_aot():
     """python/bik/runtime/cuda_aot.py loaded by path: the build environment has no torch."""
     spec = importlib.util.spec_from_file_location("_bik_cuda_aot",
@@ -139,7 +147,7 @@ class BuildPyWithCuda(build_py):
             native.mkdir(parents=True)
             for src in (*sorted(Path("csrc/native").glob("*.[ch]*")), Path("csrc/cpu/c_abi.h")):
                 shutil.copy2(src, native / src.name)
-        if os.environ.get("BIK_BUILD_CUDA", "0") not in ("", "0"):
+        if _env().flag("BIK_BUILD_CUDA"):
             aot = _cuda_aot()
             # configs.py imports torch, which the build has not: its tile literal is read as is.
             defines = aot.read_literal(Path("python/bik/configs.py"), "CUDA_DEFINES")
@@ -150,7 +158,7 @@ class BuildPyWithCuda(build_py):
 # BIK_BUILD_CPU_EXT=0: install without building the extension. The vLLM venv (Makefile) uses the
 # one `make venv` built in place (python/bik, same Python ABI): its editable install would
 # otherwise rebuild it into the same path while the main venv's tests have it loaded.
-_BUILD_CPU_EXT = os.environ.get("BIK_BUILD_CPU_EXT", "1") != "0"
+_BUILD_CPU_EXT = _env().flag("BIK_BUILD_CPU_EXT", True)
 
 setup(ext_modules=[cpu_ext] if _BUILD_CPU_EXT else [],
       cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithCuda})

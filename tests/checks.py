@@ -7,6 +7,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
+from bik._env import flag
 
 __all__ = ["ACCURACY_FLOOR", "ACCURACY_RATIO", "DTYPES", "EVERY_M", "FULL", "GPU_M_MAX",
            "accuracy_bound", "alone_rows", "assert_invariant", "bits_equal",
@@ -17,7 +18,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # BIK_TEST_FULL=1 (`make test-all`): a sweep sized for CI runs at its full size. A sized-down
 # sweep keeps every claim in CI (each case it drops repeats one it keeps, at another size).
-FULL = os.environ.get("BIK_TEST_FULL", "") == "1"
+FULL = flag("BIK_TEST_FULL")
 
 # Accuracy against fp64: bik's max error may be at most RATIO x the error of an independent
 # implementation in the same dtype (torch on the CPU) plus FLOOR x eps(dtype) x scale. The

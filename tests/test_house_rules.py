@@ -29,7 +29,7 @@ PKG = Path(bik.__file__).resolve().parent
 
 # Lower layers may be imported by higher ones, never the reverse.
 LAYERS = [
-    ("bik._arch", "bik._dtypes", "bik._cpu_kernels"),
+    ("bik._arch", "bik._dtypes", "bik._cpu_kernels", "bik._env"),
     ("bik.configs", "bik.runtime"),
     ("bik.ops._registry", "bik.ops._checks", "bik.ops._pointwise", "bik.ops._define",
      "bik.ops._call", "bik.ops._native", "bik.ops._normaliser", "bik.ops._normaliser_triton"),

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from bik._dtypes import info
+from bik._env import flag
 
 __all__ = [
     "CUDA_ATTENTION_HEAD_DIMS",
@@ -426,7 +427,7 @@ _CUDA_MATMUL_TILE_SM90A = {
 
 def cuda_sm90a_matmul_enabled() -> bool:
     """True when the environment asks for the sm_90a matmul (``BIK_CUDA_SM90A=1``)."""
-    return os.environ.get(SM90A_MATMUL_ENV, "") == "1"
+    return flag(SM90A_MATMUL_ENV)
 CUDA_ATTENTION_HEAD_DIMS = (64, 128)
 # The head dims the Triton attention kernel is launched for (D is a compile-time block).
 TRITON_ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)

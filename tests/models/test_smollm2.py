@@ -9,11 +9,11 @@ there a missing checkpoint fails instead of skipping. Bounded: 4 chat prompts x 
 from __future__ import annotations
 
 import json
-import os
 
 import bik
 import pytest
 import torch
+from bik._env import flag
 from bik.runtime import cpu_ext
 from bik.testing.generate import alone_vs_left_padded
 from checks import FULL
@@ -33,7 +33,7 @@ def checkpoint():
     try:
         return smollm2.prepare(quiet=True)
     except FileNotFoundError as exc:
-        if os.environ.get("BIK_REQUIRE_CHECKPOINT"):
+        if flag("BIK_REQUIRE_CHECKPOINT"):
             raise
         pytest.skip(str(exc))
 

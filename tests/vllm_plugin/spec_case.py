@@ -22,6 +22,8 @@ import os
 import sys
 import tempfile
 import time
+
+from bik._env import flag
 from pathlib import Path
 
 from case_io import emit
@@ -33,7 +35,7 @@ PROMPTS = [LONG, "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,",
            "def fib(n):\n    if n < 2:\n        return n\n",
            "The quick brown fox jumps over the lazy dog. The quick brown fox"]
 # BIK_TEST_FULL=1 (`make test-all`) decodes 24 tokens a request; CI 12 (as vllm_case.py).
-NEW_TOKENS = 24 if os.environ.get("BIK_TEST_FULL", "") == "1" else 12
+NEW_TOKENS = 24 if flag("BIK_TEST_FULL") else 12
 # (prompt index, temperature, seed, top_p)
 REQUESTS = [(0, 0.0, None, 1.0), (1, 0.8, 7, 1.0), (2, 1.0, 11, 0.9), (3, 0.8, 13, 1.0),
             (0, 0.8, 17, 1.0), (3, 0.0, None, 1.0)]

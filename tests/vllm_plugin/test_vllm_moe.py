@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 import pytest
+from bik._env import flag
 from bik.runtime import cpu_ext
 from case_io import run_case
 
@@ -27,7 +28,7 @@ vllm = pytest.importorskip("vllm")
 
 CASE = Path(__file__).with_name("moe_case.py")
 BATCHES = ("alone", "padded", "packed")
-FULL = os.environ.get("BIK_TEST_FULL", "") == "1"
+FULL = flag("BIK_TEST_FULL")
 SERVED = [("qwen3_moe", "float32"), ("qwen3_moe", "bfloat16"), ("glm4_moe", "float32")]
 if FULL:
     SERVED += [("glm4_moe", "bfloat16"), ("mixtral", "float32"), ("mixtral", "bfloat16")]

@@ -36,6 +36,8 @@ import itertools
 import os
 import sys
 
+from bik._env import flag
+
 from case_io import emit
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
@@ -46,7 +48,7 @@ LONG = ("Here is a story about a lighthouse keeper who counted the ships that pa
 # BIK_TEST_FULL=1 (`make test-all`) decodes 24 tokens per request; CI 12: the steps past 12 are
 # more decode steps of the same kind (every context already past the 130 tokens where stock
 # vLLM's attention split moves), and decode steps are most of an engine's time here.
-NEW_TOKENS = 24 if os.environ.get("BIK_TEST_FULL", "") == "1" else 12
+NEW_TOKENS = 24 if flag("BIK_TEST_FULL") else 12
 
 
 def _outputs(llm, prompts, params):

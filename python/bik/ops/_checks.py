@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from bik._dtypes import SUPPORTED_DTYPES, dtype_name
+from bik._env import flag
 
 FP32_MAX = torch.finfo(torch.float32).max  # eps is used in fp32
 
 # BIK_DEBUG_CHECKS=1: the ops check device data (lengths, pages, slots, sampling parameters)
 # even when the caller passed host metadata, and check that metadata against it. Each such
 # check reads from the device, so this is for debugging, not for CUDA graph capture.
-_DEBUG_CHECKS = os.environ.get("BIK_DEBUG_CHECKS", "") not in ("", "0")
+_DEBUG_CHECKS = flag("BIK_DEBUG_CHECKS")
 
 
 def debug_checks() -> bool:

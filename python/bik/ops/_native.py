@@ -13,7 +13,6 @@ what it was traced with).
 from __future__ import annotations
 
 import functools
-import os
 import re
 import threading
 import warnings
@@ -21,6 +20,7 @@ import warnings
 import torch
 
 from bik import configs
+from bik._env import flag
 from bik.ops._checks import debug_checks
 from bik.ops._define import DECLARED
 from bik.runtime import native_ext, cpu_ext
@@ -30,7 +30,7 @@ from bik.runtime import native_ext, cpu_ext
 def ready() -> bool:
     """True when the C++ kernels can serve (loaded, unless ``BIK_ENABLE_NATIVE=0``). The first
     call may build them (about 15 s, once per environment); a failed build warns once."""
-    return os.environ.get("BIK_ENABLE_NATIVE", "1") != "0" and _load()
+    return flag("BIK_ENABLE_NATIVE", True) and _load()
 
 
 _lock = threading.Lock()  # enable() and a compile trace in another thread may both ask first
@@ -113,7 +113,7 @@ def _loaded(split_rule: bool = True) -> bool:
     launcher's bits or errors: the extension's entry points (which a caller may have unloaded;
     then the launcher raises the build hint) and, for the products (``split_rule``), the split
     rule they loaded with (``BIK_MATMUL_SPLIT`` may change it since)."""
-    return (_loaded_rule is not None and os.environ.get("BIK_ENABLE_NATIVE", "1") != "0"
+    return (_loaded_rule is not None and flag("BIK_ENABLE_NATIVE", True)
             and cpu_ext.available()
             and (not split_rule or _loaded_rule == configs.matmul_split_rule()))
 

