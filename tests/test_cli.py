@@ -277,6 +277,16 @@ BAD_ARGS = [
     (["bench", "matmul", "--backend", "gpu"], 2, "invalid choice: 'gpu'"),
     (["bench", "dvr", "--backend", "cpu"], 1, "--backend does not apply to this bench"),
     (["demo", "--device", "meta"], 1, "--device must be cpu or cuda, got 'meta'"),
+    # issue 50: each was a 15-line traceback, or (--seed -1) vLLM's "no seed"
+    (["rl", "--temperature", "0"], 2, "--temperature: must be finite and > 0"),
+    (["rl", "--top-p", "0"], 2, "top_p must be a finite number in (0.0, 1.0], got 0.0"),
+    (["rl", "--top-k", "-1"], 2, "--top-k: must be >= 0"),
+    (["rl", "--min-p", "0.1"], 2, "min_p=0.1 is refused"),
+    (["rl", "--seed", "-1"], 2, "--seed: must be in [0, 2**64)"),
+    (["rl", "--seed", str(2**64)], 2, "--seed: must be in [0, 2**64)"),
+    (["rl", "--seed", str(2**64 - 2)], 2, "past 2**64 - 1"),
+    (["check", "--json", "/proc/version/x.json"], 2, "is not a writable directory"),
+    (["bench", "matmul", "--json", "/"], 2, "exists and is not a writable file"),
 ]
 
 
@@ -285,7 +295,8 @@ BAD_ARGS = [
 def test_bad_arguments_are_one_line_errors(argv, code, message, capsys):
     """Each of these was a traceback (or, for --requests 0, a silent empty run)."""
     with pytest.raises(SystemExit) as exit_:
-        main(argv)
+        if main(argv) == 2:  # a usage error found after parsing: printed, status returned
+            raise SystemExit(2)
     err = capsys.readouterr().err
     if code == 2:  # argparse: usage, then one line naming the argument
         assert exit_.value.code == 2 and message in err, err

@@ -19,21 +19,37 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.mark.parametrize("change, message", [
     ({"min_p": 0.1}, "min_p=0.1 is refused"),
-    ({"top_k": -2}, "top_k must be >= 0 and top_p in \\(0, 1\\], got top_k=-2"),
-    ({"top_p": 0.0}, "top_p=0.0"),
+    ({"min_p": float("nan")}, r"min_p must be a finite number in \[0.0, 1.0\], got nan"),
+    ({"top_k": -2}, "top_k must be an integer >= 0, got -2"),
+    ({"top_k": 2.5}, "top_k must be an integer >= 0, got 2.5"),
+    ({"top_p": 0.0}, r"top_p must be a finite number in \(0.0, 1.0\], got 0.0"),
     ({"engine_dtype": "bfloat16"}, "the engine's dtype bfloat16 is not the trainer's float32"),
     ({"dtype": "float16"}, "dtype must be float32 or bfloat16, got 'float16'"),
-    ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
+    ({"temperature": 0.0}, r"temperature must be a finite number in \(0.0, inf\], got 0.0"),
+    ({"temperature": float("inf")}, "temperature must be a finite number .* got inf"),
+    ({"steps": 0}, "steps must be an integer >= 1, got 0"),
+    ({"prompts": 0}, "prompts must be an integer >= 1, got 0"),
+    ({"group": 0}, "group must be an integer >= 1, got 0"),
+    ({"max_tokens": True}, "max_tokens must be an integer >= 1, got True"),
+    ({"lr": -1e-5}, r"lr must be a finite number in \[0.0, inf\], got -1e-05"),
+    ({"lr": float("nan")}, "lr must be a finite number .* got nan"),
+    ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+    ({"seed": 2**64 - 2}, "request seeds up to .* past 2\\*\\*64 - 1"),
 ])
 def test_rl_refuses_what_it_does_not_serve(change, message):
+    """Each field checked (issue 50: RLConfig accepted steps 0, a NaN lr, a NaN min-p, an
+    infinite temperature, a fractional top-k and a negative seed, which vLLM reads as none)."""
     with pytest.raises(ValueError, match=f"bik rl: .*{message}"):
         check_config(RLConfig(**change))
+    check_config(RLConfig(seed=2**64 - 1 - 1000 - 15, steps=2, prompts=4, group=4))  # the last
 
 
 def test_rl_names_both_fingerprints_when_they_differ():
     check_fingerprints("aaaa", ["aaaa"])
     with pytest.raises(RuntimeError, match="fingerprint bbbb is not the trainer's aaaa"):
         check_fingerprints("aaaa", ["aaaa", "bbbb"])
+    with pytest.raises(RuntimeError, match="reported no bik fingerprint"):
+        check_fingerprints("aaaa", [])
 
 
 def test_a_bad_weight_update_is_refused_naming_each_weight():

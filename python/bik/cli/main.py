@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bik.cli.common import positive_int
+from bik.cli.common import output_path, positive_int
 
 __all__ = ["main"]
 
@@ -28,8 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--ms", type=_ints, default=None,
                        help="comma-separated batch sizes (attention: decode batches)")
     bench.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
-    bench.add_argument("--json", metavar="PATH", help="write records as JSON")
-    bench.add_argument("--plot", metavar="PATH", help="PNG of torch time / bik time")
+    bench.add_argument("--json", metavar="PATH", type=output_path,
+                       help="write records as JSON")
+    bench.add_argument("--plot", metavar="PATH", type=output_path,
+                       help="PNG of torch time / bik time")
     bench.add_argument("--model", default=None, metavar="NAME",
                        help="dvr: 'smollm2', the real checkpoint (with HF generate alongside); "
                             "vllm: a Hugging Face directory (default SmolLM2)")
@@ -57,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="run the invariance harness on this device")
     check.add_argument("--device", default=None)
     check.add_argument("--quick", action="store_true", help="fewer shapes and batch sizes")
-    check.add_argument("--json", metavar="PATH", help="write the verdicts as JSON")
+    check.add_argument("--json", metavar="PATH", type=output_path,
+                       help="write the verdicts as JSON")
 
     from bik.cli.dvr import add_dvr_arguments
 

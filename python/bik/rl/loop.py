@@ -30,27 +30,57 @@ class RLConfig:
     min_p: float = 0.0  # refused: vLLM's min-p is its own torch code, which the trainer lacks
 
 
+SEED_LIMIT = 2**64  # request seeds are 64-bit, non-negative (bik's keys; vLLM's -1 is "none")
+
+
+def _whole(name: str, value, least: int) -> None:
+    if type(value) is not int or value < least:  # bool and float refused too
+        raise ValueError(f"bik rl: {name} must be an integer >= {least}, got {value!r}")
+
+
+def _real(name: str, value, *, low: float, high: float = math.inf, low_open: bool = False,
+          high_open: bool = False) -> None:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if low_open else value >= low)
+          and (value < high if high_open else value <= high))
+    if not ok:
+        bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"bik rl: {name} must be a finite number in {bounds}, got {value!r}")
+
+
 def check_config(cfg: RLConfig) -> None:
-    """ValueError naming what ``bik rl`` does not serve."""
+    """ValueError naming the first field ``bik rl`` cannot run with, and its value."""
+    for name in ("steps", "prompts", "group", "max_tokens"):
+        _whole(name, getattr(cfg, name), 1)
+    _whole("top_k", cfg.top_k, 0)
+    _whole("seed", cfg.seed, 0)
+    last = cfg.seed + 1000 * (cfg.steps - 1) + cfg.prompts * cfg.group - 1  # run()'s seeds
+    if last >= SEED_LIMIT:
+        raise ValueError(f"bik rl: seed {cfg.seed} gives request seeds up to {last}, past "
+                         f"2**64 - 1 (a request's seed is seed + 1000 * step + its index)")
+    _real("temperature", cfg.temperature, low=0.0, low_open=True)
+    _real("lr", cfg.lr, low=0.0)
+    _real("top_p", cfg.top_p, low=0.0, high=1.0, low_open=True)
+    _real("min_p", cfg.min_p, low=0.0, high=1.0)
     if cfg.min_p > 0.0:
         raise ValueError(f"bik rl: min_p={cfg.min_p} is refused (vLLM applies min-p with its own "
                          f"torch code before the draw, which the trainer does not replay); "
                          f"use top-k / top-p, or temperature only")
-    if cfg.top_k < 0 or not 0.0 < cfg.top_p <= 1.0:
-        raise ValueError(f"bik rl: top_k must be >= 0 and top_p in (0, 1], got top_k="
-                         f"{cfg.top_k}, top_p={cfg.top_p}")
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"bik rl: dtype must be float32 or bfloat16, got {cfg.dtype!r}")
     if cfg.engine_dtype not in (None, cfg.dtype):
         raise ValueError(f"bik rl: the engine's dtype {cfg.engine_dtype} is not the trainer's "
                          f"{cfg.dtype}: their logprobs would be of two models")
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"bik rl: dtype must be float32 or bfloat16, got {cfg.dtype!r}")
-    if not cfg.temperature > 0:
-        raise ValueError(f"bik rl: temperature must be > 0, got {cfg.temperature}")
+    if type(cfg.bik) is not bool:
+        raise ValueError(f"bik rl: bik must be True or False, got {cfg.bik!r}")
 
 
 def check_fingerprints(trainer_digest: str, engine_digests: list[str]) -> None:
     """RuntimeError naming both digests when an engine worker's bik is not the trainer's (other
-    kernels or tables: other bits)."""
+    kernels or tables: other bits), or when no worker reported one."""
+    if not engine_digests:
+        raise RuntimeError("bik rl: the engine reported no bik fingerprint (no worker answered): "
+                           "its bits cannot be checked against the trainer's")
     other = sorted({d for d in engine_digests if d != trainer_digest})
     if other:
         raise RuntimeError(f"bik rl: the engine's bik fingerprint {', '.join(other)} is not the "

