@@ -53,16 +53,23 @@ def test_rl_names_both_fingerprints_when_they_differ():
 
 
 def test_a_bad_weight_update_is_refused_naming_each_weight():
-    expected = {"a.weight": (torch.Size([2, 3]), torch.float32),
-                "b.weight": (torch.Size([4]), torch.float32)}
-    good = {"a.weight": torch.zeros(2, 3), "b.weight": torch.zeros(4)}
+    """Every offender is named (issue 50: only the first 5 were), NaN and inf refused (they
+    passed), and a bf16 tensor for an fp32 weight is an error, never a cast."""
+    expected = {f"w{i}": (torch.Size([2, 3]), torch.float32) for i in range(8)}
+    good = {f"w{i}": torch.zeros(2, 3) for i in range(8)}
     engine.check_update(good, expected)
-    bad = {"a.weight": torch.zeros(3, 2), "c.weight": torch.zeros(1)}
-    with pytest.raises(ValueError, match=r"unknown names \['c.weight'\], missing \['b.weight'\], "
-                                         r"wrong shape or dtype \['a.weight: \(3, 2\)"):
+    bad = {f"w{i}": torch.zeros(3, 2) for i in range(7)} | {"extra": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"nothing pushed \(9 offenders\): unknown names "
+                                         r"\['extra'\], missing \['w7'\], wrong shape or "
+                                         r"dtype \['w0: \(3, 2\).*'w6: \(3, 2\)"):
         engine.check_update(bad, expected)
-    with pytest.raises(ValueError, match=r"a.weight: \(2, 3\) torch.bfloat16"):
-        engine.check_update(good | {"a.weight": torch.zeros(2, 3, dtype=torch.bfloat16)},
+    with pytest.raises(ValueError, match=r"w1: \(2, 3\) torch.bfloat16, expected \(2, 3\) "
+                                         r"torch.float32"):
+        engine.check_update(good | {"w1": torch.zeros(2, 3, dtype=torch.bfloat16)}, expected)
+    nan = torch.zeros(2, 3)
+    nan[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN or inf in \['w2', 'w5'\]"):
+        engine.check_update(good | {"w2": nan, "w5": torch.full((2, 3), float("inf"))},
                             expected)
 
 

@@ -75,22 +75,35 @@ def sample(llm, prompts: list[list[int]], *, group: int, max_tokens: int, temper
 
 
 def check_update(named: dict[str, torch.Tensor], expected: dict[str, tuple[torch.Size, torch.dtype]]):
-    """ValueError naming every unknown name, missing name and wrong shape or dtype of a weight
-    update, before any of it reaches the engine (vLLM's loader would fail mid-way, leaving some
-    layers updated)."""
+    """ValueError naming every unknown name, missing name, tensor of the wrong shape or dtype
+    (a dtype is never cast: a bf16 tensor for an fp32 weight is an error) and tensor holding a
+    NaN or an infinity, before any of the update reaches the engine."""
     unknown = sorted(set(named) - set(expected))
     missing = sorted(set(expected) - set(named))
-    wrong = [f"{n}: {tuple(t.shape)} {t.dtype}, expected {tuple(expected[n][0])} "
-             f"{expected[n][1]}" for n, t in named.items()
-             if n in expected and (t.shape != expected[n][0] or t.dtype != expected[n][1])]
-    if unknown or missing or wrong:
-        raise ValueError(f"bik rl: bad weight update: unknown names {unknown[:5]}, missing "
-                         f"{missing[:5]}, wrong shape or dtype {wrong[:5]}")
+    wrong, non_finite = [], []
+    for n, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            wrong.append(f"{n}: a {type(t).__name__}, not a tensor")
+        elif n in expected and (t.shape != expected[n][0] or t.dtype != expected[n][1]):
+            wrong.append(f"{n}: {tuple(t.shape)} {t.dtype}, expected {tuple(expected[n][0])} "
+                         f"{expected[n][1]}")
+        elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            non_finite.append(n)
+    if unknown or missing or wrong or non_finite:
+        count = len(unknown) + len(missing) + len(wrong) + len(non_finite)
+        raise ValueError(f"bik rl: bad weight update, nothing pushed ({count} offenders): "
+                         f"unknown names {unknown}, missing {missing}, wrong shape or dtype "
+                         f"{wrong}, NaN or inf in {non_finite}")
 
 
-def push(llm, named: dict[str, torch.Tensor]) -> None:
-    """The trainer's weights (checkpoint names) into the running engine, then its prefix cache
-    emptied (cached KV was computed with the old weights)."""
+def push(llm, named: dict[str, torch.Tensor],
+         expected: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+    """The trainer's weights (checkpoint names) into the running engine, whole or not at all:
+    checked first against ``expected`` (the checkpoint's names, shapes and dtypes:
+    :func:`check_update`), then loaded (the plugin puts the previous weights back if vLLM's load
+    fails mid-way: bik/integrations/vllm/reload.py), then the prefix cache emptied (cached KV
+    was computed with the old weights)."""
+    check_update(named, expected)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named.items()),
                                                  "is_checkpoint_format": True})
     llm.reset_prefix_cache()

@@ -129,8 +129,7 @@ def run(cfg: RLConfig, model_dir: str, log=print) -> list[dict]:
         grad_digest, grad_norm = trainer.step(loss)
         t2 = time.perf_counter()
         updated = trainer.weights()
-        engine.check_update(updated, trainer.expected())
-        engine.push(llm, updated)
+        engine.push(llm, updated, trainer.expected())
         t3 = time.perf_counter()
         record = {"step": step + 1, "bik": cfg.bik, "dtype": cfg.dtype,
                   "reward_mean": sum(rewards) / len(rewards), "loss": float(loss.detach()),

@@ -140,9 +140,11 @@ _RELOADING = [False]  # inside reload_weights, whose own wrapper repacks at the 
 def _after_reload(reload_weights):
     @functools.wraps(reload_weights)
     def reload_and_repack(self, *args, **kwargs):
+        from bik.integrations.vllm.reload import whole_or_nothing
+
         _RELOADING[0] = True  # the model's load_weights inside it leaves the repack to here
-        try:
-            reload_weights(self, *args, **kwargs)
+        try:  # a failed load puts the previous weights back (reload.py)
+            whole_or_nothing(self.get_model(), lambda: reload_weights(self, *args, **kwargs))
         finally:
             _RELOADING[0] = False
         REPACKS[0] += repack(self.get_model())
