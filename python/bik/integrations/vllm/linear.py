@@ -137,14 +137,19 @@ def repack(model: torch.nn.Module) -> int:
 _RELOADING = [False]  # inside reload_weights, whose own wrapper repacks at the end
 
 
+def _count_repacks(model: torch.nn.Module) -> None:
+    REPACKS[0] += repack(model)
+
+
 def _after_reload(reload_weights):
     @functools.wraps(reload_weights)
     def reload_and_repack(self, *args, **kwargs):
         from bik.integrations.vllm.reload import whole_or_nothing
 
         _RELOADING[0] = True  # the model's load_weights inside it leaves the repack to here
-        try:  # a failed load puts the previous weights back (reload.py)
-            whole_or_nothing(self.get_model(), lambda: reload_weights(self, *args, **kwargs))
+        try:  # a failed load puts the previous weights back (reload.py), packed again
+            whole_or_nothing(self.get_model(), lambda: reload_weights(self, *args, **kwargs),
+                             lambda: _count_repacks(self.get_model()))
         finally:
             _RELOADING[0] = False
         REPACKS[0] += repack(self.get_model())

@@ -17,9 +17,10 @@ import torch
 __all__ = ["whole_or_nothing"]
 
 
-def whole_or_nothing(model: torch.nn.Module, load) -> None:
+def whole_or_nothing(model: torch.nn.Module, load, restored) -> None:
     """``load()`` (a reload of ``model``'s weights); on any exception the model is put back as
-    it was before, then the exception is raised again."""
+    it was before, ``restored()`` runs (the caller's repacking), then the exception is raised
+    again."""
     before = [(t, t.detach().clone()) for t in itertools.chain(model.parameters(),
                                                                model.buffers())
               if not t.is_meta]
@@ -27,13 +28,12 @@ def whole_or_nothing(model: torch.nn.Module, load) -> None:
         load()
     except BaseException:
         _restore(model, before)
+        restored()
         raise
 
 
 def _restore(model: torch.nn.Module, before) -> None:
     from vllm.model_executor.model_loader.reload import layerwise
-
-    from bik.integrations.vllm import linear
 
     for layer in model.modules():  # the layers the failed load left on meta
         info = layerwise.LAYERWISE_INFO.get(layer)
@@ -47,4 +47,3 @@ def _restore(model: torch.nn.Module, before) -> None:
     with torch.no_grad():
         for tensor, saved in before:
             tensor.copy_(saved)
-    linear.REPACKS[0] += linear.repack(model)
