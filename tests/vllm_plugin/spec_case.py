@@ -22,10 +22,9 @@ import os
 import sys
 import tempfile
 import time
-
-from bik._env import flag
 from pathlib import Path
 
+from bik._env import flag
 from case_io import emit
 
 LONG = ("Here is a story about a lighthouse keeper who counted the ships that passed each night "

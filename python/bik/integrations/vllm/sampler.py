@@ -50,6 +50,9 @@ class BikSampler(Sampler):
                                       f"is not served; use one of {_MODES}")
         super().__init__(logprobs_mode, use_fp64_gumbel)
         self.keys: tuple[torch.Tensor, torch.Tensor] | None = None
+        # rows of the calls since the caller reset it that had nothing to draw (token -1),
+        # given token 0: request_errors.py ends their requests
+        self.failed_rows: list[int] = []
 
     def sample(self, logits, sampling_metadata, logprobs_mode_override=None):
         md = sampling_metadata
@@ -74,10 +77,9 @@ class BikSampler(Sampler):
                          max_top_k=_max_top_k(top_k, logits.shape[-1]),
                          any_top_p=None if top_p is not None else False)
         CALLS[0] += 1
-        if logits.device.type == "cpu" and bool((out.tokens < 0).any()):
-            rows = (out.tokens < 0).nonzero().flatten().tolist()
-            raise RuntimeError(f"bik.integrations.vllm: rows {rows} of the batch have no finite "
-                               f"logit to sample from (NaN or inf in the model's logits)")
+        if logits.device.type == "cpu" and bool((bad := out.tokens < 0).any()):
+            self.failed_rows += bad.nonzero().flatten().tolist()
+            out = out._replace(tokens=out.tokens.masked_fill(bad, 0))
         mode = logprobs_mode_override or self.logprobs_mode
         if not mode.startswith("processed") or (md.max_num_logprobs is None
                                                 and not md.logprob_token_ids):
@@ -141,9 +143,17 @@ def keyed(sampler: BikSampler, keys):
 def _sample(original):
     @functools.wraps(original)
     def sample(self, logits, spec_decode_metadata):
-        # With speculation, the verifier (spec_verify.py) spreads these keys over its rows.
+        from bik.integrations.vllm import request_errors
+
+        # With speculation, the verifier (spec_verify.py) spreads these keys over its rows
+        # (and gives back its failed rows as the requests' indices).
+        self.sampler.failed_rows = []
         with keyed(self.sampler, _keys(self)):
-            return original(self, logits, spec_decode_metadata)
+            out = original(self, logits, spec_decode_metadata)
+        if self.sampler.failed_rows:
+            ids = self.input_batch.req_ids
+            request_errors.fail(self, [ids[r] for r in sorted(set(self.sampler.failed_rows))])
+        return out
 
     return sample
 

@@ -161,6 +161,8 @@ class BikRejectionSampler(RejectionSampler):
         seed, position = self.sampler.keys
         with keyed(self.sampler, (seed[req], position[req] + offset)):
             out = self.sampler(logits, _rows_metadata(sampling_metadata, req))
+        # a verify row with nothing to draw fails its request (request_errors.py)
+        self.sampler.failed_rows = sorted({int(req[r]) for r in self.sampler.failed_rows})
         target = out.sampled_token_ids[:, 0].cpu()
         draft = metadata.draft_token_ids.cpu().to(target.dtype)
         accepted = accepted_counts(draft, target, num_drafts, req, offset)
