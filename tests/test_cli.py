@@ -282,9 +282,9 @@ BAD_ARGS = [
     (["rl", "--top-p", "0"], 2, "top_p must be a finite number in (0.0, 1.0], got 0.0"),
     (["rl", "--top-k", "-1"], 2, "--top-k: must be >= 0"),
     (["rl", "--min-p", "0.1"], 2, "min_p=0.1 is refused"),
-    (["rl", "--seed", "-1"], 2, "--seed: must be in [0, 2**64)"),
-    (["rl", "--seed", str(2**64)], 2, "--seed: must be in [0, 2**64)"),
-    (["rl", "--seed", str(2**64 - 2)], 2, "past 2**64 - 1"),
+    (["rl", "--seed", "-1"], 2, "--seed: must be in [0, 2**63)"),
+    (["rl", "--seed", str(2**63)], 2, "--seed: must be in [0, 2**63)"),
+    (["rl", "--seed", str(2**63 - 2)], 2, "past 2**63 - 1"),
     (["check", "--json", "/proc/version/x.json"], 2, "is not a writable directory"),
     (["bench", "matmul", "--json", "/"], 2, "exists and is not a writable file"),
 ]

@@ -34,14 +34,14 @@ transformers = pytest.importorskip("transformers")
     ({"lr": -1e-5}, r"lr must be a finite number in \[0.0, inf\], got -1e-05"),
     ({"lr": float("nan")}, "lr must be a finite number .* got nan"),
     ({"seed": -1}, "seed must be an integer >= 0, got -1"),
-    ({"seed": 2**64 - 2}, "request seeds up to .* past 2\\*\\*64 - 1"),
+    ({"seed": 2**63 - 2}, "request seeds up to .* past 2\\*\\*63 - 1"),
 ])
 def test_rl_refuses_what_it_does_not_serve(change, message):
     """Each field checked (issue 50: RLConfig accepted steps 0, a NaN lr, a NaN min-p, an
     infinite temperature, a fractional top-k and a negative seed, which vLLM reads as none)."""
     with pytest.raises(ValueError, match=f"bik rl: .*{message}"):
         check_config(RLConfig(**change))
-    check_config(RLConfig(seed=2**64 - 1 - 1000 - 15, steps=2, prompts=4, group=4))  # the last
+    check_config(RLConfig(seed=2**63 - 1 - 1000 - 15, steps=2, prompts=4, group=4))  # the last
 
 
 def test_rl_names_both_fingerprints_when_they_differ():

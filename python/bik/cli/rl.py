@@ -34,7 +34,7 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
                    help="the engine's and the trainer forward's (masters stay fp32)")
     p.add_argument("--lr", type=non_negative_float, default=1e-5)
     p.add_argument("--seed", type=seed, default=0,
-                   help="request seeds are seed + 1000 * step + index, each in [0, 2**64)")
+                   help="request seeds are seed + 1000 * step + index, each in [0, 2**63)")
     p.add_argument("--top-k", type=non_negative_int, default=0,
                    help="the engine draws, the trainer learns, the filtered distribution")
     p.add_argument("--top-p", type=fraction, default=1.0, help="as --top-k")

@@ -30,7 +30,9 @@ class RLConfig:
     min_p: float = 0.0  # refused: vLLM's min-p is its own torch code, which the trainer lacks
 
 
-SEED_LIMIT = 2**64  # request seeds are 64-bit, non-negative (bik's keys; vLLM's -1 is "none")
+# request seeds are non-negative signed 64-bit integers: vLLM seeds a torch generator with them
+# (and reads -1 as "none"); the plugin refuses the rest (integrations/vllm/sampler.py)
+SEED_LIMIT = 2**63
 
 
 def _whole(name: str, value, least: int) -> None:
@@ -57,7 +59,7 @@ def check_config(cfg: RLConfig) -> None:
     last = cfg.seed + 1000 * (cfg.steps - 1) + cfg.prompts * cfg.group - 1  # run()'s seeds
     if last >= SEED_LIMIT:
         raise ValueError(f"bik rl: seed {cfg.seed} gives request seeds up to {last}, past "
-                         f"2**64 - 1 (a request's seed is seed + 1000 * step + its index)")
+                         f"2**63 - 1 (a request's seed is seed + 1000 * step + its index)")
     _real("temperature", cfg.temperature, low=0.0, low_open=True)
     _real("lr", cfg.lr, low=0.0)
     _real("top_p", cfg.top_p, low=0.0, high=1.0, low_open=True)

@@ -170,16 +170,19 @@ def _dummy_sampler_run(original):
     return run
 
 
-SEED_LIMIT = 2**64  # bik's keys take every 64-bit seed (ops/sampling/noise.seed_int64)
+# bik's keys take every 64-bit seed (ops/sampling/noise.seed_int64), but vLLM seeds a torch
+# generator with a request's seed in its step, which takes a signed 64-bit one: 2**63 and up
+# failed inside the step ("Overflow when unpacking long long", measured by tools/soak.py)
+SEED_LIMIT = 2**63
 
 
 def check_request_seed(seed) -> None:
-    """ValueError unless a request's seed is None or an int in [0, 2**64) (vLLM turns -1
+    """ValueError unless a request's seed is None or an int in [0, 2**63) (vLLM turns -1
     into None first). Checked when the SamplingParams are made, in the caller's thread: a seed
-    past 64 bits reaching the engine fails inside its step (stock vLLM-CPU wedges on 2**64)."""
+    outside reaching the engine fails inside its step (stock vLLM-CPU wedges on 2**64)."""
     if seed is not None and (type(seed) is not int or not 0 <= seed < SEED_LIMIT):
         raise ValueError(f"bik.integrations.vllm: a request's seed must be an int in "
-                         f"[0, 2**64), or None (-1) for none; got {seed!r}")
+                         f"[0, 2**63), or None (-1) for none; got {seed!r}")
 
 
 def _checked_seed(verify):
