@@ -12,6 +12,7 @@ processed logprob bit for bit.
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 
@@ -109,8 +110,11 @@ class Trainer:
         from bik import moe
 
         self.model_dir = model_dir
-        # a mixture of experts' experts as the engine computes them (BIK_MOE_EXPERTS)
-        load = dict(experts_implementation=moe.experts_implementation())
+        # a mixture of experts' experts as the engine computes them: BIK_MOE_EXPERTS when set
+        # (a dense model refuses any setting, in transformers' words), else transformers'
+        # default, grouped_mm, which is the engine's default too
+        load = ({"experts_implementation": moe.experts_implementation()}
+                if os.environ.get(moe.EXPERTS_ENV) else {})
         self.master = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, **load)
         self.dtype = DTYPES[dtype]
