@@ -44,8 +44,10 @@ def positive_float(text: str) -> float:
 def seed(text: str) -> int:
     """An argparse type: a request seed, an int in [0, 2**63) (vLLM reads -1 as no seed, and
     seeds a torch generator with it, which takes a signed 64-bit value)."""
+    from bik.rl.loop import SEED_LIMIT  # the one bound bik rl checks its config with
+
     value = int(text)
-    if not 0 <= value < 2**63:
+    if not 0 <= value < SEED_LIMIT:
         raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
     return value
 

@@ -8,16 +8,9 @@ import weakref
 import torch
 
 from bik.moe import one_call
+from bik.ops.matmul.packed import weight_version
 
 __all__ = ["PackedExperts"]
-
-
-def _version(weight: torch.Tensor) -> int | None:
-    """The weight's version counter; None for an inference tensor, which keeps none."""
-    try:
-        return weight._version
-    except RuntimeError:
-        return None
 
 
 class PackedExperts:
@@ -41,7 +34,7 @@ class PackedExperts:
         self._inter = w2.shape[-1]
         self._splits = (self.w13[0]._split, self.w2[0]._split)
         self._dot = self.w13[0]._dot
-        self._sources = [(weakref.ref(w), _version(w)) for w in (w13, w2)]
+        self._sources = [(weakref.ref(w), weight_version(w)) for w in (w13, w2)]
 
     def fused(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """:func:`experts` with these packs in one C++ call (csrc/native/moe.h: the same
@@ -51,9 +44,9 @@ class PackedExperts:
             return None
         for source, version in self._sources:
             weight = source()
-            if weight is not None and _version(weight) != version:
+            if weight is not None and weight_version(weight) != version:
                 raise ValueError(f"bik.moe.PackedExperts: the experts' weights changed after "
-                                 f"packing (version {version} -> {_version(weight)}); pack "
+                                 f"packing (version {version} -> {weight_version(weight)}); pack "
                                  f"them again")
         return module.moe_experts(x, ids, weights, self._panels13, self._panels2, self._inter,
                                   *self._splits, self._dot)

@@ -60,7 +60,7 @@ class PackedWeight:
         self._dot = weight.dtype == torch.bfloat16 and cpu_ext.bf16_dot()
         self._kernel = cpu_ext.bf16_kernel() or "fma"  # the AMX and dot kernels share panels
         self._source = weakref.ref(weight)
-        self._version = _version(weight)
+        self._version = weight_version(weight)
         if self._dot:  # pair words (int32 storage), each split's pairs from its start
             rows = ext.matmul_dot_pair_rows(k, self._split)
             self._panels = torch.zeros(math.ceil(n / nrw) * rows * nrw, dtype=torch.int32)
@@ -81,7 +81,7 @@ class PackedWeight:
 
     def _check_unchanged(self) -> None:
         weight = self._source()
-        if weight is not None and (now := _version(weight)) != self._version:
+        if weight is not None and (now := weight_version(weight)) != self._version:
             raise ValueError(f"{_OP}: the weight changed after packing (version {self._version} "
                              f"-> {now}); pack it again")
 
@@ -132,7 +132,7 @@ class PackedWeight:
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
-def _version(weight: torch.Tensor) -> int | None:
+def weight_version(weight: torch.Tensor) -> int | None:
     """The weight's version counter; None for an inference tensor, which keeps none (and cannot
     be changed in place outside inference mode)."""
     try:
